@@ -1,0 +1,148 @@
+"""A Llama-style decoder in Flax: RMSNorm, rotary embeddings, SwiGLU, grouped-query attention.
+
+The model is written as two modules, which is all a sharding library needs to know about it:
+`LlamaRoot` holds the non-repeated parameters (token embedding, final norm, output head) and has
+two methods, `embed(tokens) -> h` and `head(h) -> logits`; `LlamaBlock` is the repeated decoder
+layer, `h -> h`. Nothing here knows about devices, meshes or sharding.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int = 259
+    dim: int = 96
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    ffn_dim: int = 200
+    max_seq_len: int = 2048
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    init_std: float = 0.02
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def __post_init__(self):
+        if self.dim % self.n_heads or self.n_heads % self.n_kv_heads:
+            raise ValueError(f"dim {self.dim}, n_heads {self.n_heads}, n_kv_heads {self.n_kv_heads}: "
+                             "dim must divide by n_heads and n_heads by n_kv_heads")
+
+    def num_params(self) -> int:
+        d, f, v = self.dim, self.ffn_dim, self.vocab_size
+        kv = self.n_kv_heads * self.head_dim
+        block = 2 * d + d * d + 2 * d * kv + d * d + 3 * d * f
+        root = v * d + d + (0 if self.tie_embeddings else d * v)
+        return root + self.n_layers * block
+
+
+class RMSNorm(nn.Module):
+    eps: float = 1e-5
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],))
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def rotary(x, theta: float):
+    """Rotate pairs (i, i + hd/2) of each head by a position-dependent angle (the Llama/HF layout)."""
+    t, hd = x.shape[1], x.shape[-1]
+    inv_freq = 1.0 / theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd)
+    angles = jnp.arange(t, dtype=jnp.float32)[:, None] * inv_freq[None, :]  # (T, hd/2)
+    cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[None, :, None, :]
+    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[None, :, None, :]
+    x32 = x.astype(jnp.float32)
+    x1, x2 = x32[..., : hd // 2], x32[..., hd // 2:]
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return (x32 * cos + rotated * sin).astype(x.dtype)
+
+
+def _dense(features: int, name: str, std: float):
+    return nn.Dense(features, use_bias=False, name=name, kernel_init=nn.initializers.normal(std))
+
+
+class Attention(nn.Module):
+    cfg: LlamaConfig
+
+    @nn.compact
+    def __call__(self, x):
+        c = self.cfg
+        b, t, _ = x.shape
+        hd = c.head_dim
+        q = _dense(c.n_heads * hd, "wq", c.init_std)(x).reshape(b, t, c.n_heads, hd)
+        k = _dense(c.n_kv_heads * hd, "wk", c.init_std)(x).reshape(b, t, c.n_kv_heads, hd)
+        v = _dense(c.n_kv_heads * hd, "wv", c.init_std)(x).reshape(b, t, c.n_kv_heads, hd)
+        q, k = rotary(q, c.rope_theta), rotary(k, c.rope_theta)
+        group = c.n_heads // c.n_kv_heads
+        k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / jnp.sqrt(hd)
+        causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+        scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        out = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, c.n_heads * hd)
+        return _dense(c.dim, "wo", c.init_std)(out)
+
+
+class FeedForward(nn.Module):
+    cfg: LlamaConfig
+
+    @nn.compact
+    def __call__(self, x):
+        c = self.cfg
+        gate = _dense(c.ffn_dim, "w1", c.init_std)(x)
+        up = _dense(c.ffn_dim, "w3", c.init_std)(x)
+        return _dense(c.dim, "w2", c.init_std)(nn.silu(gate) * up)
+
+
+class LlamaBlock(nn.Module):
+    """One decoder layer: the FSDP unit."""
+    cfg: LlamaConfig
+
+    @nn.compact
+    def __call__(self, x):
+        c = self.cfg
+        x = x + Attention(c, name="attention")(RMSNorm(c.norm_eps, name="attention_norm")(x))
+        return x + FeedForward(c, name="feed_forward")(RMSNorm(c.norm_eps, name="ffn_norm")(x))
+
+
+class LlamaRoot(nn.Module):
+    """The non-repeated parameters: token embedding, final norm and output head (tied or not)."""
+    cfg: LlamaConfig
+
+    def setup(self):
+        c = self.cfg
+        self.tok_embeddings = nn.Embed(c.vocab_size, c.dim, embedding_init=nn.initializers.normal(c.init_std))
+        self.norm = RMSNorm(c.norm_eps)
+        if not c.tie_embeddings:
+            self.output = _dense(c.vocab_size, "output", c.init_std)
+
+    def embed(self, tokens):
+        return self.tok_embeddings(tokens)
+
+    def head(self, h):
+        h = self.norm(h)
+        return self.tok_embeddings.attend(h) if self.cfg.tie_embeddings else self.output(h)
+
+
+def lm_loss(logits, batch):
+    """Mean next-token cross-entropy; `batch["targets"]` holds the inputs shifted by one."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    nll = -jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]
+    return jnp.mean(nll)
+
+
+def parts(cfg: LlamaConfig):
+    """(root module, unit module, number of units)."""
+    return LlamaRoot(cfg), LlamaBlock(cfg), cfg.n_layers
