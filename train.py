@@ -1,0 +1,442 @@
+"""Train a byte-level Llama with jfsdp: flags -> TrainConfig -> data + FSDP plan -> loop -> summary.
+
+    python train.py --mesh 2x8                      # the default run: 16 fake CPU devices if no GPU
+    python train.py --mesh 1x8 --model llama-small --precision bf16 --steps 2000 --data my_text/
+
+Without an accelerator the devices the mesh needs are faked on the CPU (XLA's host device count,
+which has to be set before jax is imported: that is why this file parses its flags first and imports
+jax afterwards). Bad input ends with one line `error: ...` and exit status 2; Ctrl-C ends with 130.
+See docs/train.md for every flag, the data formats and what the progress line shows.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import re
+import shutil
+import sys
+import time
+
+EXIT_BAD_INPUT, EXIT_INTERRUPTED = 2, 130
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    # parallelism and model
+    mesh: str = "2x8"
+    strategy: str = "full_shard"
+    model: str = "llama-tiny"
+    precision: str = "fp32"
+    remat: str = "none"
+    # optimization
+    steps: int = 300
+    batch_size: int = 16            # global, in sequences
+    seq_len: int = 256
+    grad_accum: int = 1
+    lr: float = 3e-3
+    warmup: int = 30
+    weight_decay: float = 0.1
+    clip: float = 1.0               # global gradient norm; 0 turns clipping off
+    seed: int = 0
+    # data
+    data: str | None = None         # None: the Python standard library (see jfsdp/data.py)
+    data_dtype: str | None = None   # for .bin token files (default uint16)
+    # evaluation, logging, sampling
+    eval_every: int = 100
+    eval_iters: int = 4
+    log_every: int = 10
+    metrics_out: str | None = "out/metrics.jsonl"
+    prompt: str | None = None
+    gen_tokens: int = 100
+    temperature: float = 0.8
+    # checkpointing hooks (checkpointing itself is its own issue), profiling, devices
+    ckpt_dir: str | None = None
+    save_every: int = 0
+    resume: bool = False
+    profile: str | None = None
+    cpu_devices: int = 0
+
+
+class ArgParser(argparse.ArgumentParser):
+    def error(self, message):  # one line, like every other bad input (argparse prints usage + error)
+        fail(f"{message} (see --help)")
+
+
+def parse_args(argv=None) -> TrainConfig:
+    d = TrainConfig()
+    p = ArgParser(description="Train a language model with Fully Sharded Data Parallel (jfsdp).",
+                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("parallelism and model")
+    g.add_argument("--mesh", default=d.mesh, help="device mesh RxS: R replicas (data axis) of S shards (fsdp axis); "
+                   "1xN = full sharding, Nx1 = data parallel, both > 1 = hybrid sharding")
+    g.add_argument("--strategy", default=d.strategy, help="full_shard (ZeRO-3), shard_grad_op (ZeRO-2), no_shard "
+                   "(DDP), hybrid_shard, hybrid_shard_zero2")
+    g.add_argument("--model", default=d.model, help="named model config from models/__init__.py: llama-test, "
+                   "llama-tiny, llama-small, llama-1b, llama-8b, llama-70b")
+    g.add_argument("--precision", default=d.precision, choices=("fp32", "bf16"),
+                   help="fp32, or bf16 mixed precision (bf16 gathers and compute, fp32 master weights, "
+                   "optimizer state and gradient reduction)")
+    g.add_argument("--remat", default=d.remat, choices=("none", "full", "dots"),
+                   help="activation checkpointing per unit: none, full (save only the unit input), "
+                   "dots (save matmul outputs)")
+    g = p.add_argument_group("optimization")
+    g.add_argument("--steps", type=int, default=d.steps, help="optimizer steps")
+    g.add_argument("--batch-size", type=int, default=d.batch_size,
+                   help="global batch in sequences; must divide over the mesh's devices")
+    g.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence")
+    g.add_argument("--grad-accum", type=int, default=d.grad_accum,
+                   help="micro-batches per step (each device's batch is split into this many)")
+    g.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (AdamW)")
+    g.add_argument("--warmup", type=int, default=d.warmup,
+                   help="linear warmup steps, then cosine decay to lr/10 at --steps")
+    g.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW weight decay (matrices only)")
+    g.add_argument("--clip", type=float, default=d.clip, help="clip the global gradient norm to this; 0 = off")
+    g.add_argument("--seed", type=int, default=d.seed, help="seed of the initialization and the data order")
+    g = p.add_argument_group("data")
+    g.add_argument("--data", default=d.data, help="a text file, a folder of text files, a .jsonl file (field "
+                   "'text'), or a token array (.bin raw uint16 nanoGPT-style, or .npy); default: the Python "
+                   "standard library's source (byte-level, no download)")
+    g.add_argument("--data-dtype", default=d.data_dtype, choices=("uint16", "uint32"),
+                   help="token dtype of a .bin file (default uint16); .npy files carry their own")
+    g = p.add_argument_group("evaluation, logging and sampling")
+    g.add_argument("--eval-every", type=int, default=d.eval_every,
+                   help="validation loss every N steps (and at step 0 and at the end); 0 = only those two")
+    g.add_argument("--eval-iters", type=int, default=d.eval_iters, help="validation batches per evaluation")
+    g.add_argument("--log-every", type=int, default=d.log_every,
+                   help="steps between logged metrics (the metrics file and the progress line)")
+    g.add_argument("--metrics-out", default=d.metrics_out, metavar="FILE",
+                   help="JSON lines, one object per logged step; the loss-curve PNG goes next to it; '' = none")
+    g.add_argument("--prompt", default=d.prompt, help="text to continue at the end (default: the start of "
+                   "a validation document)")
+    g.add_argument("--gen-tokens", type=int, default=d.gen_tokens, help="tokens to generate at the end; 0 = none")
+    g.add_argument("--temperature", type=float, default=d.temperature, help="sampling temperature; 0 = greedy")
+    g = p.add_argument_group("checkpointing, profiling, devices")
+    g.add_argument("--ckpt-dir", default=d.ckpt_dir, help="where checkpoints go (checkpointing is not "
+                   "implemented yet: the hook is called, nothing is written)")
+    g.add_argument("--save-every", type=int, default=d.save_every, help="checkpoint every N steps; 0 = only on Ctrl-C")
+    g.add_argument("--resume", action="store_true", help="resume from the latest checkpoint in --ckpt-dir "
+                   "(not supported yet: an error)")
+    g.add_argument("--profile", default=d.profile, metavar="DIR",
+                   help="write a jax.profiler trace of 3 steps to DIR (view with TensorBoard / XProf)")
+    g.add_argument("--cpu-devices", type=int, default=d.cpu_devices, metavar="N",
+                   help="on a CPU-only machine, fake N devices instead of the number the mesh needs")
+    return TrainConfig(**vars(p.parse_args(argv)))
+
+
+# ---- failing and noticing: one line each ---------------------------------------------------------
+
+def fail(message: str):
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(EXIT_BAD_INPUT)
+
+
+def note(message: str):
+    print(message, file=sys.stderr, flush=True)
+
+
+def check_flags(c: TrainConfig) -> int | None:
+    """What can be checked before jax is imported (so bad input fails in a fraction of a second).
+    Returns the number of devices the mesh needs, or None if the mesh is malformed (jfsdp then
+    reports it, with the one authoritative message)."""
+    for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_iters", "log_every"):
+        if getattr(c, name) < 1:
+            fail(f"--{name.replace('_', '-')} must be positive, got {getattr(c, name)}")
+    for name in ("eval_every", "save_every", "gen_tokens", "warmup", "cpu_devices"):
+        if getattr(c, name) < 0:
+            fail(f"--{name.replace('_', '-')} must not be negative, got {getattr(c, name)}")
+    if not c.lr > 0 or not math.isfinite(c.lr):
+        fail(f"--lr must be positive, got {c.lr}")
+    if c.clip < 0 or c.temperature < 0 or c.weight_decay < 0:
+        fail("--clip, --temperature and --weight-decay must not be negative")
+    if c.resume:
+        fail("--resume needs checkpointing, which is not implemented yet (it is its own issue)")
+    m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", c.mesh)
+    if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
+        return None
+    n = int(m.group(1)) * int(m.group(2))
+    if c.batch_size % n:
+        fail(f"--batch-size {c.batch_size} does not divide over the {n} devices of mesh {c.mesh}")
+    if (c.batch_size // n) % c.grad_accum:
+        fail(f"per-device batch {c.batch_size // n} does not divide into --grad-accum {c.grad_accum} micro-batches")
+    return n
+
+
+def setup_devices(c: TrainConfig, n_needed: int | None) -> None:
+    """Before jax is imported: on a machine without an accelerator, fake the mesh's devices on the CPU.
+    An explicit JAX_PLATFORMS wins; NVIDIA GPUs (and TPUs) are detected without importing jax."""
+    requested = os.environ.get("JAX_PLATFORMS", "").strip().lower()
+    has_accel = bool(shutil.which("nvidia-smi")) or os.path.exists("/dev/nvidia0") or os.path.exists("/dev/accel0")
+    on_cpu = requested.split(",")[0] == "cpu" if requested else not has_accel
+    if not on_cpu:
+        if c.cpu_devices:
+            fail("--cpu-devices only applies on a machine without an accelerator (or with JAX_PLATFORMS=cpu)")
+        return
+    n = c.cpu_devices or n_needed or 1
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", ""))
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")   # don't probe for GPU/TPU plugins
+    why = "JAX_PLATFORMS=cpu" if requested else "no accelerator found"
+    note(f"{why}: faking {n} CPU devices" + ("" if c.cpu_devices else f" for mesh {c.mesh} (--cpu-devices N overrides)"))
+
+
+def save_checkpoint(state, loader_state: dict, path: str) -> bool:
+    """Hook for checkpointing (its own issue): save the sharded train `state` and the data position
+    `loader_state` (a small dict, see jfsdp.data.Loader.state) under `path`. Nothing is written yet;
+    returns whether a checkpoint was saved, so callers can say so honestly."""
+    return False
+
+
+# ---- the run -------------------------------------------------------------------------------------
+
+def main(argv=None) -> int:
+    c = parse_args(argv)
+    n_needed = check_flags(c)
+    setup_devices(c, n_needed)
+    try:
+        return train(c)
+    except KeyboardInterrupt:          # Ctrl-C before or after the loop (the loop handles its own)
+        note("interrupted")
+        return EXIT_INTERRUPTED
+
+
+def train(c: TrainConfig) -> int:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jfsdp
+    import models
+    from jfsdp import data as jdata
+    from jfsdp import metrics as jm
+
+    t_launch = time.perf_counter()
+    # -- configuration that needs jfsdp/models: every ConfigError/ValueError here is bad input
+    try:
+        r, s = jfsdp.parse_mesh(c.mesh)
+        strategy = jfsdp.Strategy.parse(c.strategy)
+        mp = jfsdp.MixedPrecision.parse(c.precision)
+        mcfg = models.get_config(c.model)
+        if not isinstance(mcfg, models.LlamaConfig):
+            raise jfsdp.ConfigError(f"model '{c.model}' is not a language model; train.py trains the llama-* models")
+        if c.seq_len > mcfg.max_seq_len:
+            raise jfsdp.ConfigError(f"--seq-len {c.seq_len} exceeds the model's max_seq_len {mcfg.max_seq_len}")
+        corpus = jdata.load_tokens(c.data, mcfg.vocab_size, dtype=c.data_dtype)
+        if c.prompt is not None and not corpus.is_bytes:
+            raise jfsdp.ConfigError("--prompt needs text data; a token file has no tokenizer here")
+        devices = jax.devices()
+        if len(devices) < r * s:
+            raise jfsdp.ConfigError(f"mesh {c.mesh} needs {r * s} devices but {len(devices)} "
+                                    f"{devices[0].platform.upper()} device(s) are present")
+        if len(devices) > r * s:
+            note(f"using {r * s} of the {len(devices)} {devices[0].platform} devices")
+        mesh = jfsdp.make_mesh(c.mesh, devices=devices[: r * s])
+        root, unit, n_units = models.parts(mcfg)
+        plan = jfsdp.fully_shard(jfsdp.Stacked(root, unit, n_units), mesh,
+                                 jax.ShapeDtypeStruct((1, c.seq_len), jnp.int32),
+                                 strategy=strategy, mp_policy=mp, remat=c.remat)
+        rows = jdata.process_rows(plan.batch_sharding, c.batch_size, c.seq_len)
+        loader = jdata.Loader(corpus, c.batch_size, c.seq_len, seed=c.seed, rows=rows)
+    except (jfsdp.ConfigError, ValueError, OSError) as e:
+        fail(str(e))
+
+    n_dev = r * s
+    platform = devices[0].platform
+    loss_fn = models.loss_fn(mcfg)
+    tokens_per_step = c.batch_size * c.seq_len
+    flops_per_token = jm.llama_flops_per_token(mcfg, c.seq_len)
+    peak = jm.peak_flops(devices[0], c.precision)
+    put = lambda b: jdata.to_global(b, plan.batch_sharding, c.batch_size)
+
+    print(f"model {c.model}: {mcfg.num_params() / 1e6:.2f}M params, {n_units} units | mesh {c.mesh} "
+          f"({r} replicas x {s} shards) on {n_dev} {platform} devices | {strategy.value}, {c.precision}, "
+          f"remat {c.remat}")
+    print(f"data  {corpus.describe()}")
+    print(f"batch {c.batch_size} x {c.seq_len} = {tokens_per_step:,} tokens/step, grad accum {c.grad_accum} | "
+          f"{c.steps} steps = {jm.fmt_count(c.steps * tokens_per_step)} tokens "
+          f"({c.steps * c.batch_size / loader.n_windows:.3g} epochs) | lr {c.lr:g}, "
+          f"warmup {min(c.warmup, c.steps - 1)}, cosine to {c.lr / 10:g}",
+          flush=True)
+
+    # -- state, optimizer, compiled programs
+    schedule = jfsdp.warmup_cosine(c.lr, c.steps, c.warmup)
+    opt = jfsdp.adamw(schedule, weight_decay=c.weight_decay, clip_norm=c.clip or None, mask=plan.decay_mask())
+    t0 = time.perf_counter()
+    try:
+        state = jfsdp.init_state(plan, opt, jax.random.key(c.seed))
+        train_step = jfsdp.make_train_step(plan, opt, loss_fn, grad_accum=c.grad_accum)
+        batch = put(loader.batch(loader.step))
+        compiled = train_step.lower(state, batch).compile()
+    except jfsdp.ConfigError as e:
+        fail(str(e))
+    eval_loss = jax.jit(plan.loss(loss_fn))
+    val_set = [put(b) for b in loader.val_batches(c.eval_iters)]
+    mem, mem_src = jm.device_memory(mesh.local_devices, compiled)
+    compile_s = time.perf_counter() - t0
+    print(f"compiled the train step in {compile_s:.1f}s | memory per device {jm.fmt_bytes(mem)} ({mem_src})"
+          + ("" if peak else f" | MFU n/a on {platform.upper()}"), flush=True)
+
+    out = jm.MetricsFile(c.metrics_out or None)
+    history = {"val": []}
+
+    def evaluate(step: int) -> float:
+        loss = float(np.mean([float(eval_loss(state.params, b)) for b in val_set]))
+        history["val"].append((step, loss))
+        out.write(step=step, val_loss=loss)
+        return loss
+
+    def throughput(tps: float) -> dict:
+        tflops = tps * flops_per_token / n_dev / 1e12
+        return {"tokens_per_sec": tps, "tflops_per_device": tflops, "mfu": tflops * 1e12 / peak if peak else None}
+
+    # -- the loop
+    tty = sys.stderr.isatty()
+    print_every = c.log_every * max(1, math.ceil(c.steps / c.log_every / 15))   # ~15 lines when not a TTY
+    bar = None
+    if tty:
+        from tqdm import tqdm
+        bar = tqdm(total=c.steps, initial=loader.step, desc="train", unit="step", dynamic_ncols=True,
+                   file=sys.stderr, bar_format="{desc} {n_fmt}/{total_fmt} |{bar}| {elapsed}<{remaining} {postfix}")
+    say = (lambda msg: bar.write(msg, file=sys.stderr)) if bar else (lambda msg: print(msg, flush=True))
+
+    v0 = evaluate(loader.step)
+    say(f"step {loader.step:>5} | val loss {v0:.4f}")
+    pending, last = [], {"loss": None, "tokens_per_sec": None, "mem": mem}
+    t_train0 = t_mark = time.perf_counter()
+    mark_step = loader.step
+    profile_window = range(min(loader.step + 2, c.steps - 1), min(loader.step + 5, c.steps)) if c.profile else range(0)
+    interrupted = False
+    try:
+        while loader.step < c.steps:
+            step = loader.step
+            if c.profile and step == profile_window.start:
+                jax.profiler.start_trace(c.profile)
+            batch = put(next(loader))
+            state, m = compiled(state, batch)
+            pending.append(m["loss"])
+            done = loader.step
+            if c.profile and done == profile_window.stop:
+                jax.block_until_ready(state)
+                jax.profiler.stop_trace()
+                say(f"profile: trace of steps {profile_window.start + 1}-{done} written to {c.profile} "
+                    f"(view: tensorboard --logdir {c.profile})")
+            if bar:
+                bar.update(1)
+            if done % c.log_every == 0 or done == c.steps:
+                losses = np.array(jax.device_get(pending), dtype=np.float64)
+                pending = []
+                now = time.perf_counter()
+                if not np.all(np.isfinite(losses)):
+                    bad = done - len(losses) + int(np.argmin(np.isfinite(losses))) + 1
+                    out.close()
+                    fail(f"loss is {losses[~np.isfinite(losses)][0]} at step {bad}: training diverged "
+                         f"(try a lower --lr, or --clip)")
+                tps = (done - mark_step) * tokens_per_step / (now - t_mark)
+                if platform != "cpu":
+                    mem, _ = jm.device_memory(mesh.local_devices)
+                rec = {"step": done, "loss": float(losses.mean()), "lr": float(schedule(done - 1)),
+                       "grad_norm": float(m["grad_norm"]), **throughput(tps), "memory_bytes": mem,
+                       "epoch": round(loader.epoch(), 4), "time_s": round(now - t_launch, 3)}
+                out.write(**rec)
+                last.update(rec)
+                line = progress_line(rec, platform, jm)
+                if bar:
+                    bar.set_postfix_str(line, refresh=True)
+                elif done % print_every == 0 or done == c.steps:
+                    say(f"step {done:>5} | {line}")
+                t_mark, mark_step = time.perf_counter(), done
+            if (c.eval_every and done % c.eval_every == 0) or done == c.steps:
+                v = evaluate(done)
+                say(f"step {done:>5} | val loss {v:.4f}")
+                t_mark = time.perf_counter()   # evaluation is not training throughput
+            if c.ckpt_dir and c.save_every and done % c.save_every == 0:
+                save_checkpoint(state, loader.state(), c.ckpt_dir)
+    except KeyboardInterrupt:
+        interrupted = True
+        if bar:
+            bar.close()
+            bar = None
+        saved = save_checkpoint(state, loader.state(), c.ckpt_dir) if c.ckpt_dir else False
+        note(f"interrupted at step {loader.step}/{c.steps}: stopping; "
+             + ("checkpoint saved" if saved else "no checkpoint saved (checkpointing is not implemented yet)"))
+    if bar:
+        bar.close()
+    train_s = time.perf_counter() - t_train0
+    out.close()
+
+    # -- summary, plot, sample
+    steps_done = loader.step
+    vals = history["val"]
+    print(f"\n== summary: {steps_done}/{c.steps} steps in {time.perf_counter() - t_launch:.1f}s "
+          f"(compile {compile_s:.1f}s, training + eval {train_s:.1f}s)")
+    if last["loss"] is not None:
+        tp = throughput(steps_done * tokens_per_step / max(train_s, 1e-9))
+        print(f"   train loss {last['loss']:.4f} | {tp['tokens_per_sec']:,.0f} tokens/s overall | "
+              f"{tp['tflops_per_device']:.4f} TFLOP/s per device | "
+              + (f"MFU {tp['mfu']:.1%}" if peak else f"MFU n/a on {platform.upper()}"))
+    if len(vals) > 1:
+        print(f"   val loss {vals[0][1]:.4f} (step {vals[0][0]}) -> {vals[-1][1]:.4f} (step {vals[-1][0]}): "
+              f"{vals[-1][1] / vals[0][1]:.3f}x")
+    print(f"   peak memory per device {jm.fmt_bytes(mem)} ({mem_src if platform == 'cpu' else 'allocator peak'})")
+    if c.metrics_out:
+        png = jm.plot_loss(out.records, os.path.splitext(c.metrics_out)[0] + ".png",
+                           f"{c.model} on {c.mesh} ({strategy.value}, {c.precision}): {corpus.name}")
+        print(f"   metrics {c.metrics_out}" + (f" | loss curve {png}" if png else ""))
+    if interrupted:
+        return EXIT_INTERRUPTED
+    if c.gen_tokens:
+        sample(plan, state.params, corpus, c, jdata)
+    return 0
+
+
+def progress_line(rec: dict, platform: str, jm) -> str:
+    mfu = f"MFU {rec['mfu']:.1%}" if rec["mfu"] is not None else f"MFU n/a on {platform.upper()}"
+    return (f"loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | {rec['tokens_per_sec']:,.0f} tok/s | "
+            f"{rec['tflops_per_device']:.3f} TFLOP/s/dev | {mfu} | mem {jm.fmt_bytes(rec['memory_bytes'])}/dev")
+
+
+def sample(plan, params, corpus, c: TrainConfig, jdata) -> None:
+    """A short continuation of a prompt, so a person sees what the model learned. The whole window is
+    run through the model for every new token (no KV cache): at this size that is a few seconds.
+    Every device gets a copy of the row, since the batch is split over all of them."""
+    import jax
+    import numpy as np
+
+    T = c.seq_len
+    if c.prompt is not None:
+        prompt = jdata.encode(c.prompt)
+    else:   # the start of a validation document, up to a line break: text the model has not trained on
+        head = np.asarray(corpus.val[: min(64, T // 2)], dtype=np.int32)
+        breaks = np.nonzero(head == ord("\n"))[0] if corpus.is_bytes else []
+        prompt = head[: breaks[-1] + 1] if len(breaks) and breaks[-1] > 8 else head
+    tokens = [int(t) for t in prompt][-(T - 1):] or [jdata.EOS]
+    fwd = jax.jit(lambda p, x, i: jax.lax.dynamic_index_in_dim(plan.apply(p, x)[0], i, keepdims=False))
+    rng = np.random.default_rng(c.seed)
+    buf = np.full((plan.n_devices, T), jdata.PAD if corpus.is_bytes else 0, np.int32)
+    n_prompt = len(tokens)
+    for _ in range(c.gen_tokens):
+        ctx = tokens[-T:]
+        buf[:, : len(ctx)] = ctx
+        logits = np.asarray(fwd(params, jax.device_put(buf, plan.batch_sharding), len(ctx) - 1), np.float64)
+        if corpus.is_bytes:
+            logits[[jdata.BOS, jdata.PAD]] = -np.inf   # never seen as targets; EOS ends the sample
+        if c.temperature == 0:
+            nxt = int(np.argmax(logits))
+        else:
+            z = (logits - logits.max()) / c.temperature
+            p = np.exp(z) / np.exp(z).sum()
+            nxt = int(rng.choice(len(p), p=p))
+        tokens.append(nxt)
+        if corpus.is_bytes and nxt == jdata.EOS:
+            break
+    how = "greedy" if c.temperature == 0 else f"temperature {c.temperature}"
+    print(f"\n== sample ({how}, {len(tokens) - n_prompt} tokens after the prompt) ==")
+    if corpus.is_bytes:
+        print(f"[prompt]{jdata.decode(tokens[:n_prompt])}[model]{jdata.decode(tokens[n_prompt:])}")
+    else:
+        print(f"prompt token ids {tokens[:n_prompt]}\ngenerated token ids {tokens[n_prompt:]} (no tokenizer here)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
