@@ -125,3 +125,33 @@ def memory(compiled) -> dict:
     d = {k: int(getattr(m, f"{k}_size_in_bytes")) for k in ("argument", "output", "temp", "alias")}
     d["total"] = d["argument"] + d["output"] + d["temp"] - d["alias"]
     return d
+
+
+_TRIP = re.compile(r"\bwhile\(.*?body=%?([\w.\-]+).*?\"known_trip_count\":\{\"n\":\"(\d+)\"")
+
+
+def trip_counts(hlo_text: str) -> dict:
+    """{while-body name: trip count} for loops whose count XLA knows (the unit scans: n_units).
+    A loop without a known count is absent: callers treat it as running once and should check."""
+    return {body: int(n) for body, n in _TRIP.findall(hlo_text)}
+
+
+def per_step(hlo_text: str, n_devices: int | None = None) -> dict:
+    """Like `summarize`, but per executed step: an op inside while loops counts once per iteration
+    (product of the enclosing loops' trip counts). `unknown_loops` lists bodies with no known count."""
+    trips = trip_counts(hlo_text)
+    out, unknown = {}, set()
+    for c in collectives(hlo_text, n_devices):
+        times = 1
+        for body in c.loops:
+            if body in trips:
+                times *= trips[body]
+            else:
+                unknown.add(body)
+        s = out.setdefault(c.kind, {"count": 0, "result_bytes": 0, "wire_bytes": 0.0})
+        s["count"] += times
+        s["result_bytes"] += times * c.result_bytes
+        s["wire_bytes"] += times * c.wire_bytes
+    if unknown:
+        out["unknown_loops"] = sorted(unknown)
+    return out

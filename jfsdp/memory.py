@@ -1,0 +1,293 @@
+"""Memory and communication accounting: "will it fit?" answered twice, and the two answers compared.
+
+1. `estimate`: an analytic breakdown per device, from the plan's parameter layouts (sizes, dtypes,
+   padding, shards), the optimizer's state shapes and the activations that the unit's checkpoint
+   policy saves (read from the traced unit, so it works for any model handed to `fully_shard`).
+   Nothing is compiled.
+2. `measure`: XLA's buffer assignment of the real compiled train step, lowered from
+   `jax.ShapeDtypeStruct` inputs so that no state is allocated (works on fake CPU devices).
+
+`comm_formula` is the contract's communication per step, `comm_measured` the same read from the
+compiled HLO (collectives inside the unit scan multiplied by its trip count).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jfsdp import hlo
+from jfsdp.core import FSDP, ROOT, UNITS, Layout
+from jfsdp.policy import Strategy
+from jfsdp.step import TrainState, make_train_step
+
+GiB = 1 << 30
+
+
+def _is_layout(x):
+    return isinstance(x, Layout)
+
+
+def _nbytes(x) -> int:
+    return int(math.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
+
+
+def _tree_bytes(tree) -> int:
+    return sum(_nbytes(x) for x in jax.tree.leaves(tree))
+
+
+# ---------------------------------------------------------------- abstract inputs (nothing allocated)
+
+def abstract_params(plan: FSDP):
+    """The parameter shards as ShapeDtypeStructs carrying the plan's shardings."""
+    params = jax.eval_shape(plan.init, jax.random.key(0))
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), params,
+                        plan.param_shardings)
+
+
+def abstract_state(plan: FSDP, optimizer) -> TrainState:
+    """TrainState of ShapeDtypeStructs. Optimizer subtrees shaped like the parameters (Adam's
+    moments) are sharded like them; everything else (step counts) is replicated."""
+    params = abstract_params(plan)
+    pdef = jax.tree.structure(params)
+    replicated = NamedSharding(plan.mesh, P())
+    opt = jax.eval_shape(optimizer.init, params)
+
+    def like_params(node):
+        return jax.tree.structure(node) == pdef and all(
+            a.shape == p.shape for a, p in zip(jax.tree.leaves(node), jax.tree.leaves(params)))
+
+    def place(node):
+        if like_params(node):
+            return jax.tree.map(lambda a, p: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=p.sharding), node, params)
+        return jax.ShapeDtypeStruct(node.shape, node.dtype, sharding=replicated)
+
+    opt = jax.tree.map(place, opt, is_leaf=lambda n: like_params(n) or isinstance(n, jax.ShapeDtypeStruct))
+    step = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
+    return TrainState(step, params, opt)
+
+
+def abstract_batch(plan: FSDP, batch):
+    """A (global) batch tree of shapes -> ShapeDtypeStructs split over all devices."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=plan.batch_sharding), batch)
+
+
+def compile_step(plan: FSDP, optimizer, loss_fn: Callable, batch, grad_accum: int = 1):
+    """The real train step (jfsdp.make_train_step, donated state), compiled from abstract inputs."""
+    step = make_train_step(plan, optimizer, loss_fn, grad_accum)
+    return step.lower(abstract_state(plan, optimizer), abstract_batch(plan, batch)).compile()
+
+
+def measure(compiled) -> dict:
+    """Per-device bytes from XLA's buffer assignment: argument, output, temp, alias, and `total` =
+    argument + output + temp − alias (donated state: the new state reuses the old one's buffers)."""
+    return hlo.memory(compiled)
+
+
+def device_peak(device=None) -> int | None:
+    """Peak bytes in use on a real accelerator after steps have run (None where unsupported, e.g. CPU)."""
+    device = device or jax.devices()[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    return int(stats["peak_bytes_in_use"]) if stats and "peak_bytes_in_use" in stats else None
+
+
+# ---------------------------------------------------------------- the analytic estimate
+
+@dataclasses.dataclass(frozen=True)
+class Breakdown:
+    """Bytes per device. `params`, `grads`, `optimizer` count real elements only; `padding` is the
+    padding rows of all three. `gathered`: unsharded copies in param_dtype (root + one unit, two
+    with prefetch; every unit for SHARD_GRAD_OP). `grad_buffers`: unsharded gradients before they
+    are reduce-scattered (one unit + the root). `activations`: what the remat policy keeps for all
+    units, the head's saved values, and the working set of one unit's backward."""
+    params: int
+    grads: int
+    optimizer: int
+    padding: int
+    gathered: int
+    grad_buffers: int
+    activations: int
+    batch: int
+
+    persistent_padding: int = 0  # the part of `padding` in parameters and optimizer state
+
+    @property
+    def persistent(self) -> int:
+        """Held between steps: parameters, optimizer state and their padding."""
+        return self.params + self.optimizer + self.persistent_padding
+
+    @property
+    def total(self) -> int:
+        return (self.params + self.grads + self.optimizer + self.padding + self.gathered + self.grad_buffers
+                + self.activations + self.batch)
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["persistent"], d["total"] = self.persistent, self.total
+        return d
+
+
+def _elements(plan: FSDP):
+    """(real elements, padding elements) of all parameters, whole model (units counted n_units times)."""
+    n = plan.model.n_units
+    real = pad = 0
+    for part, mult in ((ROOT, 1), (UNITS, n)):
+        for l in jax.tree.leaves(plan.layouts[part], is_leaf=_is_layout):
+            real += mult * math.prod(l.shape)
+            pad += mult * l.padding
+    return real, pad
+
+
+def _stored_bytes(layouts, dtype=None) -> int:
+    """Bytes of one unsharded (gathered, padded) copy of these layouts, in `dtype` (default: own)."""
+    return sum(math.prod(l.stored_shape) * jnp.dtype(dtype or l.dtype).itemsize
+               for l in jax.tree.leaves(layouts, is_leaf=_is_layout))
+
+
+def _cast(layouts, dtype):
+    return jax.tree.map(lambda l: jax.ShapeDtypeStruct(l.shape, dtype or l.dtype), layouts, is_leaf=_is_layout)
+
+
+def _residual_bytes(f, *args, skip_args=True) -> int:
+    """Bytes of the values JAX saves from f's forward for its backward (its checkpoint policy
+    applied). Arguments are skipped: the caller accounts for them."""
+    from jax._src.ad_checkpoint import saved_residuals  # public only as print_saved_residuals
+    total = 0
+    for aval, where in saved_residuals(f, *args):
+        if skip_args and where.startswith("from the argument"):
+            continue
+        total += int(math.prod(aval.shape)) * jnp.dtype(aval.dtype).itemsize
+    return total
+
+
+def activation_estimate(plan: FSDP, loss_fn: Callable, local_batch, backend: str | None = None) -> dict:
+    """Activation bytes per device, from the traced model on one device's batch:
+    `per_unit`: saved by the unit's checkpoint policy (plus the unit's input, which the scan keeps);
+    `unit_working`: everything one unit's backward needs at once (its activations with nothing
+    recomputed away); `head`: values the embedding, head and loss keep for backward."""
+    m, mp = plan.model, plan.mp
+    pdt = _wire_dtype(mp.param_dtype or jnp.float32, backend or jax.default_backend())
+    root_p = _cast(plan.layouts[ROOT], pdt)
+    unit_p = _cast(plan.layouts[UNITS], pdt)
+    inputs = local_batch["inputs"]
+    h = jax.eval_shape(lambda r, x: m.root.apply({"params": r}, x, method=m.embed_method), root_p, inputs)
+    cp = jax.checkpoint_policies
+    base = {"none": cp.everything_saveable, "full": cp.nothing_saveable, "dots": cp.dots_saveable}[plan.remat]
+    unit_fn = lambda x, p: m.unit.apply({"params": p}, x)
+    per_unit = _residual_bytes(jax.checkpoint(unit_fn, policy=base), h, unit_p) + _nbytes(h)
+    working = _residual_bytes(unit_fn, h, unit_p) + _nbytes(h)
+
+    def head_loss(x, r, batch):
+        out = m.root.apply({"params": r}, x, method=m.head_method)
+        out = out.astype(mp.output_dtype) if mp.output_dtype else out
+        return loss_fn(out, batch)
+
+    out = jax.eval_shape(lambda x, r: m.root.apply({"params": r}, x, method=m.head_method), h, root_p)
+    head = _residual_bytes(head_loss, h, root_p, local_batch) + 2 * _nbytes(out)  # + the output's cotangent in fp32
+    return {"per_unit": per_unit, "unit_working": working, "head": head}
+
+
+def _wire_dtype(dtype, backend: str):
+    """The dtype that `dtype` really takes in the compiled program. XLA's CPU backend has no 16-bit
+    float collectives or arithmetic: its float-normalization passes widen them to f32 (measured: a
+    bf16 plan's all-gathers, kept units and saved activations are f32 in the compiled CPU program,
+    and its memory is that of the fp32 plan). GPUs and TPUs keep bf16 as bf16."""
+    dtype = jnp.dtype(dtype)
+    if backend == "cpu" and dtype.itemsize < 4 and jnp.issubdtype(dtype, jnp.floating):
+        return jnp.dtype(jnp.float32)
+    return dtype
+
+
+def estimate(plan: FSDP, optimizer, loss_fn: Callable, batch, *, prefetch: bool = False,
+             backend: str | None = None) -> Breakdown:
+    """Analytic per-device bytes at the peak of one train step of `plan` on the global `batch`
+    (a tree of shapes). The peak is the start of the backward pass: the state, the sharded gradient
+    being filled, the gathered root and its unsharded gradient, every unit's saved activations, and
+    then the larger of the head's backward and one unit's backward (its gathered parameters, their
+    unsharded gradient, and what remat recomputes)."""
+    backend = backend or jax.default_backend()
+    S, N, n = plan.shards, plan.n_devices, plan.model.n_units
+    master = max(jnp.dtype(l.dtype).itemsize for l in jax.tree.leaves(plan.layouts, is_leaf=_is_layout))
+    real, pad = _elements(plan)
+    params = real * master // S
+    opt_total = _tree_bytes(jax.eval_shape(optimizer.init, abstract_params(plan)))
+    opt_per_byte = opt_total / ((real + pad) * master)  # AdamW: 2.0 (two fp32 moments)
+    optimizer_b = int(round(params * opt_per_byte))
+    pad_state = int(round(pad * master * (1 + opt_per_byte) / S))
+    pad_grads = pad * master // S
+
+    pdt = plan.mp.param_dtype or jnp.float32
+    rdt = plan.mp.reduce_dtype or pdt
+    gdt = _wire_dtype(pdt, backend)
+    root_g, unit_g = _stored_bytes(plan.layouts[ROOT], gdt), _stored_bytes(plan.layouts[UNITS], gdt)
+    root_r, unit_r = _stored_bytes(plan.layouts[ROOT], rdt), _stored_bytes(plan.layouts[UNITS], rdt)
+    if plan.strategy.sharded:
+        # ZeRO-3 keeps one gathered unit at a time (two with prefetch). Its unsharded gradient needs
+        # no room of its own: each leaf's gradient is reduce-scattered as soon as it is complete and
+        # the gathered leaf dies after its last use, so one takes the place of the other (measured:
+        # the compiled peak holds root + one unit, not root + unit + unit gradient).
+        # ZeRO-2 keeps every unit from the forward scan (a stacked buffer, freed only when the
+        # backward scan ends), so the unit being differentiated needs a gradient buffer besides.
+        kept = 1 + (1 if prefetch else 0) if plan.strategy.reshard_after_forward else n
+        gathered = root_g + unit_g * kept
+        grad_buffers = 0 if plan.strategy.reshard_after_forward else unit_r
+    else:
+        # DDP: nothing gathered; a param_dtype copy of the weights exists only where compute runs
+        # in another dtype than the master copy. The all-reduce writes a second full gradient.
+        gathered = 0 if gdt == jnp.dtype(jnp.float32) else root_g + unit_g * n
+        grad_buffers = root_r + unit_r * n
+
+    local = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // N, *a.shape[1:]), a.dtype), batch)
+    act = activation_estimate(plan, loss_fn, local, backend)
+    recompute = act["unit_working"] - act["per_unit"]
+    activations = n * act["per_unit"] + max(act["head"], recompute)
+    return Breakdown(params=params, grads=params, optimizer=optimizer_b, padding=pad_state + pad_grads,
+                     persistent_padding=pad_state, gathered=gathered, grad_buffers=grad_buffers,
+                     activations=activations, batch=_tree_bytes(local))
+
+
+# ---------------------------------------------------------------- communication per step
+
+def comm_formula(plan: FSDP, backend: str | None = None) -> dict:
+    """Bytes each device sends per step, by collective kind, from the contract (ring cost model),
+    with the root (gathered once per step, not twice), padding and the backend's wire dtype
+    (`_wire_dtype`) counted exactly.
+    `contract` is the headline approximation: 3Ψ·b·(S−1)/S (FULL_SHARD), 2Ψ·b(N−1)/N (DDP)."""
+    S, R, N, n = plan.shards, plan.replicas, plan.n_devices, plan.model.n_units
+    backend = backend or jax.default_backend()
+    pdt = _wire_dtype(plan.mp.param_dtype or jnp.float32, backend)
+    rdt = _wire_dtype(plan.mp.reduce_dtype or pdt, backend)
+    root_p, unit_p = _stored_bytes(plan.layouts[ROOT], pdt), n * _stored_bytes(plan.layouts[UNITS], pdt)
+    grads = _stored_bytes(plan.layouts[ROOT], rdt) + n * _stored_bytes(plan.layouts[UNITS], rdt)
+    psi = _elements(plan)[0]
+    # the headline formula uses the policy's dtypes, not the backend's
+    pb = jnp.dtype(plan.mp.param_dtype or jnp.float32).itemsize
+    rb = jnp.dtype(plan.mp.reduce_dtype or plan.mp.param_dtype or jnp.float32).itemsize
+    out = {"all-gather": 0.0, "reduce-scatter": 0.0, "all-reduce": 0.0}
+    if plan.strategy.sharded:
+        gathers = 2 if plan.strategy.reshard_after_forward else 1
+        f = (S - 1) / S
+        out["all-gather"] = (root_p + gathers * unit_p) * f
+        out["reduce-scatter"] = grads * f
+        out["all-reduce"] = 2 * (grads / S) * (R - 1) / R  # the shard, summed over replicas
+        contract = (gathers * psi * pb + psi * rb) * f + 2 * psi * rb / S * (R - 1) / R
+    else:
+        out["all-reduce"] = 2 * grads * (N - 1) / N
+        contract = 2 * psi * rb * (N - 1) / N
+    out["total"] = sum(out.values())
+    out["contract"] = contract
+    return out
+
+
+def comm_measured(compiled, n_devices: int) -> dict:
+    """Bytes each device sends per step, by kind, read from the compiled HLO (loops unrolled by
+    their trip counts). Scalars (the loss, the gradient norm) are included; they are a few bytes."""
+    per = hlo.per_step(compiled.as_text(), n_devices)
+    out = {k: per.get(k, {}).get("wire_bytes", 0.0) for k in ("all-gather", "reduce-scatter", "all-reduce")}
+    out["total"] = sum(v["wire_bytes"] for v in per.values())
+    return out
