@@ -1,0 +1,227 @@
+"""Will it fit? `python -m jfsdp.plan --model llama-70b --mesh 8x8 --device-memory 80GiB`
+
+Prints the per-device memory of one train step, estimated analytically and measured from the
+compiled program (lowered from abstract inputs on fake CPU devices: nothing is allocated), the
+communication per step, whether it fits and the largest global batch that fits.
+
+On the CPU backend XLA widens bf16 to f32 (see `memory._wire_dtype`), so a bf16 plan compiled here
+is bigger than the same plan on a GPU. The report therefore shows the estimate for the target
+(`--target gpu`, the default) and, beside the compiled CPU measurement, the estimate for CPU, which
+is what validates the model against XLA.
+
+The model names come from the repository's `models` package, imported inside `main` only: the
+library itself (everything else in `jfsdp/`) does not depend on it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+class _Error(Exception):
+    pass
+
+
+def parse_bytes(text: str) -> int:
+    """'80GiB' -> 85899345920, '80GB' -> 80e9, '1024' -> 1024."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
+        raise _Error(f"device memory '{text}' does not parse: expected a size such as 80GiB, 40GB or 1024MiB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line and status 2, like every other bad input
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _mesh_devices(spec: str) -> int:
+    """R*S of an 'RxS' mesh, parsed without importing jax (the device count must be set first);
+    jfsdp.make_mesh validates it again with its own message."""
+    m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", spec)
+    if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
+        raise _Error(f"mesh '{spec}' is malformed: expected RxS with positive integers, e.g. 2x8")
+    return int(m.group(1)) * int(m.group(2))
+
+
+def _args(argv):
+    p = _Parser(prog="python -m jfsdp.plan", description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True, help="a name from models.CONFIGS, e.g. llama-8b, llama-70b")
+    p.add_argument("--mesh", required=True, help="RxS: R replicas (data) x S shards (fsdp)")
+    p.add_argument("--strategy", default="full_shard")
+    p.add_argument("--precision", default="bf16", help="fp32 or bf16 (fp32 master, bf16 compute, fp32 reduce)")
+    p.add_argument("--remat", default="full", help="none, full or dots (activation checkpointing per unit)")
+    p.add_argument("--batch-size", type=int, default=None, help="global batch (default: one sequence per device)")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--device-memory", default="80GiB")
+    p.add_argument("--target", default="gpu", choices=("gpu", "tpu", "cpu"),
+                   help="backend the estimate is for (fits / largest batch use it)")
+    p.add_argument("--prefetch", action="store_true", help="count two gathered units (prefetching the next)")
+    p.add_argument("--no-compile", action="store_true", help="estimate only (skip the compiled measurement)")
+    p.add_argument("--json", default=None, help="also write the report as JSON to this file")
+    return p.parse_args(argv)
+
+
+def _force_devices(n: int):
+    """Ask for n fake CPU devices, before jax is imported. A count already forced in XLA_FLAGS wins
+    (the mesh must then fit it)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
+def largest_batch(fits, start: int = 1, limit: int = 1 << 20) -> int:
+    """Largest b >= 1 with fits(b) (fits monotone decreasing in b), 0 if none: doubling then bisection."""
+    if not fits(start):
+        return 0
+    lo, hi = start, start * 2
+    while hi <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    if hi > limit:
+        return lo
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def build(model_name, mesh_spec, strategy, precision, remat, batch_size, seq_len):
+    """(cfg, plan, optimizer, loss_fn, batch shapes) for a named model; nothing allocated."""
+    import jax
+    import jax.numpy as jnp
+
+    import jfsdp
+    import models
+
+    try:
+        cfg = models.get_config(model_name)
+    except ValueError as e:
+        raise _Error(str(e)) from None
+    if not isinstance(cfg, models.LlamaConfig):
+        raise _Error(f"model '{model_name}' is not a language model; the planner takes the llama-* configs")
+    mesh = jfsdp.make_mesh(mesh_spec)
+    n = mesh.size
+    batch_size = n if batch_size is None else batch_size
+    if batch_size < 1 or seq_len < 1:
+        raise _Error("batch size and sequence length must be at least 1")
+    x = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
+    root, unit, n_units = models.parts(cfg)
+    plan = jfsdp.fully_shard(jfsdp.Stacked(root, unit, n_units), mesh, x, strategy=strategy,
+                             mp_policy=jfsdp.MixedPrecision.parse(precision), remat=remat)
+    if batch_size % n:
+        raise _Error(f"batch size {batch_size} does not divide over the {n} devices of the mesh")
+    return cfg, plan, jfsdp.adamw(1e-4), models.loss_fn(cfg), {"inputs": x, "targets": x}
+
+
+def report(a) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from jfsdp import memory
+
+    cfg, plan, opt, loss_fn, batch = build(a.model, a.mesh, a.strategy, a.precision, a.remat, a.batch_size, a.seq_len)
+    budget = parse_bytes(a.device_memory)
+    here = jax.default_backend()
+    est_target = memory.estimate(plan, opt, loss_fn, batch, prefetch=a.prefetch, backend=a.target)
+    rep = {"model": a.model, "params": cfg.num_params(), "mesh": a.mesh, "devices": plan.n_devices,
+           "strategy": plan.strategy.value, "precision": a.precision, "remat": a.remat,
+           "batch_size": batch["inputs"].shape[0], "seq_len": a.seq_len, "device_memory": budget,
+           "target": a.target, "estimate": est_target.as_dict()}
+    if here != a.target:
+        rep[f"estimate_{here}"] = memory.estimate(plan, opt, loss_fn, batch, prefetch=a.prefetch, backend=here).as_dict()
+    rep["comm_formula"] = memory.comm_formula(plan, backend=a.target)
+    if not a.no_compile:
+        t = time.time()
+        compiled = memory.compile_step(plan, opt, loss_fn, batch)
+        rep["compile_s"] = round(time.time() - t, 1)
+        rep["compiled"] = {"backend": here, **memory.measure(compiled)}
+        rep["comm_compiled"] = {"backend": here, **memory.comm_measured(compiled, plan.n_devices)}
+        if here != a.target:
+            rep[f"comm_formula_{here}"] = memory.comm_formula(plan, backend=here)
+    rep["fits"] = est_target.total <= budget
+    n = plan.n_devices
+    seq = a.seq_len
+
+    def fits(per_device):
+        shape = jax.ShapeDtypeStruct((per_device * n, seq), jnp.int32)
+        b = {"inputs": shape, "targets": shape}
+        return memory.estimate(plan, opt, loss_fn, b, prefetch=a.prefetch, backend=a.target).total <= budget
+
+    rep["largest_global_batch"] = largest_batch(fits) * n
+    return rep
+
+
+def _gib(x):
+    return f"{x / 2**30:9.2f} GiB"
+
+
+def render(r: dict) -> str:
+    e, tgt = r["estimate"], r["target"]
+    here = r.get("compiled", {}).get("backend")
+    e_here = r.get(f"estimate_{here}", e if here == tgt else None) if here else None
+    lines = [f"{r['model']} ({r['params'] / 1e9:.2f}B parameters) on mesh {r['mesh']} ({r['devices']} devices), "
+             f"{r['strategy']}, {r['precision']}, remat {r['remat']}, batch {r['batch_size']} x {r['seq_len']} tokens",
+             "", "memory per device"]
+    cols = [f"estimate ({tgt})"] + ([f"estimate ({here})", f"compiled ({here})"] if here else [])
+    lines.append(f"  {'':26}" + "".join(f"{c:>20}" for c in cols))
+    rows = [("parameters (fp32 shard)", "params"), ("gradients (shard)", "grads"), ("optimizer state", "optimizer"),
+            ("padding", "padding"), ("gathered (root + units)", "gathered"), ("gradient buffers", "grad_buffers"),
+            ("activations", "activations"), ("batch", "batch")]
+    for label, k in rows:
+        vals = [e[k]] + ([e_here[k]] if here else [])
+        lines.append(f"  {label:26}" + "".join(f"{_gib(v):>20}" for v in vals))
+    c = r.get("compiled")
+    lines.append(f"  {'state between steps':26}{_gib(e['persistent']):>20}"
+                 + (f"{_gib(e_here['persistent']):>20}{_gib(c['argument']):>20}  (arguments)" if c else ""))
+    lines.append(f"  {'peak of the step':26}{_gib(e['total']):>20}"
+                 + (f"{_gib(e_here['total']):>20}{_gib(c['total']):>20}  (arg+temp+out-alias)" if c else ""))
+    if c:
+        lines.append(f"  estimate / compiled on {here}: {e_here['total'] / c['total']:.3f}; compiled in {r['compile_s']} s")
+    lines += ["", f"communication per step, bytes sent per device ({tgt} formula"
+              + (f"; {here} formula and compiled HLO" if c else "") + ")"]
+    f, fh, m = r["comm_formula"], r.get(f"comm_formula_{here}", r["comm_formula"]), r.get("comm_compiled")
+    for k in ("all-gather", "reduce-scatter", "all-reduce", "total"):
+        lines.append(f"  {k:26}{_gib(f[k]):>20}" + (f"{_gib(fh[k]):>20}{_gib(m[k]):>20}" if m else ""))
+    lines.append(f"  contract (3Ψ·b·(S−1)/S or 2Ψ·b·(N−1)/N){_gib(f['contract']):>14}")
+    verdict = "fits" if r["fits"] else "does NOT fit"
+    lines += ["", f"{verdict} in {_gib(r['device_memory']).strip()} per device "
+              f"({100 * e['total'] / r['device_memory']:.0f}% of it, {tgt} estimate)",
+              f"largest global batch that fits: {r['largest_global_batch']} sequences of {r['seq_len']} tokens"]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    a = _args(argv)
+    try:
+        n = _mesh_devices(a.mesh)
+        parse_bytes(a.device_memory)
+        _force_devices(n)
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        from jfsdp.mesh import ConfigError  # imports jax: only now that the device count is set
+        t = time.time()
+        try:
+            rep = report(a)
+        except (ConfigError, ValueError) as e:
+            raise _Error(str(e)) from None
+        rep["wall_s"] = round(time.time() - t, 1)
+    except _Error as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(render(rep))
+    print(f"(planned in {rep['wall_s']} s)")
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(rep, fh, indent=2, default=float)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
