@@ -44,7 +44,7 @@ class TrainConfig:
     data: str | None = None         # None: the Python standard library (see jfsdp/data.py)
     data_dtype: str | None = None   # for .bin token files (default uint16)
     # evaluation, logging, sampling
-    eval_every: int = 100
+    eval_every: int = 50
     eval_iters: int = 4
     log_every: int = 10
     metrics_out: str | None = "out/metrics.jsonl"
@@ -300,14 +300,15 @@ def train(c: TrainConfig) -> int:
                    file=sys.stderr, bar_format="{desc} {n_fmt}/{total_fmt} |{bar}| {elapsed}<{remaining} {postfix}")
     say = (lambda msg: bar.write(msg, file=sys.stderr)) if bar else (lambda msg: print(msg, flush=True))
 
-    v0 = evaluate(loader.step)
-    say(f"step {loader.step:>5} | val loss {v0:.4f}")
     pending, last = [], {"loss": None, "tokens_per_sec": None, "mem": mem}
-    t_train0 = t_mark = time.perf_counter()
-    mark_step = loader.step
     profile_window = range(min(loader.step + 2, c.steps - 1), min(loader.step + 5, c.steps)) if c.profile else range(0)
     interrupted = False
+    t_train0 = time.perf_counter()
     try:
+        v0 = evaluate(loader.step)
+        say(f"step {loader.step:>5} | val loss {v0:.4f}")
+        t_mark = time.perf_counter()
+        mark_step, step0, timed = loader.step, loader.step, 0.0   # timed: seconds spent in train steps only
         while loader.step < c.steps:
             step = loader.step
             if c.profile and step == profile_window.start:
@@ -333,6 +334,7 @@ def train(c: TrainConfig) -> int:
                     fail(f"loss is {losses[~np.isfinite(losses)][0]} at step {bad}: training diverged "
                          f"(try a lower --lr, or --clip)")
                 tps = (done - mark_step) * tokens_per_step / (now - t_mark)
+                timed += now - t_mark
                 if platform != "cpu":
                     mem, _ = jm.device_memory(mesh.local_devices)
                 rec = {"step": done, "loss": float(losses.mean()), "lr": float(schedule(done - 1)),
@@ -371,9 +373,9 @@ def train(c: TrainConfig) -> int:
     print(f"\n== summary: {steps_done}/{c.steps} steps in {time.perf_counter() - t_launch:.1f}s "
           f"(compile {compile_s:.1f}s, training + eval {train_s:.1f}s)")
     if last["loss"] is not None:
-        tp = throughput(steps_done * tokens_per_step / max(train_s, 1e-9))
-        print(f"   train loss {last['loss']:.4f} | {tp['tokens_per_sec']:,.0f} tokens/s overall | "
-              f"{tp['tflops_per_device']:.4f} TFLOP/s per device | "
+        tp = throughput((last["step"] - step0) * tokens_per_step / max(timed, 1e-9))
+        print(f"   train loss {last['loss']:.4f} | {tp['tokens_per_sec']:,.0f} tokens/s (train steps only) | "
+              f"{tp['tflops_per_device']:.3g} TFLOP/s per device | "
               + (f"MFU {tp['mfu']:.1%}" if peak else f"MFU n/a on {platform.upper()}"))
     if len(vals) > 1:
         print(f"   val loss {vals[0][1]:.4f} (step {vals[0][0]}) -> {vals[-1][1]:.4f} (step {vals[-1][0]}): "
@@ -393,7 +395,7 @@ def train(c: TrainConfig) -> int:
 def progress_line(rec: dict, platform: str, jm) -> str:
     mfu = f"MFU {rec['mfu']:.1%}" if rec["mfu"] is not None else f"MFU n/a on {platform.upper()}"
     return (f"loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | {rec['tokens_per_sec']:,.0f} tok/s | "
-            f"{rec['tflops_per_device']:.3f} TFLOP/s/dev | {mfu} | mem {jm.fmt_bytes(rec['memory_bytes'])}/dev")
+            f"{rec['tflops_per_device']:.3g} TFLOP/s/dev | {mfu} | mem {jm.fmt_bytes(rec['memory_bytes'])}/dev")
 
 
 def sample(plan, params, corpus, c: TrainConfig, jdata) -> None:
