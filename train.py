@@ -296,8 +296,10 @@ def train(c: TrainConfig) -> int:
     bar = None
     if tty:
         from tqdm import tqdm
-        bar = tqdm(total=c.steps, initial=loader.step, desc="train", unit="step", dynamic_ncols=True,
-                   file=sys.stderr, bar_format="{desc} {n_fmt}/{total_fmt} |{bar}| {elapsed}<{remaining} {postfix}")
+        # a fixed size with a fallback: tqdm hides its bar on a terminal that reports 0 x 0
+        size = shutil.get_terminal_size((120, 24))
+        bar = tqdm(total=c.steps, initial=loader.step, desc="train", unit="step", ncols=size.columns, nrows=size.lines,
+                   file=sys.stderr, bar_format="{desc} {n_fmt}/{total_fmt} [{elapsed}<{remaining}]{postfix}")
     say = (lambda msg: bar.write(msg, file=sys.stderr)) if bar else (lambda msg: print(msg, flush=True))
 
     pending, last = [], {"loss": None, "tokens_per_sec": None, "mem": mem}
@@ -393,7 +395,7 @@ def train(c: TrainConfig) -> int:
 
 
 def progress_line(rec: dict, platform: str, jm) -> str:
-    mfu = f"MFU {rec['mfu']:.1%}" if rec["mfu"] is not None else f"MFU n/a on {platform.upper()}"
+    mfu = f"MFU {rec['mfu']:.1%}" if rec["mfu"] is not None else f"MFU n/a ({platform.upper()})"
     return (f"loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | {rec['tokens_per_sec']:,.0f} tok/s | "
             f"{rec['tflops_per_device']:.3g} TFLOP/s/dev | {mfu} | mem {jm.fmt_bytes(rec['memory_bytes'])}/dev")
 
