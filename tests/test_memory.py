@@ -1,0 +1,169 @@
+"""Memory and communication accounting against XLA's own numbers for the compiled train step.
+
+The references are independent of the code under test: XLA's buffer assignment
+(`compiled.memory_analysis()`) and the collectives in the optimized HLO, against the analytic
+estimate (layouts, optimizer shapes, traced residuals) and the contract's formulas (parameter
+counts from the model config's own `num_params`)."""
+import dataclasses
+import functools
+import json
+import math
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jfsdp
+import models
+from jfsdp import hlo, memory
+from jfsdp.plan import largest_batch, parse_bytes
+
+# Width 256 so that parameters, gathered units and activations all weigh in the peak; vocab 259
+# pads on 8 and 16 shards (259 -> 264 or 272 rows), so padding is exercised.
+BASE = dataclasses.replace(models.get_config("llama-test"), dim=256, ffn_dim=688, n_layers=4)
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_case(mesh, strategy, remat, precision, n_layers=4, batch=16, seq=64, cfg=BASE):
+    cfg = dataclasses.replace(cfg, n_layers=n_layers)
+    r, s = jfsdp.parse_mesh(mesh)
+    m = jfsdp.make_mesh(mesh, jax.devices()[: r * s])
+    x = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+    root, unit, n = models.parts(cfg)
+    plan = jfsdp.fully_shard(jfsdp.Stacked(root, unit, n), m, x, strategy=strategy, remat=remat,
+                             mp_policy=jfsdp.MixedPrecision.parse(precision))
+    opt = jfsdp.adamw(1e-3)
+    b = {"inputs": x, "targets": x}
+    loss = models.loss_fn(cfg)
+    compiled = memory.compile_step(plan, opt, loss, b)
+    return cfg, plan, memory.estimate(plan, opt, loss, b), compiled
+
+
+# Six+ configurations spanning every strategy, both precisions, the three remat policies and four
+# mesh shapes. Tolerance 10% (the issue's bar): the estimate sums what is live at the start of the
+# backward pass; XLA's heap simulation overlaps some of it (measured spread on this grid: 0.92-1.04).
+ESTIMATE_CASES = [
+    ("1x16", "full_shard", "full", "fp32", 4),
+    ("1x16", "full_shard", "none", "fp32", 8),
+    ("2x8", "full_shard", "full", "bf16", 4),
+    ("1x16", "shard_grad_op", "full", "fp32", 8),
+    ("4x4", "shard_grad_op", "dots", "bf16", 4),
+    ("16x1", "no_shard", "full", "fp32", 4),
+    ("8x2", "hybrid_shard", "dots", "fp32", 4),
+    ("1x16", "full_shard", "dots", "bf16", 6),
+]
+
+
+@pytest.mark.parametrize("mesh,strategy,remat,precision,n_layers", ESTIMATE_CASES)
+def test_estimate_within_10_percent_of_compiled(mesh, strategy, remat, precision, n_layers):
+    _, _, est, compiled = compiled_case(mesh, strategy, remat, precision, n_layers)
+    measured = memory.measure(compiled)["total"]
+    assert abs(est.total / measured - 1) < 0.10, (est.as_dict(), memory.measure(compiled))
+
+
+@pytest.mark.parametrize("mesh", ["1x16", "2x8"])
+def test_full_shard_persistent_state_is_one_over_s(mesh):
+    """Arguments of the compiled step = parameters + AdamW moments (3 fp32 copies) over S, plus
+    padding, plus the batch and two scalars. Tolerance 2%: only the scalars are not counted."""
+    cfg, plan, est, compiled = compiled_case(mesh, "full_shard", "full", "fp32")
+    S = plan.shards
+    unsharded = cfg.num_params() * 4 * 3  # params + mu + nu, fp32, from the model's own count
+    n, pad = cfg.n_layers, 0
+    for part, mult in (("root", 1), ("units", n)):
+        pad += mult * sum(l.padding for l in jax.tree.leaves(plan.layouts[part], is_leaf=lambda x: isinstance(x, jfsdp.Layout)))
+    assert pad > 0  # the vocabulary (259) pads on 8 and 16 shards: padding is really exercised
+    batch = 2 * 16 * 64 * 4 // plan.n_devices
+    expected = unsharded / S + pad * 4 * 3 / S + batch
+    assert abs(memory.measure(compiled)["argument"] / expected - 1) < 0.02
+    assert abs(est.persistent / (expected - batch) - 1) < 0.02
+
+
+def _contract(cfg, plan):
+    """The contract's headline formula, from the parameter count alone (fp32: 4 bytes)."""
+    psi, S, N, R = cfg.num_params(), plan.shards, plan.n_devices, plan.replicas
+    if plan.strategy is jfsdp.Strategy.NO_SHARD:
+        return 2 * psi * 4 * (N - 1) / N
+    gathers = 2 if plan.strategy.reshard_after_forward else 1
+    return (gathers + 1) * psi * 4 * (S - 1) / S + 2 * psi * 4 / S * (R - 1) / R
+
+
+# Communication: fp32 so the wire dtype is the policy's on every backend (the CPU widens bf16).
+# 8 units so the root (gathered once, not twice) is a small share of Ψ. Tolerance 5%: the
+# contract rounds the root's single gather up to two and ignores padding and scalar all-reduces.
+@pytest.mark.parametrize("mesh,strategy", [("1x16", "full_shard"), ("1x16", "shard_grad_op"),
+                                           ("16x1", "no_shard"), ("4x4", "hybrid_shard")])
+def test_comm_per_step_matches_formula(mesh, strategy):
+    cfg, plan, _, compiled = compiled_case(mesh, strategy, "full", "fp32", n_layers=8, cfg=models.get_config("llama-test"))
+    got = memory.comm_measured(compiled, plan.n_devices)
+    want = memory.comm_formula(plan)
+    for kind in ("all-gather", "reduce-scatter", "all-reduce"):
+        assert got[kind] == pytest.approx(want[kind], rel=0.05, abs=1024), kind  # abs: scalar all-reduces (loss, grad norm)
+    assert got["total"] == pytest.approx(_contract(cfg, plan), rel=0.05)
+    if strategy == "no_shard":
+        assert got["all-gather"] == 0 and got["reduce-scatter"] == 0
+    if strategy == "hybrid_shard":
+        assert got["all-reduce"] > 0.1 * got["total"]  # the shard's all-reduce over `data`
+
+
+def test_unit_scan_trip_count_is_n_units():
+    """Collectives inside the unit scan run n_units times: the reader must find that count."""
+    _, plan, _, compiled = compiled_case("1x16", "full_shard", "full", "fp32")
+    trips = hlo.trip_counts(compiled.as_text())
+    assert trips and set(trips.values()) == {plan.model.n_units}
+    per = hlo.per_step(compiled.as_text(), 16)
+    assert "unknown_loops" not in per
+    assert per["all-gather"]["count"] > hlo.summarize(hlo.collectives(compiled.as_text(), 16))["all-gather"]["count"]
+
+
+def test_full_shard_memory_flat_in_depth_with_remat():
+    """Per-unit cost of FULL_SHARD + remat full is the saved unit input only, not a gathered unit."""
+    _, _, _, c4 = compiled_case("1x16", "full_shard", "full", "fp32", 4)
+    _, plan, _, c8 = compiled_case("1x16", "full_shard", "full", "fp32", 8)
+    temp4, temp8 = memory.measure(c4)["temp"], memory.measure(c8)["temp"]
+    unit_gathered = memory._stored_bytes(plan.layouts["units"])
+    assert (temp8 - temp4) / 4 < 0.35 * unit_gathered
+
+
+def test_largest_batch_and_bytes_parsing():
+    assert largest_batch(lambda b: b <= 37) == 37
+    assert largest_batch(lambda b: b <= 1) == 1
+    assert largest_batch(lambda b: False) == 0
+    assert parse_bytes("80GiB") == 80 * 2**30 and parse_bytes("40GB") == 40 * 10**9 and parse_bytes("512") == 512
+
+
+def _plan(*args, env_extra=None):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-m", "jfsdp.plan", *args], capture_output=True, text=True, env=env,
+                          timeout=300)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--model", "nope", "--mesh", "1x4"], "unknown model"),
+    (["--model", "llama-test", "--mesh", "1x4", "--device-memory", "lots"], "does not parse"),
+    (["--model", "llama-test", "--mesh", "2y2"], "malformed"),
+])
+def test_plan_bad_input_is_one_line_and_status_2(args, needle):
+    p = _plan(*args)
+    assert p.returncode == 2 and needle in p.stderr
+    lines = [l for l in p.stderr.splitlines() if l.strip() and "Warning" not in l]
+    assert len(lines) == 1 and lines[0].startswith("error: ")
+
+
+def test_plan_mesh_that_does_not_fit_the_fake_devices():
+    p = _plan("--model", "llama-test", "--mesh", "1x8", env_extra={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
+    assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].startswith("error: mesh 1x8 needs 8 devices")
+
+
+def test_plan_json_report(tmp_path):
+    out = tmp_path / "plan.json"
+    p = _plan("--model", "llama-test", "--mesh", "2x2", "--precision", "fp32", "--batch-size", "8",
+              "--seq-len", "64", "--device-memory", "64MiB", "--target", "cpu", "--json", str(out))
+    assert p.returncode == 0, p.stderr
+    r = json.loads(out.read_text())
+    assert r["fits"] and r["largest_global_batch"] >= 8 and r["largest_global_batch"] % 4 == 0
+    assert abs(r["estimate"]["total"] / r["compiled"]["total"] - 1) < 0.10
+    assert "fits in" in p.stdout and "largest global batch" in p.stdout
