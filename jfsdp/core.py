@@ -185,13 +185,17 @@ class FSDP:
         """Deferred initialization: one jitted program whose outputs are the shards, computed where
         they live (the random bits are partitionable), so no device ever holds the full model.
         Values equal `init_full(rng)` of the unsharded model."""
-        init = jax.jit(lambda k: self._pad(self._init_full(k, self.example_inputs)),
+        init = jax.jit(lambda k: self._pad(self._init_full(k, self._zeros_inputs())),
                        out_shardings=self.param_shardings)
         return init(rng)
 
+    def _zeros_inputs(self):
+        # only the shapes matter to init; a constant inside the traced function costs nothing
+        return jnp.zeros(self.example_inputs.shape, self.example_inputs.dtype)
+
     def init_full(self, rng):
         """The unsharded initial parameters (one device): the reference for `init`."""
-        return jax.jit(self._init_full)(rng, self.example_inputs)
+        return jax.jit(lambda k: self._init_full(k, self._zeros_inputs()))(rng)
 
     def shard(self, full):
         """Place full parameters (host or device arrays) as shards; each device receives its slice."""
