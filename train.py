@@ -64,10 +64,17 @@ class ArgParser(argparse.ArgumentParser):
         fail(f"{message} (see --help)")
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    def _get_help_string(self, action):  # no "(default: None)", and no second default where help names one
+        if action.default is None or action.default is False or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def parse_args(argv=None) -> TrainConfig:
     d = TrainConfig()
     p = ArgParser(description="Train a language model with Fully Sharded Data Parallel (jfsdp).",
-                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                  formatter_class=HelpFormatter)
     g = p.add_argument_group("parallelism and model")
     g.add_argument("--mesh", default=d.mesh, help="device mesh RxS: R replicas (data axis) of S shards (fsdp axis); "
                    "1xN = full sharding, Nx1 = data parallel, both > 1 = hybrid sharding")
@@ -238,8 +245,11 @@ def train(c: TrainConfig) -> int:
                                  strategy=strategy, mp_policy=mp, remat=c.remat)
         rows = jdata.process_rows(plan.batch_sharding, c.batch_size, c.seq_len)
         loader = jdata.Loader(corpus, c.batch_size, c.seq_len, seed=c.seed, rows=rows)
-    except (jfsdp.ConfigError, ValueError, OSError) as e:
+        out = jm.MetricsFile(c.metrics_out or None)   # opened now: an unwritable path is bad input too
+    except (jfsdp.ConfigError, ValueError) as e:
         fail(str(e))
+    except OSError as e:
+        fail(f"{e.filename}: {e.strerror}")
 
     n_dev = r * s
     platform = devices[0].platform
@@ -277,7 +287,6 @@ def train(c: TrainConfig) -> int:
     print(f"compiled the train step in {compile_s:.1f}s | memory per device {jm.fmt_bytes(mem)} ({mem_src})"
           + ("" if peak else f" | MFU n/a on {platform.upper()}"), flush=True)
 
-    out = jm.MetricsFile(c.metrics_out or None)
     history = {"val": []}
 
     def evaluate(step: int) -> float:
@@ -351,9 +360,10 @@ def train(c: TrainConfig) -> int:
                     say(f"step {done:>5} | {line}")
                 t_mark, mark_step = time.perf_counter(), done
             if (c.eval_every and done % c.eval_every == 0) or done == c.steps:
+                t_eval = time.perf_counter()
                 v = evaluate(done)
                 say(f"step {done:>5} | val loss {v:.4f}")
-                t_mark = time.perf_counter()   # evaluation is not training throughput
+                t_mark += time.perf_counter() - t_eval   # evaluation is not training throughput
             if c.ckpt_dir and c.save_every and done % c.save_every == 0:
                 save_checkpoint(state, loader.state(), c.ckpt_dir)
     except KeyboardInterrupt:

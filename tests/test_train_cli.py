@@ -114,3 +114,12 @@ def test_ctrl_c_stops_cleanly(tmp_path):
     assert p.returncode == 130, err
     assert "interrupted at step" in err and "Traceback" not in err
     assert "summary" in out and metrics.exists()
+
+
+def test_help_documents_every_flag():
+    r = run_train("--help")
+    assert r.returncode == 0
+    for flag in ("--mesh", "--strategy", "--model", "--precision", "--remat", "--steps", "--batch-size",
+                 "--seq-len", "--grad-accum", "--lr", "--warmup", "--clip", "--seed", "--data", "--eval-every",
+                 "--metrics-out", "--ckpt-dir", "--save-every", "--resume", "--profile", "--cpu-devices"):
+        assert flag in r.stdout, flag
