@@ -114,6 +114,23 @@ def _is_unshard(prim, params) -> bool:
     return prim.name == "custom_vjp_call" and getattr(params.get("bwd"), "f", None) is _unshard_bwd
 
 
+@functools.cache
+def _policy_sees_unshard() -> bool:
+    """Self-check, once per process: does a checkpoint policy recognize `unshard` in this jax
+    version? `_is_unshard` reads a jax-internal attribute; if that ever changes, ZeRO-2/ZeRO-3
+    would silently swap memory behaviour, so fully_shard refuses to run instead."""
+    seen = []
+
+    def probe(prim, *_, **params):
+        seen.append(_is_unshard(prim, params))
+        return False
+
+    layout, comm = Layout((2,), jnp.dtype(jnp.float32), 1), Comm((), 1.0, None, None)
+    f = jax.checkpoint(lambda x: jnp.sum(unshard(x, layout, comm) ** 2), policy=probe)
+    jax.eval_shape(jax.grad(f), jax.ShapeDtypeStruct((2,), jnp.float32))
+    return any(seen)
+
+
 def checkpoint_policy(remat: str, reshard_after_forward: bool):
     """What the backward pass of a unit may reuse from its forward pass.
 
@@ -125,6 +142,9 @@ def checkpoint_policy(remat: str, reshard_after_forward: bool):
     gathered array."""
     if remat not in REMAT:
         raise ConfigError(f"unknown remat '{remat}'; choose from {', '.join(REMAT)}")
+    if not _policy_sees_unshard():
+        raise RuntimeError(f"jfsdp cannot identify its all-gather inside jax.checkpoint on jax {jax.__version__}; "
+                           "reshard_after_forward cannot be honoured (please report this)")
     cp = jax.checkpoint_policies
     base = {"none": cp.everything_saveable, "full": cp.nothing_saveable, "dots": cp.dots_saveable}[remat]
     keep_unsharded = not reshard_after_forward
