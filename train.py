@@ -6,7 +6,7 @@
 Without an accelerator the devices the mesh needs are faked on the CPU (XLA's host device count,
 which has to be set before jax is imported: that is why this file parses its flags first and imports
 jax afterwards). Bad input ends with one line `error: ...` and exit status 2; Ctrl-C ends with 130.
-See docs/train.md for every flag, the data formats and what the progress line shows.
+See README.md (Training) for every flag, the data formats and what the progress line shows.
 """
 from __future__ import annotations
 
