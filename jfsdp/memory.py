@@ -19,12 +19,11 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jfsdp import hlo
 from jfsdp.core import FSDP, ROOT, UNITS, Layout
 from jfsdp.policy import Strategy
-from jfsdp.step import TrainState, make_train_step
+from jfsdp.step import abstract_state, make_train_step
 
 GiB = 1 << 30
 
@@ -48,28 +47,6 @@ def abstract_params(plan: FSDP):
     params = jax.eval_shape(plan.init, jax.random.key(0))
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), params,
                         plan.param_shardings)
-
-
-def abstract_state(plan: FSDP, optimizer) -> TrainState:
-    """TrainState of ShapeDtypeStructs. Optimizer subtrees shaped like the parameters (Adam's
-    moments) are sharded like them; everything else (step counts) is replicated."""
-    params = abstract_params(plan)
-    pdef = jax.tree.structure(params)
-    replicated = NamedSharding(plan.mesh, P())
-    opt = jax.eval_shape(optimizer.init, params)
-
-    def like_params(node):
-        return jax.tree.structure(node) == pdef and all(
-            a.shape == p.shape for a, p in zip(jax.tree.leaves(node), jax.tree.leaves(params)))
-
-    def place(node):
-        if like_params(node):
-            return jax.tree.map(lambda a, p: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=p.sharding), node, params)
-        return jax.ShapeDtypeStruct(node.shape, node.dtype, sharding=replicated)
-
-    opt = jax.tree.map(place, opt, is_leaf=lambda n: like_params(n) or isinstance(n, jax.ShapeDtypeStruct))
-    step = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
-    return TrainState(step, params, opt)
 
 
 def abstract_batch(plan: FSDP, batch):
