@@ -180,7 +180,9 @@ def setup_devices(c: TrainConfig, n_needed: int | None) -> None:
         if c.cpu_devices:
             fail("--cpu-devices only applies on a machine without an accelerator (or with JAX_PLATFORMS=cpu)")
         return
-    n = c.cpu_devices or n_needed or 1
+    if n_needed is None and not c.cpu_devices:
+        return  # a malformed mesh: jfsdp.parse_mesh reports it once jax is imported; nothing to fake
+    n = c.cpu_devices or n_needed
     flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", ""))
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")   # don't probe for GPU/TPU plugins
