@@ -56,14 +56,8 @@ def peak_flops(device, precision: str = "bf16") -> float | None:
 def device_memory(devices, compiled=None) -> tuple[int | None, str]:
     """(peak bytes per device, where the figure comes from). Accelerators report their allocator's
     peak; CPU devices report nothing, so the compiled train step's buffer assignment stands in."""
-    peaks = []
-    for dev in devices:
-        try:
-            stats = dev.memory_stats()
-        except Exception:   # some backends raise instead of returning None
-            stats = None
-        if stats and "peak_bytes_in_use" in stats:
-            peaks.append(stats["peak_bytes_in_use"])
+    from jfsdp.memory import device_peak
+    peaks = [p for p in map(device_peak, devices) if p is not None]
     if peaks:
         return max(peaks), "allocator peak"
     if compiled is not None:
