@@ -206,7 +206,7 @@ def estimate(plan: FSDP, optimizer, loss_fn: Callable, batch, *, prefetch: bool 
     gdt = _wire_dtype(pdt, backend)
     root_g, unit_g = _stored_bytes(plan.layouts[ROOT], gdt), _stored_bytes(plan.layouts[UNITS], gdt)
     root_r, unit_r = _stored_bytes(plan.layouts[ROOT], rdt), _stored_bytes(plan.layouts[UNITS], rdt)
-    if plan.strategy.sharded:
+    if S > 1:
         # ZeRO-3 keeps one gathered unit at a time (two with prefetch). Its unsharded gradient needs
         # no room of its own: each leaf's gradient is reduce-scattered as soon as it is complete and
         # the gathered leaf dies after its last use, so one takes the place of the other (measured:
@@ -217,10 +217,13 @@ def estimate(plan: FSDP, optimizer, loss_fn: Callable, batch, *, prefetch: bool 
         gathered = root_g + unit_g * kept
         grad_buffers = 0 if plan.strategy.reshard_after_forward else unit_r
     else:
-        # DDP: nothing gathered; a param_dtype copy of the weights exists only where compute runs
-        # in another dtype than the master copy. The all-reduce writes a second full gradient.
-        gathered = 0 if gdt == jnp.dtype(jnp.float32) else root_g + unit_g * n
-        grad_buffers = root_r + unit_r * n
+        # One shard (NO_SHARD, or any strategy on an Rx1 mesh): unshard is at most a cast, which the
+        # backward pass redoes rather than keeps (core.FSDP), so a param_dtype copy exists for the
+        # root and one unit at a time, and only where compute runs in another dtype than the master.
+        # With N > 1 devices the gradient all-reduce writes a second full gradient (measured: 1x1
+        # and 16x1 differ by that much beyond their activations).
+        gathered = 0 if gdt == jnp.dtype(jnp.float32) else root_g + unit_g
+        grad_buffers = root_r + unit_r * n if N > 1 else 0
 
     local = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // N, *a.shape[1:]), a.dtype), batch)
     act = activation_estimate(plan, loss_fn, local, backend)
