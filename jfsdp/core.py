@@ -216,6 +216,13 @@ class FSDP:
         # only the shapes matter to init; a constant inside the traced function costs nothing
         return jnp.zeros(self.example_inputs.shape, self.example_inputs.dtype)
 
+    def abstract_params(self):
+        """The shards as ShapeDtypeStructs carrying their shardings: lower and compile without
+        allocating anything."""
+        shapes = jax.eval_shape(self.init, jax.random.key(0))
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes,
+                            self.param_shardings)
+
     def init_full(self, rng):
         """The unsharded initial parameters (one device): the reference for `init`."""
         return jax.jit(lambda k: self._init_full(k, self._zeros_inputs()))(rng)

@@ -21,15 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jfsdp import hlo
-from jfsdp.core import FSDP, ROOT, UNITS, Layout
+from jfsdp.core import FSDP, ROOT, UNITS, Layout, _is_layout
 from jfsdp.policy import Strategy
 from jfsdp.step import abstract_state, make_train_step
 
 GiB = 1 << 30
-
-
-def _is_layout(x):
-    return isinstance(x, Layout)
 
 
 def _nbytes(x) -> int:
@@ -41,13 +37,6 @@ def _tree_bytes(tree) -> int:
 
 
 # ---------------------------------------------------------------- abstract inputs (nothing allocated)
-
-def abstract_params(plan: FSDP):
-    """The parameter shards as ShapeDtypeStructs carrying the plan's shardings."""
-    params = jax.eval_shape(plan.init, jax.random.key(0))
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), params,
-                        plan.param_shardings)
-
 
 def abstract_batch(plan: FSDP, batch):
     """A (global) batch tree of shapes -> ShapeDtypeStructs split over all devices."""
@@ -195,7 +184,7 @@ def estimate(plan: FSDP, optimizer, loss_fn: Callable, batch, *, prefetch: bool 
     master = max(jnp.dtype(l.dtype).itemsize for l in jax.tree.leaves(plan.layouts, is_leaf=_is_layout))
     real, pad = _elements(plan)
     params = real * master // S
-    opt_total = _tree_bytes(jax.eval_shape(optimizer.init, abstract_params(plan)))
+    opt_total = _tree_bytes(jax.eval_shape(optimizer.init, plan.abstract_params()))
     opt_per_byte = opt_total / ((real + pad) * master)  # AdamW: 2.0 (two fp32 moments)
     optimizer_b = int(round(params * opt_per_byte))
     pad_state = int(round(pad * master * (1 + opt_per_byte) / S))

@@ -36,17 +36,18 @@ def state_shardings(plan: FSDP, optimizer: optax.GradientTransformation) -> Trai
     moments) are sharded like it, the rest (step counts) replicated. Fixing these for the step's
     inputs and outputs means one compilation, and lets the planner lower with abstract inputs."""
     replicated = NamedSharding(plan.mesh, P())
-    abstract_params = jax.eval_shape(plan.init, jax.random.key(0))
-    opt = optax.tree_map_params(optimizer, lambda _, s: s, jax.eval_shape(optimizer.init, abstract_params),
+    opt = optax.tree_map_params(optimizer, lambda _, s: s, jax.eval_shape(optimizer.init, plan.abstract_params()),
                                 plan.param_shardings, transform_non_params=lambda _: replicated)
     return TrainState(replicated, plan.param_shardings, opt)
 
 
 def abstract_state(plan: FSDP, optimizer: optax.GradientTransformation) -> TrainState:
     """The train state as ShapeDtypeStructs with shardings: lower and compile without allocating."""
-    shapes = jax.eval_shape(lambda k: init_state(plan, optimizer, k), jax.random.key(0))
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes,
-                        state_shardings(plan, optimizer))
+    params = plan.abstract_params()
+    shardings = state_shardings(plan, optimizer)
+    opt = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                       jax.eval_shape(optimizer.init, params), shardings.opt_state)
+    return TrainState(jax.ShapeDtypeStruct((), jnp.int32, sharding=shardings.step), params, opt)
 
 
 def init_state(plan: FSDP, optimizer: optax.GradientTransformation, rng=None, params=None) -> TrainState:

@@ -22,8 +22,7 @@ def compile_grad(mesh_spec, strategy, remat="full", n_layers=4, precision="fp32"
     tokens = jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32)
     plan = jfsdp.fully_shard(jfsdp.Stacked(root, unit, n), mesh, tokens, strategy=strategy, remat=remat,
                              mp_policy=jfsdp.MixedPrecision.parse(precision))
-    params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                          jax.eval_shape(plan.init, jax.random.key(0)), plan.param_shardings)
+    params = plan.abstract_params()
     tok = jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32, sharding=plan.batch_sharding)
     compiled = jax.jit(plan.loss_and_grad(models.loss_fn(cfg))).lower(params, {"inputs": tok, "targets": tok}).compile()
     return cfg, plan, compiled
