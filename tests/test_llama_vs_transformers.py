@@ -11,44 +11,25 @@ import numpy as np
 import pytest
 
 import models
+from jfsdp import hf
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 
 def hf_model(cfg):
-    hf_cfg = transformers.LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.ffn_dim,
-        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
-        head_dim=cfg.head_dim, rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
-        max_position_embeddings=cfg.max_seq_len, tie_word_embeddings=cfg.tie_embeddings,
-        attention_bias=False, mlp_bias=False, hidden_act="silu")
+    hf_cfg = transformers.LlamaConfig(**hf.to_hf_config(dataclasses.asdict(cfg)))
     return transformers.LlamaForCausalLM(hf_cfg).eval()
 
 
 def load_weights(model, root_p, unit_ps, cfg):
-    """Ours -> HF: Flax Dense kernels are (in, out), torch Linear weights (out, in)."""
-    t = lambda a: torch.from_numpy(np.asarray(a, np.float32).copy())
-    sd = {"model.embed_tokens.weight": t(root_p["tok_embeddings"]["embedding"]),
-          "model.norm.weight": t(root_p["norm"]["scale"])}
-    if not cfg.tie_embeddings:
-        sd["lm_head.weight"] = t(root_p["output"]["kernel"]).T
-    else:
-        sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
-    for i, p in enumerate(unit_ps):
-        a, f = p["attention"], p["feed_forward"]
-        pre = f"model.layers.{i}."
-        sd |= {pre + "self_attn.q_proj.weight": t(a["wq"]["kernel"]).T,
-               pre + "self_attn.k_proj.weight": t(a["wk"]["kernel"]).T,
-               pre + "self_attn.v_proj.weight": t(a["wv"]["kernel"]).T,
-               pre + "self_attn.o_proj.weight": t(a["wo"]["kernel"]).T,
-               pre + "mlp.gate_proj.weight": t(f["w1"]["kernel"]).T,
-               pre + "mlp.up_proj.weight": t(f["w3"]["kernel"]).T,
-               pre + "mlp.down_proj.weight": t(f["w2"]["kernel"]).T,
-               pre + "input_layernorm.weight": t(p["attention_norm"]["scale"]),
-               pre + "post_attention_layernorm.weight": t(p["ffn_norm"]["scale"])}
+    """Ours -> HF through jfsdp.hf, the one mapping of names and transposes."""
+    full = {"root": root_p, "units": jax.tree.map(lambda *xs: np.stack(xs), *unit_ps)}
+    sd = {k: torch.from_numpy(v.astype(np.float32)) for k, v in hf.to_hf(jax.device_get(full), cfg.tie_embeddings).items()}
     missing, unexpected = model.load_state_dict(sd, strict=False)
-    assert not unexpected and all("rotary" in k for k in missing), (missing, unexpected)
+    assert not unexpected and all("rotary" in k or (cfg.tie_embeddings and k == "lm_head.weight") for k in missing), \
+        (missing, unexpected)
+    return full
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -71,7 +52,12 @@ def test_logits_match_transformers_llama(tied):
             h = unit.apply({"params": p}, h)
         ours = np.asarray(root.apply({"params": root_p}, h, method="head"))
     model = hf_model(cfg)
-    load_weights(model, root_p, unit_ps, cfg)
+    full = load_weights(model, root_p, unit_ps, cfg)
+    # and back: transformers' own state dict read through the mapping gives our parameters again
+    theirs_sd = {k: v.numpy() for k, v in model.state_dict().items()}
+    back = hf.from_hf(theirs_sd.__getitem__, cfg.n_layers, cfg.tie_embeddings)
+    jax.tree.map(np.testing.assert_array_equal, back, jax.device_get(full))
+    assert hf.from_hf_config(model.config.to_dict()) == {**dataclasses.asdict(cfg)}
     with torch.no_grad():
         theirs = model(torch.from_numpy(tokens)).logits.numpy()
     assert ours.shape == theirs.shape
