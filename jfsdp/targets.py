@@ -19,6 +19,7 @@ occupancy, the cost model); `device_memory_size` also bounds the latency-hiding 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -43,7 +44,7 @@ class GpuTarget:
     peak_bf16_flops: float      # dense bf16 tensor-core FLOP/s (datasheet), for MFU
     source: str
 
-    def text_proto(self, cudnn=(9, 8), cuda_runtime=(13, 0)) -> str:
+    def text_proto(self, cudnn=None, cuda_runtime=(13, 0)) -> str:
         """The GpuTargetConfig text proto handed to the compiler. The limits that every NVIDIA GPU
         since Volta shares (1024 threads per block, warps of 32, 48 KiB static shared memory per
         block, 64 Ki registers, the grid limits) are from the CUDA C++ Programming Guide's table of
@@ -70,7 +71,7 @@ class GpuTarget:
   registers_per_block_limit: 65536
 }}
 platform_name: "CUDA"
-dnn_version_info {{ major: {cudnn[0]} minor: {cudnn[1]} }}
+dnn_version_info {{ major: {(cudnn or _CUDNN)[0]} minor: {(cudnn or _CUDNN)[1]} }}
 runtime_version {{ major: {cuda_runtime[0]} minor: {cuda_runtime[1]} }}
 device_description_str: "{self.description}"
 """
@@ -144,10 +145,7 @@ def topology(target: str, mesh: str | tuple) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _topology_devices(target: str, n: int):
-    import jax
     from jax.experimental import topologies
-    if jax.config.jax_platforms not in ("cpu",) and os.environ.get("JAX_PLATFORMS", "") != "cpu":
-        pass  # a real GPU host may compile for another GPU as well; nothing to check
     t = get(target)
     try:
         desc = topologies.get_topology_desc(platform="cuda", target_config=t.text_proto(), topology=f"1x1x{n}")
@@ -155,6 +153,10 @@ def _topology_devices(target: str, n: int):
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         if not plugin_available():
             raise ConfigError(f"compiling for {target} needs jax's CUDA plugin: {_install_hint()}") from None
+        import jax
+        if jax.config.jax_platforms != "cpu":
+            raise ConfigError(f"could not build a {target} topology ({msg}): set JAX_PLATFORMS=cpu before jax "
+                              "starts (the CUDA plugin otherwise looks for a GPU and its libraries)") from None
         raise ConfigError(f"could not build a {target} topology ({msg}); {_install_hint()}") from None
     return tuple(desc.devices)
 
@@ -210,3 +212,41 @@ def gpu_xla_flags(existing: str | None = None) -> str:
     have = {f.split("=")[0].lstrip("-") for f in existing.split()}
     extra = [f"--{k}={str(v).lower()}" for k, v in GPU_FLAGS.items() if k not in have]
     return " ".join([existing.strip()] + extra).strip()
+
+
+@contextlib.contextmanager
+def tracing_for(target: str):
+    """Trace for a compile-only target. jax asks the local cuDNN library for its version before it
+    emits cuDNN's fused attention (jax.nn.dot_product_attention(implementation="cudnn")); a machine
+    without a GPU has none, so while this is active the answer is the version the target's config
+    declares (cuDNN 9.8). On a machine with cuDNN, or a jax without that check, nothing changes."""
+    get(target)
+    try:
+        from jax._src.cudnn import fused_attention_stablehlo as fa
+    except Exception:  # a jax without it: nothing to patch
+        yield
+        return
+    real = getattr(fa, "check_cudnn_version", None)
+    try:
+        real() if real else None
+        patched = False
+    except Exception:
+        patched = True
+    if patched:
+        fa.check_cudnn_version = lambda: _CUDNN[0] * 10000 + _CUDNN[1] * 100
+    try:
+        yield
+    finally:
+        if patched:
+            fa.check_cudnn_version = real
+
+
+_CUDNN = (9, 8)
+
+
+def compile_step(target: str, plan, optimizer, loss_fn, batch, grad_accum: int = 1, overrides: dict | None = None):
+    """jfsdp's real train step for `plan` (whose mesh is made of `devices(target, ...)`), compiled by
+    XLA:GPU for `target` with jfsdp's GPU options (`compiler_options(overrides)`). Nothing runs."""
+    from jfsdp import memory
+    with tracing_for(target):
+        return memory.compile_step(plan, optimizer, loss_fn, batch, grad_accum, compiler_options(overrides))

@@ -28,7 +28,8 @@ class LlamaConfig:
     tie_embeddings: bool = True
     init_std: float = 0.02
     # jax.nn.dot_product_attention's implementation: "xla", "cudnn" (fused flash attention: no T x T
-    # score matrix in memory; bf16/fp16 only) or "auto" (cudnn where it applies, xla elsewhere)
+    # score matrix in memory; for 16-bit compute) or "auto" (cudnn on GPUs where it applies); see
+    # attention_impl
     attention: str = "auto"
 
     @property
@@ -78,15 +79,16 @@ def _dense(features: int, name: str, std: float):
     return nn.Dense(features, use_bias=False, name=name, kernel_init=nn.initializers.normal(std))
 
 
-def attention_impl(cfg: LlamaConfig, dtype) -> str | None:
-    """The implementation of jax.nn.dot_product_attention for this config: "auto" is cuDNN's fused
-    attention on a CUDA backend when it supports the case (16-bit floats, head_dim a multiple of 8
-    up to 128), the XLA reference everywhere else (CPU, TPU, fp32)."""
-    if cfg.attention != "auto":
-        return cfg.attention
+def attention_impl(cfg: LlamaConfig, dtype) -> str:
+    """The implementation of jax.nn.dot_product_attention for this config and compute dtype. cuDNN's
+    fused attention takes 16-bit floats and head_dim a multiple of 8 up to 128; anything else (fp32,
+    e.g. while parameters are initialized) runs the XLA reference. "auto" uses cuDNN only on a CUDA
+    backend; "cudnn" wherever it applies (for a program compiled for a GPU on another machine)."""
     ok = (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
           and cfg.head_dim % 8 == 0 and cfg.head_dim <= 128)
-    return "cudnn" if ok and jax.default_backend() == "gpu" else "xla"
+    if cfg.attention == "xla" or not ok:
+        return "xla"
+    return "cudnn" if cfg.attention == "cudnn" or jax.default_backend() == "gpu" else "xla"
 
 
 class Attention(nn.Module):
