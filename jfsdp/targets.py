@@ -41,7 +41,6 @@ class GpuTarget:
     clock_ghz: float            # boost clock of the SMs
     smem_per_sm: int            # shared_memory_per_core
     smem_per_block_optin: int   # shared_memory_per_block_optin
-    peak_bf16_flops: float      # dense bf16 tensor-core FLOP/s (datasheet), for MFU
     source: str
 
     def text_proto(self, cudnn=None, cuda_runtime=(13, 0)) -> str:
@@ -83,31 +82,30 @@ TARGETS = {
     "h100": GpuTarget(
         "h100", "NVIDIA H100 80GB HBM3", (9, 0), sm_count=132, fpus_per_core=128,
         memory_bytes=84_929_347_584, memory_bandwidth=3_352_320_000_000, l2_cache_bytes=52_428_800,
-        clock_ghz=1.98, smem_per_sm=233_472, smem_per_block_optin=232_448, peak_bf16_flops=989e12,
+        clock_ghz=1.98, smem_per_sm=233_472, smem_per_block_optin=232_448,
         source="H100 SXM5 80GB. Device memory, bandwidth, L2, clock, SMs and shared memory as an H100's "
                "CUDA runtime reports them, in the GpuTargetConfig posted in openxla/xla PR #25919 (2025) and "
                "matching a deviceQuery of 'NVIDIA H100 80GB HBM3' (132 SMs, 1980 MHz, 50 MiB L2, 228 KiB "
-               "shared memory per SM); bf16 dense peak from NVIDIA's H100 SXM datasheet (989 TFLOP/s)."),
+               "shared memory per SM)."),
     "h200": GpuTarget(
         "h200", "NVIDIA H200", (9, 0), sm_count=132, fpus_per_core=128,
         memory_bytes=143_771 * 2**20, memory_bandwidth=4_800_000_000_000, l2_cache_bytes=52_428_800,
-        clock_ghz=1.98, smem_per_sm=233_472, smem_per_block_optin=232_448, peak_bf16_flops=989e12,
+        clock_ghz=1.98, smem_per_sm=233_472, smem_per_block_optin=232_448,
         source="H200 SXM 141GB: the same GH100 die as the H100 SXM (132 SMs, 1.98 GHz, 50 MiB L2, "
                "compute capability 9.0), with 141 GB HBM3e at 4.8 TB/s (NVIDIA H200 datasheet); memory "
                "size 143,771 MiB as nvidia-smi reports an H200's total (not measured here)."),
     "a100": GpuTarget(
         "a100", "NVIDIA A100-SXM4-80GB", (8, 0), sm_count=108, fpus_per_core=64,
         memory_bytes=81_920 * 2**20, memory_bandwidth=2_039_000_000_000, l2_cache_bytes=41_943_040,
-        clock_ghz=1.41, smem_per_sm=167_936, smem_per_block_optin=166_912, peak_bf16_flops=312e12,
+        clock_ghz=1.41, smem_per_sm=167_936, smem_per_block_optin=166_912,
         source="A100 SXM4 80GB: 108 SMs of 64 FP32 lanes, 1410 MHz boost, 40 MiB L2 (NVIDIA A100 "
-               "Tensor Core GPU architecture whitepaper), 2,039 GB/s HBM2e and 312 TFLOP/s dense bf16 "
-               "(A100 datasheet); memory size 81,920 MiB as nvidia-smi reports its total."),
+               "Tensor Core GPU architecture whitepaper), 2,039 GB/s HBM2e (A100 datasheet); memory size 81,920 MiB as nvidia-smi reports its total."),
     "b200": GpuTarget(
         "b200", "NVIDIA B200", (10, 0), sm_count=148, fpus_per_core=128,
         memory_bytes=183_359 * 2**20, memory_bandwidth=8_000_000_000_000, l2_cache_bytes=132_120_576,
-        clock_ghz=1.965, smem_per_sm=233_472, smem_per_block_optin=232_448, peak_bf16_flops=2250e12,
-        source="B200 (HGX B200): 148 SMs, compute capability 10.0, 180 GB HBM3e at 8 TB/s, dense bf16 "
-               "2.25 PFLOP/s (NVIDIA DGX/HGX B200 datasheet); L2 126 MiB and 1965 MHz boost are the "
+        clock_ghz=1.965, smem_per_sm=233_472, smem_per_block_optin=232_448,
+        source="B200 (HGX B200): 148 SMs, compute capability 10.0, 180 GB HBM3e at 8 TB/s (NVIDIA "
+               "DGX/HGX B200 datasheet); L2 126 MiB and 1965 MHz boost are the "
                "published Blackwell figures; memory size 183,359 MiB as nvidia-smi reports its total. "
                "The least checked of the four: compiled here, never compared with a device."),
 }
@@ -133,14 +131,6 @@ def plugin_available() -> bool:
     """Whether jax's CUDA plugin is importable (it is what compiles for a GPU)."""
     import importlib.util
     return any(importlib.util.find_spec(m) is not None for m in ("jax_cuda13_plugin", "jax_cuda12_plugin"))
-
-
-def topology(target: str, mesh: str | tuple) -> str:
-    """'1x8' (RxS) -> jax's 'slices x hosts x devices' string: R*S devices on one host.
-    (The host split does not change a compile-only program's collectives: it is one replica group.)"""
-    from jfsdp.mesh import parse_mesh
-    r, s = parse_mesh(mesh) if isinstance(mesh, str) else mesh
-    return f"1x1x{r * s}"
 
 
 @functools.lru_cache(maxsize=None)
@@ -172,8 +162,9 @@ def devices(target: str, mesh) -> list:
 
 # ------------------------------------------------------------------ XLA:GPU flags jfsdp sets
 
-# Each flag with why jfsdp wants it. Applied per compilation (`compiler_options()`), so they need no
-# environment variable set before jax starts; a flag given in XLA_FLAGS or in `overrides` wins.
+# Each flag with why jfsdp wants it. On GPU hosts train.py and benchmarks/throughput.py put them in
+# XLA_FLAGS before jax starts its backend (`gpu_xla_flags`); compile-only targets get them per
+# compilation (`compiler_options`). A flag the user gave in XLA_FLAGS (or in `overrides`) wins.
 GPU_FLAGS = {
     # FSDP's prefetch: XLA:GPU pipelines the all-gather of the scan's next iteration into the current
     # one (the next unit is gathered while this one computes); without it each unit's gather waits

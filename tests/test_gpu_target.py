@@ -6,6 +6,7 @@ The references are XLA's: the collectives and their dtypes in the optimized GPU 
 the contract's formula is computed from the model config's own parameter count."""
 import dataclasses
 import json
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +15,9 @@ import pytest
 import jfsdp
 import models
 from jfsdp import hlo, memory, targets
+
+# jax's CUDA plugin (the gpu-target extra) has Linux wheels only; CI runs on Linux, where these run.
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="jax-cuda13-plugin: Linux wheels only")
 
 S = 8
 # llama-test's shape at width 256 (as tests/test_memory.py), bf16 mixed precision, remat full.
@@ -51,6 +55,17 @@ def test_targets_are_gpus_of_the_declared_kind():
     assert len(devs) == 8 and devs[0].platform == "gpu" and "H100" in devs[0].device_kind
     with pytest.raises(jfsdp.ConfigError, match="unknown GPU target"):
         targets.get("v100")
+
+
+def test_gpu_flags_are_overridable(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_pipelined_all_gather=false --foo=1")
+    opts = targets.compiler_options({"xla_gpu_enable_pipelined_all_reduce": None, "xla_gpu_x": 3})
+    assert "xla_gpu_enable_pipelined_all_gather" not in opts  # the user's XLA_FLAGS wins
+    assert "xla_gpu_enable_pipelined_all_reduce" not in opts and opts["xla_gpu_x"] == 3
+    assert opts["xla_gpu_enable_pipelined_reduce_scatter"] is True
+    flags = targets.gpu_xla_flags()
+    assert flags.startswith("--xla_gpu_enable_pipelined_all_gather=false --foo=1")
+    assert "--xla_gpu_enable_pipelined_reduce_scatter=true" in flags and flags.count("pipelined_all_gather") == 1
 
 
 def test_missing_plugin_is_one_config_error(monkeypatch):
