@@ -204,3 +204,22 @@ def test_plan_cli_compiles_for_h100(tmp_path):
     assert r["comm_compiled"]["all-gather"] == pytest.approx(r["comm_formula"]["all-gather"], rel=1e-6)
     assert set(r["overlap"]) >= {"all-gather", "reduce-scatter"}
     assert r["xla_options"]["xla_gpu_enable_pipelined_all_gather"] is True
+
+
+def test_torchtitan_llama3_8b_fits_below_fsdp2_with_torch_compile():
+    """torchtitan's Llama 3.1 8B run (8 x H100, local batch 2, sequence 8192, selective activation
+    checkpointing) measured 82.4 GiB per GPU with FSDP2 and 77.0 GiB with torch.compile. The same
+    configuration compiled for H100 with remat `dots`: XLA:GPU's buffer assignment must be below
+    77.0 GiB (measured 66.88 GiB; 349.5 GiB before attention went through cuDNN's fused kernel)."""
+    cfg = dataclasses.replace(models.get_config("llama-8b"), attention="cudnn")
+    mesh = jfsdp.make_mesh("1x8", targets.devices("h100", "1x8"))
+    x = jax.ShapeDtypeStruct((16, 8192), jnp.int32)
+    root, unit, n = models.parts(cfg)
+    with targets.tracing_for("h100"):
+        plan = jfsdp.fully_shard(jfsdp.Stacked(root, unit, n), mesh, x, strategy="full_shard", remat="dots",
+                                 mp_policy=jfsdp.MixedPrecision.parse("bf16"))
+        compiled = targets.compile_step("h100", plan, jfsdp.adamw(1e-4), models.loss_fn(cfg),
+                                        {"inputs": x, "targets": x})
+    total = memory.measure(compiled)["total"]
+    assert total < 77.0 * 2**30, total / 2**30
+    assert "__cudnn$fmha" in compiled.as_text()  # the fused attention, no T x T scores kept
