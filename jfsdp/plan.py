@@ -13,7 +13,8 @@ communication per step, whether it fits and the largest global batch that fits.
   XLA:GPU for that GPU and topology without one (compile-only devices; needs jax's CUDA plugin), with
   the XLA options jfsdp sets on GPUs. The report shows XLA:GPU's memory and collectives beside the
   GPU estimate, and the overlap of every async collective with compute in the scheduled program.
-  The device memory defaults to the GPU's; bf16 attention is cuDNN's fused attention.
+  The device memory defaults to the GPU's; bf16 attention is cuDNN's fused attention; the estimate
+  counts two gathered units (jfsdp's flags pipeline the all-gathers: FSDP's prefetch).
 
 The model names come from the repository's `models` package, imported inside `main` only: the
 library itself (everything else in `jfsdp/`) does not depend on it.
