@@ -179,6 +179,8 @@ def setup_devices(c: TrainConfig, n_needed: int | None) -> None:
     if not on_cpu:
         if c.cpu_devices:
             fail("--cpu-devices only applies on a machine without an accelerator (or with JAX_PLATFORMS=cpu)")
+        from jfsdp.targets import gpu_xla_flags  # FSDP prefetch on GPUs; XLA reads the flags when jax starts
+        os.environ["XLA_FLAGS"] = gpu_xla_flags()
         return
     if n_needed is None and not c.cpu_devices:
         return  # a malformed mesh: jfsdp.parse_mesh reports it once jax is imported; nothing to fake
