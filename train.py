@@ -57,6 +57,12 @@ class TrainConfig:
     resume: bool = False
     profile: str | None = None
     cpu_devices: int = 0
+    # more than one process (jfsdp/distributed.py); none given and no cluster launcher: one process
+    coordinator: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+    init_timeout: float = 60.0
+    heartbeat_timeout: int = 30
 
 
 class ArgParser(argparse.ArgumentParser):
@@ -129,6 +135,16 @@ def parse_args(argv=None) -> TrainConfig:
                    help="write a jax.profiler trace of 3 steps to DIR (view with TensorBoard / XProf)")
     g.add_argument("--cpu-devices", type=int, default=d.cpu_devices, metavar="N",
                    help="on a CPU-only machine, fake N devices instead of the number the mesh needs")
+    g = p.add_argument_group("more than one process (see README: Multi-process runs)")
+    g.add_argument("--coordinator", default=d.coordinator, metavar="HOST:PORT",
+                   help="address of process 0's coordinator; with --num-processes and --process-id. Without "
+                   "them, a SLURM or Open MPI launch is detected; otherwise the run is one process")
+    g.add_argument("--num-processes", type=int, default=d.num_processes, metavar="N", help="processes in the run")
+    g.add_argument("--process-id", type=int, default=d.process_id, metavar="I", help="this process, 0..N-1")
+    g.add_argument("--init-timeout", type=float, default=d.init_timeout, metavar="S",
+                   help="seconds to wait for the coordinator and for every process to join")
+    g.add_argument("--heartbeat-timeout", type=int, default=d.heartbeat_timeout, metavar="S",
+                   help="seconds without a peer's heartbeat before the run is stopped (a process died)")
     return TrainConfig(**vars(p.parse_args(argv)))
 
 
@@ -145,8 +161,8 @@ def note(message: str):
 
 def check_flags(c: TrainConfig) -> int | None:
     """What can be checked before jax is imported (so bad input fails in a fraction of a second).
-    Returns the number of devices the mesh needs, or None if the mesh is malformed (jfsdp then
-    reports it, with the one authoritative message)."""
+    Returns the number of devices the mesh needs in this process, or None if the mesh is malformed
+    (jfsdp then reports it, with the one authoritative message)."""
     for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_iters", "log_every"):
         if getattr(c, name) < 1:
             fail(f"--{name.replace('_', '-')} must be positive, got {getattr(c, name)}")
@@ -167,7 +183,10 @@ def check_flags(c: TrainConfig) -> int | None:
         fail(f"--batch-size {c.batch_size} does not divide over the {n} devices of mesh {c.mesh}")
     if (c.batch_size // n) % c.grad_accum:
         fail(f"per-device batch {c.batch_size // n} does not divide into --grad-accum {c.grad_accum} micro-batches")
-    return n
+    procs = c.num_processes or 1
+    if procs > 1 and n % procs:
+        fail(f"mesh {c.mesh} has {n} devices, which do not divide over {procs} processes")
+    return n // procs
 
 
 def setup_devices(c: TrainConfig, n_needed: int | None) -> None:
@@ -179,6 +198,8 @@ def setup_devices(c: TrainConfig, n_needed: int | None) -> None:
     if not on_cpu:
         if c.cpu_devices:
             fail("--cpu-devices only applies on a machine without an accelerator (or with JAX_PLATFORMS=cpu)")
+        from jfsdp.targets import gpu_xla_flags  # FSDP prefetch on GPUs; XLA reads the flags when jax starts
+        os.environ["XLA_FLAGS"] = gpu_xla_flags()
         return
     if n_needed is None and not c.cpu_devices:
         return  # a malformed mesh: jfsdp.parse_mesh reports it once jax is imported; nothing to fake
@@ -203,6 +224,13 @@ def main(argv=None) -> int:
     c = parse_args(argv)
     n_needed = check_flags(c)
     setup_devices(c, n_needed)
+    from jfsdp import distributed
+    try:
+        procs = distributed.detect(c.coordinator, c.num_processes, c.process_id,
+                                   init_timeout=c.init_timeout, heartbeat_timeout=c.heartbeat_timeout)
+        distributed.initialize(procs, cpu=os.environ.get("JAX_PLATFORMS", "").startswith("cpu"))
+    except distributed.ConfigError as e:
+        fail(str(e))
     try:
         return train(c)
     except KeyboardInterrupt:          # Ctrl-C before or after the loop (the loop handles its own)
@@ -218,6 +246,7 @@ def train(c: TrainConfig) -> int:
     import jfsdp
     import models
     from jfsdp import data as jdata
+    from jfsdp import distributed
     from jfsdp import metrics as jm
 
     t_launch = time.perf_counter()
@@ -235,12 +264,16 @@ def train(c: TrainConfig) -> int:
         if c.prompt is not None and not corpus.is_bytes:
             raise jfsdp.ConfigError("--prompt needs text data; a token file has no tokenizer here")
         devices = jax.devices()
+        lead = jax.process_index() == 0
+        if not lead:   # one process reports: the others print nothing and write no files
+            sys.stdout = open(os.devnull, "w")
+            c = dataclasses.replace(c, metrics_out=None)
         if len(devices) < r * s:
             raise jfsdp.ConfigError(f"mesh {c.mesh} needs {r * s} devices but {len(devices)} "
                                     f"{devices[0].platform.upper()} device(s) are present")
         if len(devices) > r * s:
             note(f"using {r * s} of the {len(devices)} {devices[0].platform} devices")
-        mesh = jfsdp.make_mesh(c.mesh, devices=devices[: r * s])
+        mesh = distributed.make_mesh(c.mesh, devices=devices[: r * s])
         root, unit, n_units = models.parts(mcfg)
         plan = jfsdp.fully_shard(jfsdp.Stacked(root, unit, n_units), mesh,
                                  jax.ShapeDtypeStruct((1, c.seq_len), jnp.int32),
@@ -264,6 +297,9 @@ def train(c: TrainConfig) -> int:
     print(f"model {c.model}: {mcfg.num_params() / 1e6:.2f}M params, {n_units} units | mesh {c.mesh} "
           f"({r} replicas x {s} shards) on {n_dev} {platform} devices | {strategy.value}, {c.precision}, "
           f"remat {c.remat}")
+    if jax.process_count() > 1:
+        print(f"processes {jax.process_count()}, {len(mesh.local_devices)} devices each | "
+              + "\n      ".join(distributed.describe_mesh(mesh)))
     print(f"data  {corpus.describe()}")
     print(f"batch {c.batch_size} x {c.seq_len} = {tokens_per_step:,} tokens/step, grad accum {c.grad_accum} | "
           f"{c.steps} steps = {jm.fmt_count(c.steps * tokens_per_step)} tokens "
@@ -302,7 +338,7 @@ def train(c: TrainConfig) -> int:
         return {"tokens_per_sec": tps, "tflops_per_device": tflops, "mfu": tflops * 1e12 / peak if peak else None}
 
     # -- the loop
-    tty = sys.stderr.isatty()
+    tty = sys.stderr.isatty() and lead
     print_every = c.log_every * max(1, math.ceil(c.steps / c.log_every / 15))   # ~15 lines when not a TTY
     bar = None
     if tty:
@@ -427,7 +463,9 @@ def sample(plan, params, corpus, c: TrainConfig, jdata) -> None:
         breaks = np.nonzero(head == ord("\n"))[0] if corpus.is_bytes else []
         prompt = head[: breaks[-1] + 1] if len(breaks) and breaks[-1] > 8 else head
     tokens = [int(t) for t in prompt][-(T - 1):] or [jdata.EOS]
-    fwd = jax.jit(lambda p, x, i: jax.lax.dynamic_index_in_dim(plan.apply(p, x)[0], i, keepdims=False))
+    replicated = jax.sharding.NamedSharding(plan.mesh, jax.sharding.PartitionSpec())   # readable by every process
+    fwd = jax.jit(lambda p, x, i: jax.lax.dynamic_index_in_dim(plan.apply(p, x)[0], i, keepdims=False),
+                  out_shardings=replicated)
     rng = np.random.default_rng(c.seed)
     buf = np.full((plan.n_devices, T), jdata.PAD if corpus.is_bytes else 0, np.int32)
     n_prompt = len(tokens)

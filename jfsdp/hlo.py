@@ -1,5 +1,10 @@
-"""What the compiled program does, read from XLA itself: collectives in the optimized HLO and
-per-device memory from `compiled.memory_analysis()`. Tests and the planner assert on these."""
+"""What the compiled program does, read from XLA itself: collectives in the optimized HLO, their
+overlap with compute in the scheduled program, and per-device memory from
+`compiled.memory_analysis()`. Tests and the planner assert on these.
+
+Both backends' forms are read: XLA:CPU's synchronous collectives, and XLA:GPU's async pairs
+(`all-gather-start` ... `all-gather-done`) whose start may combine several collectives into one op
+of several operands (measured: one 9-operand all-gather per unit)."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,18 +16,166 @@ KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
                 "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1}
 _COMP = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_OP = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+(" + "|".join(KINDS) + r")(-start)?\(")
+_NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
 _ARRAY = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\]")
+_COMMENT = re.compile(r"/\*.*?\*/")
 _CALLS = re.compile(r"(?:body|condition|to_apply|calls|branch_computations|called_computations)=\{?([^}\s,]+(?:,\s*%[\w.\-]+)*)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Instr:
+    """One instruction of an HLO computation, in the order the text lists it (for a scheduled module,
+    the order it runs in)."""
+    name: str
+    shape: str       # the result type, e.g. 'f32[8,16]{1,0}' or a (nested) tuple of them
+    opcode: str      # e.g. 'fusion', 'all-gather-start'
+    line: str
+
+
+def _split_type(rest: str) -> tuple[str, str]:
+    """'<type> <opcode>(...)...' -> (type, remainder): the type is one token or a balanced (...)."""
+    if rest.startswith("("):
+        depth = 0
+        for i, ch in enumerate(rest):
+            depth += ch == "("
+            depth -= ch == ")"
+            if depth == 0:
+                return rest[: i + 1], rest[i + 1:].lstrip()
+    cut = rest.find(" ")
+    return (rest, "") if cut < 0 else (rest[:cut], rest[cut + 1:].lstrip())
+
+
+def _parse_instr(line: str) -> Instr | None:
+    m = _NAME.match(line)
+    if not m:
+        return None
+    shape, rem = _split_type(_COMMENT.sub("", line[m.end():]))
+    op = re.match(r"([\w\-]+)\(", rem)
+    return Instr(m.group(1), shape, op.group(1) if op else "", line) if op else None
+
+
+def _tuple_elements(shape: str) -> list[str] | None:
+    """Top-level elements of a tuple type '(a, (b, c), d)', or None for an array type."""
+    shape = shape.strip()
+    if not shape.startswith("("):
+        return None
+    out, depth, cur = [], 0, ""
+    for ch in shape[1:-1]:
+        if ch in "({[":
+            depth += 1
+        elif ch in ")}]":
+            depth -= 1
+        if ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    if cur.strip():
+        out.append(cur.strip())
+    return out
+
+
+def _result_type(kind: str, start: bool, shape: str) -> str:
+    """The part of a collective's type that is its result. A `-start` of an all-gather, reduce-scatter,
+    all-to-all or collective-permute returns (operands, results[, scratch]): operands and results are
+    each an array, or a tuple when XLA combined several collectives into one op (measured on
+    XLA:GPU: one `all-gather-start` of 9 operands per unit). An `all-reduce-start` returns its
+    result(s) alone, like the synchronous ops."""
+    if not start or kind == "all-reduce":
+        return shape
+    parts = _tuple_elements(shape)
+    return parts[1] if parts and len(parts) >= 2 else shape
+
+
+def _group_size(line: str, n_devices: int | None) -> int:
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", line)
+    if m:
+        return int(m.group(2))
+    m = re.search(r"replica_groups=\{\{([\d,]*)\}", line)
+    if m:
+        return len(m.group(1).split(","))
+    # the mesh form of newer XLA: replica_groups=mesh['axis_0'=2,'axis_1'=8] {'axis_1'}
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+    if m:
+        sizes = dict(re.findall(r"'([^']+)'=(\d+)", m.group(1)))
+        axes = re.findall(r"'([^']+)'", m.group(2))
+        if axes and all(a in sizes for a in axes):
+            return math.prod(int(sizes[a]) for a in axes)
+    return n_devices or 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Module:
+    """An optimized HLO module as text, split into computations of instructions."""
+    comps: dict          # name -> [Instr] in listed (scheduled) order
+    entry: str
+    calls: dict          # name -> set of computations it calls
+    bodies: dict         # name -> set of while bodies it calls
+
+
+def parse(hlo_text: str) -> Module:
+    comps: dict[str, list[Instr]] = {}
+    entry, cur = None, None
+    for line in hlo_text.splitlines():
+        m = _COMP.match(line)
+        if m and not line.startswith(" "):
+            cur = m.group(1)
+            comps[cur] = []
+            if line.startswith("ENTRY"):
+                entry = cur
+        elif cur is not None:
+            ins = _parse_instr(line)
+            if ins is not None:
+                comps[cur].append(ins)
+    calls, bodies = {}, {}
+    for name, instrs in comps.items():
+        calls[name], bodies[name] = set(), set()
+        for ins in instrs:
+            for group in _CALLS.findall(ins.line):
+                calls[name].update(c.strip().lstrip("%") for c in group.split(","))
+            b = re.search(r"\bbody=%?([\w.\-]+)", ins.line) if ins.opcode == "while" else None
+            if b:
+                bodies[name].add(b.group(1))
+    return Module(comps, entry, calls, bodies)
+
+
+def _collective_kind(opcode: str) -> tuple[str | None, bool]:
+    """(kind, is_start) of a collective opcode; (None, False) for anything else, `-done` included."""
+    for k in KINDS:
+        if opcode == k:
+            return k, False
+        if opcode == k + "-start":
+            return k, True
+    return None, False
+
+
+def _walk(mod: Module):
+    """(computation, enclosing while bodies) for every computation reachable from the entry."""
+    out = []
+
+    def walk(name, loops, seen):
+        if name in seen or name not in mod.comps:
+            return
+        seen = seen | {name}
+        out.append((name, loops))
+        for callee in sorted(mod.calls[name]):
+            walk(callee, loops + ((callee,) if callee in mod.bodies[name] else ()), seen)
+
+    walk(mod.entry, (), frozenset())
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
 class Collective:
     kind: str
-    result_bytes: int      # bytes of the op's result on one device
+    result_bytes: int      # bytes of the op's result on one device (all operands of a combined op)
     group_size: int        # devices that take part in one group
     loops: tuple           # the while-loop bodies it sits in, outermost first ("" = none)
     dtypes: tuple = ()     # element types of its result arrays, e.g. ('bf16',)
+    name: str = ""         # the instruction's name
+    computation: str = ""  # the computation it is in
+    operands: int = 1      # collectives combined into this op
+    is_async: bool = False  # a -start/-done pair
 
     @property
     def wire_bytes(self) -> float:
@@ -46,60 +199,27 @@ def _array_bytes(type_text: str) -> int:
     return total
 
 
-def _group_size(line: str, n_devices: int | None) -> int:
-    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", line)
-    if m:
-        return int(m.group(2))
-    m = re.search(r"replica_groups=\{\{([\d,]*)\}", line)
-    if m:
-        return len(m.group(1).split(","))
-    return n_devices or 0
+def _collective(ins: Instr, comp: str, loops: tuple, n_devices: int | None) -> Collective | None:
+    kind, start = _collective_kind(ins.opcode)
+    if kind is None:
+        return None
+    res = _result_type(kind, start, ins.shape)
+    arrays = _ARRAY.findall(res)
+    return Collective(kind, _array_bytes(res), _group_size(ins.line, n_devices), loops,
+                      tuple(sorted({a[0] for a in arrays})), ins.name, comp, max(1, len(arrays)), start)
 
 
 def collectives(hlo_text: str, n_devices: int | None = None) -> list[Collective]:
     """Every collective of an optimized HLO module (`compiled.as_text()`), with the while loops it is in.
-    Async pairs (`*-start`/`*-done`) count once; the result of a `-start` is (operand, result)."""
-    comps: dict[str, list[str]] = {}
-    entry, cur = None, None
-    for line in hlo_text.splitlines():
-        m = _COMP.match(line)
-        if m and not line.startswith(" "):
-            cur = m.group(1)
-            comps[cur] = []
-            if line.startswith("ENTRY"):
-                entry = cur
-        elif cur is not None:
-            comps[cur].append(line)
-    # which computations each computation calls, and which of those calls are while bodies
-    calls, bodies = {}, {}
-    for name, lines in comps.items():
-        calls[name], bodies[name] = set(), set()
-        for line in lines:
-            for group in _CALLS.findall(line):
-                calls[name].update(c.strip().lstrip("%") for c in group.split(","))
-            b = re.search(r"\bwhile\(.*body=%?([\w.\-]+)", line)
-            if b:
-                bodies[name].add(b.group(1))
+    Async pairs (`*-start`/`*-done`) count once, at the start; a combined op (several operands in one
+    collective, as XLA:GPU emits them) counts once with the bytes of all its results."""
+    mod = parse(hlo_text) if isinstance(hlo_text, str) else hlo_text
     found: list[Collective] = []
-
-    def walk(name, loops, seen):
-        if name in seen or name not in comps:
-            return
-        seen = seen | {name}
-        for line in comps[name]:
-            m = _OP.match(line)
-            if m:
-                type_text, kind, start = m.groups()
-                arrays = _ARRAY.findall(type_text)
-                if start and len(arrays) > 1:  # (operand, result[, scratch]): the result is the second array
-                    arrays = arrays[1:2]
-                nbytes = sum(_array_bytes("%s[%s]" % a) for a in arrays)
-                found.append(Collective(kind, nbytes, _group_size(line, n_devices), loops,
-                                        tuple(sorted({a[0] for a in arrays}))))
-        for callee in sorted(calls[name]):
-            walk(callee, loops + ((callee,) if callee in bodies[name] else ()), seen)
-
-    walk(entry, (), frozenset())
+    for name, loops in _walk(mod):
+        for ins in mod.comps[name]:
+            c = _collective(ins, name, loops, n_devices)
+            if c is not None:
+                found.append(c)
     return found
 
 
@@ -179,3 +299,100 @@ def emitted_collectives(closed_jaxpr) -> Counter:
 
     walk(getattr(closed_jaxpr, "jaxpr", closed_jaxpr))
     return found
+
+
+# ---------------------------------------------------------------- overlap of communication and compute
+
+# Instructions that do a kernel's worth of work on the device. A matmul (XLA:GPU: a gemm fusion or a
+# cuBLAS/cuDNN custom call; XLA:CPU: a dot) is what can hide a unit's collective; elementwise fusions
+# (a convert, a pad) take microseconds and cannot.
+_NOT_COMPUTE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "copy-start", "copy-done",
+                "after-all", "partition-id", "replica-id", "opt-barrier", "optimization-barrier", ""}
+
+
+def _is_matmul(ins: Instr) -> bool:
+    if ins.opcode in ("dot", "convolution"):
+        return True
+    if ins.opcode == "custom-call":
+        return bool(re.search(r'custom_call_target="(__cublas|__cudnn)', ins.line))
+    if ins.opcode == "fusion":
+        m = re.search(r"calls=%?([\w.\-]+)", ins.line)
+        return bool(m and re.search(r"gemm|triton|cublas|cudnn|dot", m.group(1))) or "__cudnn" in ins.line
+    return False
+
+
+@dataclasses.dataclass(frozen=True)
+class Overlap:
+    """One async collective in the scheduled program and what runs while it is in flight."""
+    collective: Collective
+    per_step: int          # executions per step (trip counts of the loops around it)
+    matmuls: tuple         # names of the matmuls scheduled between its start and its done
+    other_compute: int     # other kernels (elementwise fusions, ...) between them
+    loops_between: int     # while loops between them (whole loops run while it is in flight)
+
+    @property
+    def hidden(self) -> bool:
+        """In flight while a matmul (or a whole loop) computes: the scheduler gave it compute to hide behind."""
+        return bool(self.matmuls) or self.loops_between > 0
+
+    @property
+    def wire_bytes_per_step(self) -> float:
+        return self.collective.wire_bytes * self.per_step
+
+
+def overlap(hlo_text: str, n_devices: int | None = None) -> list[Overlap]:
+    """For every async collective (`X-start` ... `X-done`) of a scheduled module (`compiled.as_text()`
+    of XLA:GPU, whose computations list instructions in their schedule order), the compute that is
+    scheduled between its start and its done. Synchronous collectives (XLA:CPU) are reported with
+    nothing between: they are exposed by construction."""
+    mod = parse(hlo_text)
+    trips = trip_counts(hlo_text)
+    out = []
+    for name, loops in _walk(mod):
+        times = math.prod(trips.get(b, 1) for b in loops)
+        instrs = mod.comps[name]
+        done_at = {}
+        for i, ins in enumerate(instrs):
+            if ins.opcode.endswith("-done"):
+                m = re.search(r"-done\(%?([\w.\-]+)", ins.line)
+                if m:
+                    done_at[m.group(1)] = i
+        for i, ins in enumerate(instrs):
+            c = _collective(ins, name, loops, n_devices)
+            if c is None:
+                continue
+            between = instrs[i + 1: done_at.get(ins.name, i)] if c.is_async else []
+            mm = tuple(b.name for b in between if _is_matmul(b))
+            whiles = sum(b.opcode == "while" for b in between)
+            other = sum(1 for b in between if b.opcode not in _NOT_COMPUTE and not _is_matmul(b)
+                        and b.opcode != "while" and _collective_kind(b.opcode)[0] is None
+                        and not b.opcode.endswith("-done"))
+            out.append(Overlap(c, times, mm, other, whiles))
+    return out
+
+
+def overlap_summary(overlaps: list[Overlap]) -> dict:
+    """Per step and per kind: wire bytes sent while compute runs (`hidden`) and with none to hide
+    behind (`exposed`), and the ops of each. Scalars (the loss) are counted too; they are bytes."""
+    out = {}
+    for o in overlaps:
+        s = out.setdefault(o.collective.kind, {"hidden_bytes": 0.0, "exposed_bytes": 0.0, "hidden_ops": 0,
+                                               "exposed_ops": 0})
+        key = "hidden" if o.hidden else "exposed"
+        s[f"{key}_bytes"] += o.wire_bytes_per_step
+        s[f"{key}_ops"] += o.per_step
+    return out
+
+
+def render_overlap(overlaps: list[Overlap]) -> str:
+    """One line per async collective: where it is, how big, how often, what runs while it is in flight."""
+    lines = [f"  {'collective':34}{'where':>26}{'x/step':>8}{'MiB sent':>10}  in flight during"]
+    for o in overlaps:
+        c = o.collective
+        where = c.loops[-1] if c.loops else "(top level)"
+        what = (f"{len(o.matmuls)} matmul(s)" + (f" + {o.loops_between} loop(s)" if o.loops_between else "")
+                + f", {o.other_compute} other kernel(s)") if o.hidden else (
+                    f"EXPOSED ({o.other_compute} other kernel(s), no matmul)")
+        label = f"{c.name} [{c.operands} x {'/'.join(c.dtypes)}]"
+        lines.append(f"  {label:34}{where[-26:]:>26}{o.per_step:>8}{c.wire_bytes / 2**20:>10.2f}  {what}")
+    return "\n".join(lines)

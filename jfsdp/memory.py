@@ -43,10 +43,13 @@ def abstract_batch(plan: FSDP, batch):
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=plan.batch_sharding), batch)
 
 
-def compile_step(plan: FSDP, optimizer, loss_fn: Callable, batch, grad_accum: int = 1):
-    """The real train step (jfsdp.make_train_step, donated state), compiled from abstract inputs."""
+def compile_step(plan: FSDP, optimizer, loss_fn: Callable, batch, grad_accum: int = 1,
+                 compiler_options: dict | None = None):
+    """The real train step (jfsdp.make_train_step, donated state), compiled from abstract inputs.
+    `compiler_options`: XLA options for this compilation (e.g. jfsdp.targets.compiler_options())."""
     step = make_train_step(plan, optimizer, loss_fn, grad_accum)
-    return step.lower(abstract_state(plan, optimizer), abstract_batch(plan, batch)).compile()
+    lowered = step.lower(abstract_state(plan, optimizer), abstract_batch(plan, batch))
+    return lowered.compile(compiler_options=compiler_options) if compiler_options else lowered.compile()
 
 
 def measure(compiled) -> dict:

@@ -4,10 +4,17 @@ Prints the per-device memory of one train step, estimated analytically and measu
 compiled program (lowered from abstract inputs on fake CPU devices: nothing is allocated), the
 communication per step, whether it fits and the largest global batch that fits.
 
-On the CPU backend XLA widens bf16 to f32 (see `memory._wire_dtype`), so a bf16 plan compiled here
-is bigger than the same plan on a GPU. The report therefore shows the estimate for the target
-(`--target gpu`, the default) and, beside the compiled CPU measurement, the estimate for CPU, which
-is what validates the model against XLA.
+`--target` says what the plan is for:
+- `gpu` (default), `tpu`, `cpu`: the estimate is for that backend, and the train step is compiled on
+  fake CPU devices. XLA's CPU backend widens bf16 to f32 (see `memory._wire_dtype`), so a bf16 plan
+  compiled here is bigger than the same plan on a GPU: beside the compiled CPU measurement the
+  report shows the estimate for CPU, which is what validates the estimate against XLA.
+- a named GPU (`h100`, `h200`, `a100`, `b200`; see `jfsdp.targets`): the train step is compiled by
+  XLA:GPU for that GPU and topology without one (compile-only devices; needs jax's CUDA plugin), with
+  the XLA options jfsdp sets on GPUs. The report shows XLA:GPU's memory and collectives beside the
+  GPU estimate, and the overlap of every async collective with compute in the scheduled program.
+  The device memory defaults to the GPU's; bf16 attention is cuDNN's fused attention; the estimate
+  counts two gathered units (jfsdp's flags pipeline the all-gathers: FSDP's prefetch).
 
 The model names come from the repository's `models` package, imported inside `main` only: the
 library itself (everything else in `jfsdp/`) does not depend on it.
@@ -61,9 +68,13 @@ def _args(argv):
     p.add_argument("--remat", default="full", help="none, full or dots (activation checkpointing per unit)")
     p.add_argument("--batch-size", type=int, default=None, help="global batch (default: one sequence per device)")
     p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--device-memory", default="80GiB")
-    p.add_argument("--target", default="gpu", choices=("gpu", "tpu", "cpu"),
-                   help="backend the estimate is for (fits / largest batch use it)")
+    p.add_argument("--device-memory", default=None, help="per device, e.g. 80GiB (default: the named "
+                   "GPU's memory, else 80GiB)")
+    p.add_argument("--target", default="gpu", help="gpu, tpu or cpu: the backend the estimate is for "
+                   "(fits / largest batch use it), compiled on fake CPU devices; or a named GPU (h100, h200, "
+                   "a100, b200): compiled by XLA:GPU for it, without one")
+    p.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
+                   help="with a named GPU: override one of jfsdp's XLA:GPU options (VALUE none drops it)")
     p.add_argument("--prefetch", action="store_true", help="count two gathered units (prefetching the next)")
     p.add_argument("--no-compile", action="store_true", help="estimate only (skip the compiled measurement)")
     p.add_argument("--json", default=None, help="also write the report as JSON to this file")
@@ -93,8 +104,11 @@ def largest_batch(fits, start: int = 1, limit: int = 1 << 20) -> int:
     return lo
 
 
-def build(model_name, mesh_spec, strategy, precision, remat, batch_size, seq_len):
-    """(cfg, plan, optimizer, loss_fn, batch shapes) for a named model; nothing allocated."""
+def build(model_name, mesh_spec, strategy, precision, remat, batch_size, seq_len, devices=None, attention=None):
+    """(cfg, plan, optimizer, loss_fn, batch shapes) for a named model; nothing allocated.
+    `devices`: the mesh's devices (default: all local ones); `attention`: override the config's."""
+    import dataclasses
+
     import jax
     import jax.numpy as jnp
 
@@ -107,7 +121,9 @@ def build(model_name, mesh_spec, strategy, precision, remat, batch_size, seq_len
         raise _Error(str(e)) from None
     if not isinstance(cfg, models.LlamaConfig):
         raise _Error(f"model '{model_name}' is not a language model; the planner takes the llama-* configs")
-    mesh = jfsdp.make_mesh(mesh_spec)
+    if attention:
+        cfg = dataclasses.replace(cfg, attention=attention)
+    mesh = jfsdp.make_mesh(mesh_spec, devices)
     n = mesh.size
     batch_size = n if batch_size is None else batch_size
     if batch_size < 1 or seq_len < 1:
@@ -121,41 +137,88 @@ def build(model_name, mesh_spec, strategy, precision, remat, batch_size, seq_len
     return cfg, plan, jfsdp.adamw(1e-4), models.loss_fn(cfg), {"inputs": x, "targets": x}
 
 
+def _option(text: str):
+    k, _, v = text.partition("=")
+    if not k or not v:
+        raise _Error(f"--xla-option '{text}' is not NAME=VALUE")
+    low = v.strip().lower()
+    val = {"true": True, "false": False, "none": None}.get(low, v)
+    if isinstance(val, str):
+        try:
+            val = int(val)
+        except ValueError:
+            pass
+    return k.strip().lstrip("-"), val
+
+
 def report(a) -> dict:
+    import contextlib
+
     import jax
     import jax.numpy as jnp
 
-    from jfsdp import memory
+    from jfsdp import hlo, memory, targets
 
-    cfg, plan, opt, loss_fn, batch = build(a.model, a.mesh, a.strategy, a.precision, a.remat, a.batch_size, a.seq_len)
-    budget = parse_bytes(a.device_memory)
-    here = jax.default_backend()
-    est_target = memory.estimate(plan, opt, loss_fn, batch, prefetch=a.prefetch, backend=a.target)
-    rep = {"model": a.model, "params": cfg.num_params(), "mesh": a.mesh, "devices": plan.n_devices,
-           "strategy": plan.strategy.value, "precision": a.precision, "remat": a.remat,
-           "batch_size": batch["inputs"].shape[0], "seq_len": a.seq_len, "device_memory": budget,
-           "target": a.target, "estimate": est_target.as_dict()}
-    if here != a.target:
-        rep[f"estimate_{here}"] = memory.estimate(plan, opt, loss_fn, batch, prefetch=a.prefetch, backend=here).as_dict()
-    rep["comm_formula"] = memory.comm_formula(plan, backend=a.target)
-    if not a.no_compile:
-        t = time.time()
-        compiled = memory.compile_step(plan, opt, loss_fn, batch)
-        rep["compile_s"] = round(time.time() - t, 1)
-        rep["compiled"] = {"backend": here, **memory.measure(compiled)}
-        rep["comm_compiled"] = {"backend": here, **memory.comm_measured(compiled, plan.n_devices)}
+    gpu = a.target in targets.TARGETS
+    devices, attention = None, None
+    if gpu:
+        devices = targets.devices(a.target, a.mesh)
+        attention = "cudnn"  # where it applies: bf16 compute, head_dim a multiple of 8 up to 128
+    elif a.xla_option:
+        raise _Error("--xla-option applies to a named GPU target (--target h100, ...)")
+    est_backend = "gpu" if gpu else a.target
+    ctx = targets.tracing_for(a.target) if gpu else contextlib.nullcontext()
+    with ctx:
+        cfg, plan, opt, loss_fn, batch = build(a.model, a.mesh, a.strategy, a.precision, a.remat, a.batch_size,
+                                               a.seq_len, devices, attention)
+        if gpu:
+            import models.llama
+            attention = models.llama.attention_impl(cfg, plan.mp.param_dtype or jnp.float32)
+        budget = parse_bytes(a.device_memory) if a.device_memory else (
+            targets.get(a.target).memory_bytes if gpu else parse_bytes("80GiB"))
+        here = a.target if gpu else jax.default_backend()
+        est_target = memory.estimate(plan, opt, loss_fn, batch, prefetch=a.prefetch or gpu, backend=est_backend)
+        rep = {"model": a.model, "params": cfg.num_params(), "mesh": a.mesh, "devices": plan.n_devices,
+               "strategy": plan.strategy.value, "precision": a.precision, "remat": a.remat,
+               "batch_size": batch["inputs"].shape[0], "seq_len": a.seq_len, "device_memory": budget,
+               "target": a.target, "estimate": est_target.as_dict()}
+        if gpu:
+            rep["attention"] = attention
+            rep["xla_options"] = targets.compiler_options(dict(_option(o) for o in a.xla_option))
         if here != a.target:
-            rep[f"comm_formula_{here}"] = memory.comm_formula(plan, backend=here)
-    rep["fits"] = est_target.total <= budget
-    n = plan.n_devices
-    seq = a.seq_len
+            rep[f"estimate_{here}"] = memory.estimate(plan, opt, loss_fn, batch, prefetch=a.prefetch,
+                                                      backend=here).as_dict()
+        rep["comm_formula"] = memory.comm_formula(plan, backend=est_backend)
+        if not a.no_compile:
+            t = time.time()
+            if gpu:
+                compiled = targets.compile_step(a.target, plan, opt, loss_fn, batch,
+                                                overrides=dict(_option(o) for o in a.xla_option))
+            else:
+                compiled = memory.compile_step(plan, opt, loss_fn, batch)
+            rep["compile_s"] = round(time.time() - t, 1)
+            rep["compiled"] = {"backend": here, **memory.measure(compiled)}
+            rep["comm_compiled"] = {"backend": here, **memory.comm_measured(compiled, plan.n_devices)}
+            if here != a.target:
+                rep[f"comm_formula_{here}"] = memory.comm_formula(plan, backend=here)
+            if gpu:
+                text = compiled.as_text()
+                ov = hlo.overlap(text, plan.n_devices)
+                rep["overlap"] = hlo.overlap_summary(ov)
+                rep["overlap_table"] = hlo.render_overlap(ov)
+                rep["collective_dtypes"] = sorted({(c.kind, d) for c in hlo.collectives(text, plan.n_devices)
+                                                   for d in c.dtypes})
+        rep["fits"] = est_target.total <= budget
+        n = plan.n_devices
+        seq = a.seq_len
 
-    def fits(per_device):
-        shape = jax.ShapeDtypeStruct((per_device * n, seq), jnp.int32)
-        b = {"inputs": shape, "targets": shape}
-        return memory.estimate(plan, opt, loss_fn, b, prefetch=a.prefetch, backend=a.target).total <= budget
+        def fits(per_device):
+            shape = jax.ShapeDtypeStruct((per_device * n, seq), jnp.int32)
+            b = {"inputs": shape, "targets": shape}
+            return memory.estimate(plan, opt, loss_fn, b, prefetch=a.prefetch or gpu,
+                                   backend=est_backend).total <= budget
 
-    rep["largest_global_batch"] = largest_batch(fits) * n
+        rep["largest_global_batch"] = largest_batch(fits) * n
     return rep
 
 
@@ -170,27 +233,36 @@ def render(r: dict) -> str:
     lines = [f"{r['model']} ({r['params'] / 1e9:.2f}B parameters) on mesh {r['mesh']} ({r['devices']} devices), "
              f"{r['strategy']}, {r['precision']}, remat {r['remat']}, batch {r['batch_size']} x {r['seq_len']} tokens",
              "", "memory per device"]
-    cols = [f"estimate ({tgt})"] + ([f"estimate ({here})", f"compiled ({here})"] if here else [])
+    same = here == tgt  # a named GPU: the estimate for it is beside its own compilation
+    cols = [f"estimate ({tgt})"] + (([] if same else [f"estimate ({here})"]) + [f"compiled ({here})"] if here else [])
     lines.append(f"  {'':26}" + "".join(f"{c:>20}" for c in cols))
     rows = [("parameters (fp32 shard)", "params"), ("gradients (shard)", "grads"), ("optimizer state", "optimizer"),
             ("padding", "padding"), ("gathered (root + units)", "gathered"), ("gradient buffers", "grad_buffers"),
             ("activations", "activations"), ("batch", "batch")]
     for label, k in rows:
-        vals = [e[k]] + ([e_here[k]] if here else [])
+        vals = [e[k]] + ([e_here[k]] if here and not same else [])
         lines.append(f"  {label:26}" + "".join(f"{_gib(v):>20}" for v in vals))
     c = r.get("compiled")
+    mid = (lambda v: "") if same else (lambda v: f"{_gib(v):>20}")
     lines.append(f"  {'state between steps':26}{_gib(e['persistent']):>20}"
-                 + (f"{_gib(e_here['persistent']):>20}{_gib(c['argument']):>20}  (arguments)" if c else ""))
+                 + (f"{mid(e_here['persistent'])}{_gib(c['argument']):>20}  (arguments)" if c else ""))
     lines.append(f"  {'peak of the step':26}{_gib(e['total']):>20}"
-                 + (f"{_gib(e_here['total']):>20}{_gib(c['total']):>20}  (arg+temp+out-alias)" if c else ""))
+                 + (f"{mid(e_here['total'])}{_gib(c['total']):>20}  (arg+temp+out-alias)" if c else ""))
     if c:
         lines.append(f"  estimate / compiled on {here}: {e_here['total'] / c['total']:.3f}; compiled in {r['compile_s']} s")
     lines += ["", f"communication per step, bytes sent per device ({tgt} formula"
-              + (f"; {here} formula and compiled HLO" if c else "") + ")"]
+              + ((" and compiled HLO" if same else f"; {here} formula and compiled HLO") if c else "") + ")"]
     f, fh, m = r["comm_formula"], r.get(f"comm_formula_{here}", r["comm_formula"]), r.get("comm_compiled")
     for k in ("all-gather", "reduce-scatter", "all-reduce", "total"):
-        lines.append(f"  {k:26}{_gib(f[k]):>20}" + (f"{_gib(fh[k]):>20}{_gib(m[k]):>20}" if m else ""))
+        lines.append(f"  {k:26}{_gib(f[k]):>20}" + (f"{mid(fh[k])}{_gib(m[k]):>20}" if m else ""))
     lines.append(f"  contract (3Ψ·b·(S−1)/S or 2Ψ·b·(N−1)/N){_gib(f['contract']):>14}")
+    if r.get("overlap"):
+        lines += ["", f"overlap in the scheduled {here} program (per step; hidden = a matmul or loop runs while "
+                  "it is in flight)", r["overlap_table"]]
+        for k, o in r["overlap"].items():
+            lines.append(f"  {k:26}hidden {_gib(o['hidden_bytes'])}   exposed {_gib(o['exposed_bytes'])}")
+        lines.append("  dtypes on the wire: " + ", ".join(f"{k} {d}" for k, d in r["collective_dtypes"]))
+        lines.append("  XLA options: " + " ".join(f"{k}={v}" for k, v in r["xla_options"].items()))
     verdict = "fits" if r["fits"] else "does NOT fit"
     lines += ["", f"{verdict} in {_gib(r['device_memory']).strip()} per device "
               f"({100 * e['total'] / r['device_memory']:.0f}% of it, {tgt} estimate)",
@@ -202,10 +274,17 @@ def main(argv=None) -> int:
     a = _args(argv)
     try:
         n = _mesh_devices(a.mesh)
-        parse_bytes(a.device_memory)
+        if a.device_memory:
+            parse_bytes(a.device_memory)
         _force_devices(n)
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         from jfsdp.mesh import ConfigError  # imports jax: only now that the device count is set
+        import jax
+        if not jax.config.jax_platforms:  # `python -m jfsdp.plan` imported jax before main ran
+            jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
+        from jfsdp.targets import TARGETS
+        if a.target not in ("gpu", "tpu", "cpu", *TARGETS):
+            raise _Error(f"unknown target '{a.target}'; choose from gpu, tpu, cpu, {', '.join(TARGETS)}")
         t = time.time()
         try:
             rep = report(a)

@@ -27,6 +27,10 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
     init_std: float = 0.02
+    # jax.nn.dot_product_attention's implementation: "xla", "cudnn" (fused flash attention: no T x T
+    # score matrix in memory; for 16-bit compute) or "auto" (cudnn on GPUs where it applies); see
+    # attention_impl
+    attention: str = "auto"
 
     @property
     def head_dim(self) -> int:
@@ -36,6 +40,8 @@ class LlamaConfig:
         if self.dim % self.n_heads or self.n_heads % self.n_kv_heads:
             raise ValueError(f"dim {self.dim}, n_heads {self.n_heads}, n_kv_heads {self.n_kv_heads}: "
                              "dim must divide by n_heads and n_heads by n_kv_heads")
+        if self.attention not in ("auto", "xla", "cudnn"):
+            raise ValueError(f"attention '{self.attention}': choose auto, xla or cudnn")
 
     def num_params(self) -> int:
         d, f, v = self.dim, self.ffn_dim, self.vocab_size
@@ -73,6 +79,18 @@ def _dense(features: int, name: str, std: float):
     return nn.Dense(features, use_bias=False, name=name, kernel_init=nn.initializers.normal(std))
 
 
+def attention_impl(cfg: LlamaConfig, dtype) -> str:
+    """The implementation of jax.nn.dot_product_attention for this config and compute dtype. cuDNN's
+    fused attention takes 16-bit floats and head_dim a multiple of 8 up to 128; anything else (fp32,
+    e.g. while parameters are initialized) runs the XLA reference. "auto" uses cuDNN only on a CUDA
+    backend; "cudnn" wherever it applies (for a program compiled for a GPU on another machine)."""
+    ok = (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+          and cfg.head_dim % 8 == 0 and cfg.head_dim <= 128)
+    if cfg.attention == "xla" or not ok:
+        return "xla"
+    return "cudnn" if cfg.attention == "cudnn" or jax.default_backend() == "gpu" else "xla"
+
+
 class Attention(nn.Module):
     cfg: LlamaConfig
 
@@ -85,13 +103,9 @@ class Attention(nn.Module):
         k = _dense(c.n_kv_heads * hd, "wk", c.init_std)(x).reshape(b, t, c.n_kv_heads, hd)
         v = _dense(c.n_kv_heads * hd, "wv", c.init_std)(x).reshape(b, t, c.n_kv_heads, hd)
         q, k = rotary(q, c.rope_theta), rotary(k, c.rope_theta)
-        group = c.n_heads // c.n_kv_heads
-        k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / jnp.sqrt(hd)
-        causal = jnp.tril(jnp.ones((t, t), dtype=bool))
-        scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        out = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, c.n_heads * hd)
+        # grouped-query attention natively: k and v keep their n_kv_heads, no repeat
+        out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention_impl(c, q.dtype))
+        out = out.reshape(b, t, c.n_heads * hd)
         return _dense(c.dim, "wo", c.init_std)(out)
 
 

@@ -1,0 +1,147 @@
+"""Training throughput of jfsdp's real train step: tokens/s, TFLOP/s per device, MFU, step time and
+peak memory, over a window of steps after warm-up, for named models and strategies.
+
+    python benchmarks/throughput.py --json benchmarks/results/throughput_cpu.json          # CPU, fake devices
+    python benchmarks/throughput.py --models llama-1b,llama-8b --mesh 1x8 --precision bf16 --remat full \\
+        --batch-size 16 --seq-len 4096 --json throughput_h100.json                        # 8 GPUs
+
+FLOPs are analytic, never read from the compiled program (so remat's recomputation does not count):
+`flops_per_token` is jfsdp's count (jfsdp.metrics.llama_flops_per_token: 6 x matmul parameters, head
+included, plus causal attention's half square) and `flops_per_token_torchtitan` torchtitan's (6 x
+parameters without the embedding, plus 12·L·H·Q·T: full, not causal, attention). TFLOP/s per device
+and MFU use jfsdp's count; MFU is against the device's dense peak (bf16 or TF32), null on CPU.
+Peak memory is the allocator's peak on GPUs/TPUs and, on CPU devices (no allocator statistics), the
+compiled step's buffer assignment. On GPUs jfsdp's XLA flags (jfsdp.targets.GPU_FLAGS) are set
+before jax starts; a flag already in XLA_FLAGS wins.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import sys
+
+
+def _args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", default="llama-test,llama-tiny", help="comma-separated names from models.CONFIGS")
+    p.add_argument("--strategies", default="full_shard,shard_grad_op,no_shard")
+    p.add_argument("--mesh", default="1x8")
+    p.add_argument("--precision", default="fp32")
+    p.add_argument("--remat", default="none")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--warmup", type=int, default=2, help="steps run before the timed window")
+    p.add_argument("--steps", type=int, default=5, help="timed steps")
+    p.add_argument("--json", default=None)
+    return p.parse_args(argv)
+
+
+def _setup_devices(n: int):
+    """Before jax starts: fake n CPU devices where there is no accelerator; on GPUs, jfsdp's flags."""
+    has_accel = bool(shutil.which("nvidia-smi")) or os.path.exists("/dev/nvidia0") or os.path.exists("/dev/accel0")
+    if os.environ.get("JAX_PLATFORMS", "").startswith("cpu") or not has_accel:
+        flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", ""))
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    else:
+        from jfsdp.targets import gpu_xla_flags  # imports jax, but XLA_FLAGS is read when the backend starts
+        os.environ["XLA_FLAGS"] = gpu_xla_flags()
+
+
+def torchtitan_flops_per_token(cfg, seq_len: int) -> float:
+    """torchtitan's count for Llama: 6 x (parameters - embedding) + 12 x layers x heads x head_dim x T."""
+    return 6.0 * (cfg.num_params() - cfg.vocab_size * cfg.dim) + 12.0 * cfg.n_layers * cfg.dim * seq_len
+
+
+def run_one(model: str, strategy: str, a) -> dict:
+    import time
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jfsdp
+    import models
+    from jfsdp import metrics as jm
+
+    cfg = models.get_config(model)
+    r, s = jfsdp.parse_mesh(a.mesh)
+    devices = jax.devices()[: r * s]
+    mesh = jfsdp.make_mesh(a.mesh, devices)
+    x = jax.ShapeDtypeStruct((a.batch_size, a.seq_len), jnp.int32)
+    root, unit, n = models.parts(cfg)
+    plan = jfsdp.fully_shard(jfsdp.Stacked(root, unit, n), mesh, x, strategy=strategy, remat=a.remat,
+                             mp_policy=jfsdp.MixedPrecision.parse(a.precision))
+    opt = jfsdp.adamw(1e-4, mask=plan.decay_mask())
+    state = jfsdp.init_state(plan, opt, jax.random.key(0))
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (a.batch_size, a.seq_len + 1), dtype=np.int32)
+    batch = jax.device_put({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}, plan.batch_sharding)
+    step = jfsdp.make_train_step(plan, opt, models.loss_fn(cfg))
+    t = time.perf_counter()
+    compiled = step.lower(state, batch).compile()
+    compile_s = time.perf_counter() - t
+    for _ in range(a.warmup):
+        state, m = compiled(state, batch)
+    jax.block_until_ready(m)
+    times = []
+    for _ in range(a.steps):
+        t = time.perf_counter()
+        state, m = compiled(state, batch)
+        jax.block_until_ready(m)
+        times.append(time.perf_counter() - t)
+    step_s = float(np.mean(times))
+    tps = a.batch_size * a.seq_len / step_s
+    fpt = jm.llama_flops_per_token(cfg, a.seq_len)
+    tflops = tps * fpt / (r * s) / 1e12
+    peak = jm.peak_flops(devices[0], a.precision)
+    mem, mem_src = jm.device_memory(devices, compiled)
+    return {"model": model, "params": cfg.num_params(), "strategy": plan.strategy.value, "mesh": a.mesh,
+            "devices": r * s, "device_kind": getattr(devices[0], "device_kind", devices[0].platform),
+            "precision": a.precision, "remat": a.remat, "batch_size": a.batch_size, "seq_len": a.seq_len,
+            "warmup_steps": a.warmup, "timed_steps": a.steps, "compile_s": round(compile_s, 2),
+            "step_s": step_s, "step_s_min": float(np.min(times)), "tokens_per_sec": tps,
+            "flops_per_token": fpt, "flops_per_token_torchtitan": torchtitan_flops_per_token(cfg, a.seq_len),
+            "tflops_per_device": tflops, "mfu": tflops * 1e12 / peak if peak else None,
+            "peak_memory_bytes": mem, "memory_source": mem_src, "loss": float(m["loss"])}
+
+
+def main(argv=None) -> int:
+    a = _args(argv)
+    m = re.fullmatch(r"(\d+)x(\d+)", a.mesh)
+    if not m or a.steps < 1 or a.warmup < 0:
+        print(f"error: bad --mesh '{a.mesh}' or step counts", file=sys.stderr)
+        return 2
+    _setup_devices(int(m.group(1)) * int(m.group(2)))
+    import datetime
+    import json
+
+    import jax
+
+    import jfsdp
+    rows = []
+    try:
+        for model in a.models.split(","):
+            for strategy in a.strategies.split(","):
+                rows.append(run_one(model.strip(), strategy.strip(), a))
+                r = rows[-1]
+                mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
+                print(f"{r['model']:12} {r['strategy']:14} {r['tokens_per_sec']:>10,.0f} tok/s  "
+                      f"{r['step_s'] * 1e3:8.1f} ms/step  {r['tflops_per_device']:.4f} TFLOP/s/dev  MFU {mfu:>6}  "
+                      f"{r['peak_memory_bytes'] / 2**20:8.1f} MiB/dev ({r['memory_source']})", flush=True)
+    except (jfsdp.ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out = {"date": datetime.date.today().isoformat(), "backend": jax.default_backend(),
+           "jax": jax.__version__, "command": "python benchmarks/throughput.py " + " ".join(argv or sys.argv[1:]),
+           "rows": rows}
+    if a.json:
+        os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
+        with open(a.json, "w") as fh:
+            json.dump(out, fh, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

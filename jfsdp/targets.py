@@ -1,0 +1,243 @@
+"""Compile-only GPU targets: XLA:GPU's own compiler, run on a machine without a GPU.
+
+XLA compiles for an NVIDIA GPU from a description of it (a `GpuTargetConfig` text proto: compute
+capability, SM count, memory, caches), with no device present. What comes out is XLA:GPU's buffer
+assignment (`compiled.memory_analysis()`) and its scheduled program (`compiled.as_text()`: async,
+combined collectives, fusions), i.e. what a real GPU run would allocate and issue, up to autotuning
+(there is none without a device: gemms keep XLA's default choices).
+
+Needs the CUDA PJRT plugin of the same version as jax (`pip install "jax-cuda13-plugin==<jax
+version>" "jax-cuda13-pjrt==<jax version>"`, or `pip install -e ".[gpu-target]"`; no NVIDIA
+libraries, no driver) and `JAX_PLATFORMS=cpu` so that jax does not look for a GPU to run on.
+
+    devices = jfsdp.targets.devices("h100", "1x8")          # 8 compile-only H100s
+    mesh = jfsdp.make_mesh("1x8", devices=devices)
+    ...lower(abstract state, abstract batch).compile(compiler_options=jfsdp.targets.compiler_options())
+
+Each figure below says where it comes from. Most of them only steer code generation (tile sizes,
+occupancy, the cost model); `device_memory_size` also bounds the latency-hiding scheduler's memory.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import os
+
+from jfsdp.mesh import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuTarget:
+    """One NVIDIA GPU as XLA:GPU's compiler sees it (fields of stream_executor.GpuDeviceInfoProto)."""
+    name: str
+    description: str            # device_description_str: what the CUDA driver calls it
+    compute_capability: tuple   # (major, minor)
+    sm_count: int               # core_count
+    fpus_per_core: int          # FP32 lanes per SM
+    memory_bytes: int           # device_memory_size
+    memory_bandwidth: int       # bytes/s
+    l2_cache_bytes: int
+    clock_ghz: float            # boost clock of the SMs
+    smem_per_sm: int            # shared_memory_per_core
+    smem_per_block_optin: int   # shared_memory_per_block_optin
+    source: str
+
+    def text_proto(self, cudnn=None, cuda_runtime=(13, 0)) -> str:
+        """The GpuTargetConfig text proto handed to the compiler. The limits that every NVIDIA GPU
+        since Volta shares (1024 threads per block, warps of 32, 48 KiB static shared memory per
+        block, 64 Ki registers, the grid limits) are from the CUDA C++ Programming Guide's table of
+        technical specifications per compute capability."""
+        major, minor = self.compute_capability
+        return f"""gpu_device_info {{
+  cuda_compute_capability {{ major: {major} minor: {minor} }}
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_core: {self.smem_per_sm}
+  shared_memory_per_block_optin: {self.smem_per_block_optin}
+  threads_per_core_limit: 2048
+  core_count: {self.sm_count}
+  fpus_per_core: {self.fpus_per_core}
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: {self.memory_bandwidth}
+  l2_cache_size: {self.l2_cache_bytes}
+  clock_rate_ghz: {self.clock_ghz}
+  device_memory_size: {self.memory_bytes}
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+}}
+platform_name: "CUDA"
+dnn_version_info {{ major: {(cudnn or _CUDNN)[0]} minor: {(cudnn or _CUDNN)[1]} }}
+runtime_version {{ major: {cuda_runtime[0]} minor: {cuda_runtime[1]} }}
+device_description_str: "{self.description}"
+"""
+
+
+# Shared memory per SM and the per-block opt-in maximum are the CUDA C++ Programming Guide's
+# figures per compute capability: 8.0: 164 KiB / 163 KiB; 9.0 and 10.0: 228 KiB / 227 KiB.
+TARGETS = {
+    "h100": GpuTarget(
+        "h100", "NVIDIA H100 80GB HBM3", (9, 0), sm_count=132, fpus_per_core=128,
+        memory_bytes=84_929_347_584, memory_bandwidth=3_352_320_000_000, l2_cache_bytes=52_428_800,
+        clock_ghz=1.98, smem_per_sm=233_472, smem_per_block_optin=232_448,
+        source="H100 SXM5 80GB. Device memory, bandwidth, L2, clock, SMs and shared memory as an H100's "
+               "CUDA runtime reports them, in the GpuTargetConfig posted in openxla/xla PR #25919 (2025) and "
+               "matching a deviceQuery of 'NVIDIA H100 80GB HBM3' (132 SMs, 1980 MHz, 50 MiB L2, 228 KiB "
+               "shared memory per SM)."),
+    "h200": GpuTarget(
+        "h200", "NVIDIA H200", (9, 0), sm_count=132, fpus_per_core=128,
+        memory_bytes=143_771 * 2**20, memory_bandwidth=4_800_000_000_000, l2_cache_bytes=52_428_800,
+        clock_ghz=1.98, smem_per_sm=233_472, smem_per_block_optin=232_448,
+        source="H200 SXM 141GB: the same GH100 die as the H100 SXM (132 SMs, 1.98 GHz, 50 MiB L2, "
+               "compute capability 9.0), with 141 GB HBM3e at 4.8 TB/s (NVIDIA H200 datasheet); memory "
+               "size 143,771 MiB as nvidia-smi reports an H200's total (not measured here)."),
+    "a100": GpuTarget(
+        "a100", "NVIDIA A100-SXM4-80GB", (8, 0), sm_count=108, fpus_per_core=64,
+        memory_bytes=81_920 * 2**20, memory_bandwidth=2_039_000_000_000, l2_cache_bytes=41_943_040,
+        clock_ghz=1.41, smem_per_sm=167_936, smem_per_block_optin=166_912,
+        source="A100 SXM4 80GB: 108 SMs of 64 FP32 lanes, 1410 MHz boost, 40 MiB L2 (NVIDIA A100 "
+               "Tensor Core GPU architecture whitepaper), 2,039 GB/s HBM2e (A100 datasheet); memory size 81,920 MiB as nvidia-smi reports its total."),
+    "b200": GpuTarget(
+        "b200", "NVIDIA B200", (10, 0), sm_count=148, fpus_per_core=128,
+        memory_bytes=183_359 * 2**20, memory_bandwidth=8_000_000_000_000, l2_cache_bytes=132_120_576,
+        clock_ghz=1.965, smem_per_sm=233_472, smem_per_block_optin=232_448,
+        source="B200 (HGX B200): 148 SMs, compute capability 10.0, 180 GB HBM3e at 8 TB/s (NVIDIA "
+               "DGX/HGX B200 datasheet); L2 126 MiB and 1965 MHz boost are the "
+               "published Blackwell figures; memory size 183,359 MiB as nvidia-smi reports its total. "
+               "The least checked of the four: compiled here, never compared with a device."),
+}
+
+
+def get(name: str) -> GpuTarget:
+    key = str(name).strip().lower()
+    if key not in TARGETS:
+        raise ConfigError(f"unknown GPU target '{name}'; choose from {', '.join(TARGETS)}")
+    return TARGETS[key]
+
+
+def _install_hint() -> str:
+    try:
+        from jax import __version__ as v
+    except Exception:  # pragma: no cover
+        v = "<jax version>"
+    return (f'pip install "jax-cuda13-plugin=={v}" "jax-cuda13-pjrt=={v}"  '
+            '(or pip install -e ".[gpu-target]"; the plugin version must equal jax\'s)')
+
+
+def plugin_available() -> bool:
+    """Whether jax's CUDA plugin is importable (it is what compiles for a GPU)."""
+    import importlib.util
+    return any(importlib.util.find_spec(m) is not None for m in ("jax_cuda13_plugin", "jax_cuda12_plugin"))
+
+
+@functools.lru_cache(maxsize=None)
+def _topology_devices(target: str, n: int):
+    from jax.experimental import topologies
+    t = get(target)
+    try:
+        desc = topologies.get_topology_desc(platform="cuda", target_config=t.text_proto(), topology=f"1x1x{n}")
+    except Exception as e:  # no plugin, or a plugin of another version than jax
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if not plugin_available():
+            raise ConfigError(f"compiling for {target} needs jax's CUDA plugin: {_install_hint()}") from None
+        import jax
+        if jax.config.jax_platforms != "cpu":
+            raise ConfigError(f"could not build a {target} topology ({msg}): set JAX_PLATFORMS=cpu before jax "
+                              "starts (the CUDA plugin otherwise looks for a GPU and its libraries)") from None
+        raise ConfigError(f"could not build a {target} topology ({msg}); {_install_hint()}") from None
+    return tuple(desc.devices)
+
+
+def devices(target: str, mesh) -> list:
+    """Compile-only devices of `target` for an RxS mesh (R*S of them): pass them to make_mesh.
+    They compile programs but run nothing."""
+    from jfsdp.mesh import parse_mesh
+    r, s = parse_mesh(mesh) if isinstance(mesh, str) else mesh
+    get(target)
+    return list(_topology_devices(str(target).strip().lower(), r * s))
+
+
+# ------------------------------------------------------------------ XLA:GPU flags jfsdp sets
+
+# Each flag with why jfsdp wants it. On GPU hosts train.py and benchmarks/throughput.py put them in
+# XLA_FLAGS before jax starts its backend (`gpu_xla_flags`); compile-only targets get them per
+# compilation (`compiler_options`). A flag the user gave in XLA_FLAGS (or in `overrides`) wins.
+GPU_FLAGS = {
+    # FSDP's prefetch: XLA:GPU pipelines the all-gather of the scan's next iteration into the current
+    # one (the next unit is gathered while this one computes); without it each unit's gather waits
+    # at the top of the loop body with nothing to hide behind (measured: only a convert between
+    # start and done).
+    "xla_gpu_enable_pipelined_all_gather": True,
+    # The same for the backward scan's reduce-scatter: issued in one iteration, finished in the next,
+    # so a unit's gradient is reduced while the next unit's backward computes.
+    "xla_gpu_enable_pipelined_reduce_scatter": True,
+    # And for the all-reduce of a hybrid (RxS, R > 1) or DDP run.
+    "xla_gpu_enable_pipelined_all_reduce": True,
+}
+
+
+def _flags_in_env() -> set:
+    return {f.split("=")[0].lstrip("-") for f in os.environ.get("XLA_FLAGS", "").split()}
+
+
+def compiler_options(overrides: dict | None = None) -> dict:
+    """The XLA:GPU options jfsdp compiles with: GPU_FLAGS, minus any flag the user set in XLA_FLAGS,
+    plus `overrides` (a value of None drops a flag). Pass to `Lowered.compile(compiler_options=...)`."""
+    env = _flags_in_env()
+    opts = {k: v for k, v in GPU_FLAGS.items() if k not in env}
+    for k, v in (overrides or {}).items():
+        if v is None:
+            opts.pop(k, None)
+        else:
+            opts[k] = v
+    return opts
+
+
+def gpu_xla_flags(existing: str | None = None) -> str:
+    """XLA_FLAGS with jfsdp's GPU flags added (those already present win): for a process that runs
+    on real GPUs (train.py), to be set before jax initializes its backend."""
+    existing = os.environ.get("XLA_FLAGS", "") if existing is None else existing
+    have = {f.split("=")[0].lstrip("-") for f in existing.split()}
+    extra = [f"--{k}={str(v).lower()}" for k, v in GPU_FLAGS.items() if k not in have]
+    return " ".join([existing.strip()] + extra).strip()
+
+
+@contextlib.contextmanager
+def tracing_for(target: str):
+    """Trace for a compile-only target. jax asks the local cuDNN library for its version before it
+    emits cuDNN's fused attention (jax.nn.dot_product_attention(implementation="cudnn")); a machine
+    without a GPU has none, so while this is active the answer is the version the target's config
+    declares (cuDNN 9.8). On a machine with cuDNN, or a jax without that check, nothing changes."""
+    get(target)
+    try:
+        from jax._src.cudnn import fused_attention_stablehlo as fa
+    except Exception:  # a jax without it: nothing to patch
+        yield
+        return
+    real = getattr(fa, "check_cudnn_version", None)
+    try:
+        real() if real else None
+        patched = False
+    except Exception:
+        patched = True
+    if patched:
+        fa.check_cudnn_version = lambda: _CUDNN[0] * 10000 + _CUDNN[1] * 100
+    try:
+        yield
+    finally:
+        if patched:
+            fa.check_cudnn_version = real
+
+
+_CUDNN = (9, 8)
+
+
+def compile_step(target: str, plan, optimizer, loss_fn, batch, grad_accum: int = 1, overrides: dict | None = None):
+    """jfsdp's real train step for `plan` (whose mesh is made of `devices(target, ...)`), compiled by
+    XLA:GPU for `target` with jfsdp's GPU options (`compiler_options(overrides)`). Nothing runs."""
+    from jfsdp import memory
+    with tracing_for(target):
+        return memory.compile_step(plan, optimizer, loss_fn, batch, grad_accum, compiler_options(overrides))

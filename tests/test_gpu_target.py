@@ -1,0 +1,225 @@
+"""The GPU path, compiled for an H100 target on this CPU machine (no GPU): XLA:GPU's own buffer
+assignment and scheduled program, read back and checked against the FSDP contract.
+
+The references are XLA's: the collectives and their dtypes in the optimized GPU HLO, its schedule
+(which instructions lie between each async collective's start and done) and `memory_analysis()`;
+the contract's formula is computed from the model config's own parameter count."""
+import dataclasses
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jfsdp
+import models
+from jfsdp import hlo, memory, targets
+
+# jax's CUDA plugin (the gpu-target extra) has Linux wheels only; CI runs on Linux, where these run.
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="jax-cuda13-plugin: Linux wheels only")
+
+S = 8
+# llama-test's shape at width 256 (as tests/test_memory.py), bf16 mixed precision, remat full.
+CFG = dataclasses.replace(models.get_config("llama-test"), dim=256, ffn_dim=688, attention="cudnn")
+BATCH, SEQ = 8, 128
+
+
+def _case(n_layers, options=None):
+    cfg = dataclasses.replace(CFG, n_layers=n_layers)
+    mesh = jfsdp.make_mesh(f"1x{S}", targets.devices("h100", f"1x{S}"))
+    x = jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32)
+    root, unit, n = models.parts(cfg)
+    with targets.tracing_for("h100"):
+        plan = jfsdp.fully_shard(jfsdp.Stacked(root, unit, n), mesh, x, strategy="full_shard", remat="full",
+                                 mp_policy=jfsdp.MixedPrecision.parse("bf16"))
+        opt, b, loss = jfsdp.adamw(1e-3), {"inputs": x, "targets": x}, models.loss_fn(cfg)
+        compiled = targets.compile_step("h100", plan, opt, loss, b, overrides=options)
+        est = memory.estimate(plan, opt, loss, b, prefetch=True, backend="gpu")
+    return cfg, plan, est, compiled, compiled.as_text()
+
+
+@pytest.fixture(scope="module")
+def h100():
+    """{n_layers: case} with jfsdp's XLA:GPU options, and 'plain': 8 layers without them."""
+    cases = {4: _case(4), 8: _case(8)}
+    off = {k: None for k in targets.GPU_FLAGS}
+    cases["plain"] = _case(8, off)
+    return cases
+
+
+def test_targets_are_gpus_of_the_declared_kind():
+    for name, t in targets.TARGETS.items():
+        assert t.source and "gpu_device_info" in t.text_proto()
+    devs = targets.devices("h100", "1x8")
+    assert len(devs) == 8 and devs[0].platform == "gpu" and "H100" in devs[0].device_kind
+    with pytest.raises(jfsdp.ConfigError, match="unknown GPU target"):
+        targets.get("v100")
+
+
+def test_gpu_flags_are_overridable(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_pipelined_all_gather=false --foo=1")
+    opts = targets.compiler_options({"xla_gpu_enable_pipelined_all_reduce": None, "xla_gpu_x": 3})
+    assert "xla_gpu_enable_pipelined_all_gather" not in opts  # the user's XLA_FLAGS wins
+    assert "xla_gpu_enable_pipelined_all_reduce" not in opts and opts["xla_gpu_x"] == 3
+    assert opts["xla_gpu_enable_pipelined_reduce_scatter"] is True
+    flags = targets.gpu_xla_flags()
+    assert flags.startswith("--xla_gpu_enable_pipelined_all_gather=false --foo=1")
+    assert "--xla_gpu_enable_pipelined_reduce_scatter=true" in flags and flags.count("pipelined_all_gather") == 1
+
+
+def test_missing_plugin_is_one_config_error(monkeypatch):
+    from jax.experimental import topologies
+
+    def no_plugin(*a, **k):
+        raise RuntimeError("Unknown backend cuda")
+    monkeypatch.setattr(topologies, "get_topology_desc", no_plugin)
+    monkeypatch.setattr(targets, "plugin_available", lambda: False)
+    targets._topology_devices.cache_clear()
+    try:
+        with pytest.raises(jfsdp.ConfigError) as e:
+            targets.devices("h200", "1x2")
+        assert "pip install" in str(e.value) and "jax-cuda13-plugin==" + jax.__version__ in str(e.value)
+        assert "\n" not in str(e.value)
+    finally:
+        targets._topology_devices.cache_clear()
+
+
+def test_gathers_are_bf16_and_reduce_scatters_fp32_on_gpu(h100):
+    *_, text = h100[4]
+    colls = hlo.collectives(text, S)
+    ag = [c for c in colls if c.kind == "all-gather"]
+    rs = [c for c in colls if c.kind == "reduce-scatter"]
+    assert ag and all(c.dtypes == ("bf16",) for c in ag), [(c.name, c.dtypes) for c in ag]
+    assert rs and all(c.dtypes == ("f32",) for c in rs), [(c.name, c.dtypes) for c in rs]
+    assert all(c.is_async for c in ag + rs)         # XLA:GPU issues them async
+    assert max(c.operands for c in ag + rs) > 1     # ... and combined: the reader must sum the tuple
+
+
+def test_comm_per_step_is_the_contract_within_5_percent(h100):
+    cfg, plan, _, compiled, text = h100[8]
+    got = memory.comm_measured(compiled, S)
+    psi = cfg.num_params()
+    contract = 2 * psi * 2 * (S - 1) / S + psi * 4 * (S - 1) / S  # 2 bf16 gathers + 1 fp32 reduce-scatter
+    assert got["total"] == pytest.approx(contract, rel=0.05)
+    want = memory.comm_formula(plan, backend="gpu")  # exact: root gathered once, padding counted
+    for kind in ("all-gather", "reduce-scatter"):
+        assert got[kind] == pytest.approx(want[kind], rel=1e-6), kind
+    assert got["all-reduce"] < 64  # the loss and nothing of parameter size
+
+
+def test_full_shard_memory_flat_in_depth(h100):
+    """4 more units cost their gradient shards (fp32, 1/S) and saved inputs (remat full), not gathered units."""
+    _, plan, _, c4, _ = h100[4]
+    _, _, _, c8, _ = h100[8]
+    per_unit = (memory.measure(c8)["temp"] - memory.measure(c4)["temp"]) / 4
+    gathered_unit = memory._stored_bytes(plan.layouts["units"], jnp.bfloat16)
+    saved_input = BATCH // S * SEQ * CFG.dim * 2
+    grad_shard = memory._stored_bytes(plan.layouts["units"], jnp.float32) // S
+    assert per_unit < 0.35 * gathered_unit, (per_unit, gathered_unit)
+    assert per_unit <= 1.05 * (grad_shard + saved_input), (per_unit, grad_shard, saved_input)
+
+
+def test_estimate_against_the_gpu_compile(h100):
+    """The analytic GPU estimate (prefetch: two gathered units) against XLA:GPU's buffer assignment.
+    Measured 0.60 (4 units) and 0.69 (8 units) here: at this tiny width XLA:GPU's untuned Triton gemms
+    split K and keep f32 partial products (1-1.4 MB each, read from the buffer assignment), which the
+    estimate does not model; on llama-1b (README, "On GPUs") the ratio is near 1. The bound is the
+    measured spread with a margin, and the gap must shrink with depth (fixed workspaces)."""
+    ratios = []
+    for n in (4, 8):
+        _, _, est, compiled, _ = h100[n]
+        ratios.append(est.total / memory.measure(compiled)["total"])
+    assert all(0.5 < r < 1.15 for r in ratios), ratios
+    assert ratios[1] > ratios[0]
+
+
+def _in_loops(overlaps, kind):
+    return [o for o in overlaps if o.collective.kind == kind and o.collective.loops]
+
+
+def test_prefetch_overlap_in_steady_state(h100):
+    """FSDP's prefetch, read from the scheduled program: inside the forward and backward scans every
+    unit's all-gather and every reduce-scatter is in flight while a matmul runs. Outside the scans
+    (the first gathers of each pass, the last reduce-scatters, the root) the exposed bytes do not
+    grow with depth. Without jfsdp's flags the scans' gathers are exposed (the contrast)."""
+    for n in (4, 8):
+        *_, text = h100[n]
+        ov = hlo.overlap(text, S)
+        for kind in ("all-gather", "reduce-scatter"):
+            inside = _in_loops(ov, kind)
+            assert inside and all(o.hidden for o in inside), hlo.render_overlap(ov)
+        gathers_in_loops = {o.collective.loops[-1] for o in _in_loops(ov, "all-gather")}
+        assert len(gathers_in_loops) == 2  # forward scan and backward scan
+    exposed = {n: hlo.overlap_summary(hlo.overlap(h100[n][-1], S)) for n in (4, 8)}
+    for kind in ("all-gather", "reduce-scatter"):
+        assert exposed[8][kind]["exposed_bytes"] == exposed[4][kind]["exposed_bytes"]
+        assert exposed[8][kind]["hidden_bytes"] > exposed[4][kind]["hidden_bytes"]
+    plain = hlo.overlap(h100["plain"][-1], S)
+    assert not any(o.hidden for o in _in_loops(plain, "all-gather"))
+
+
+def test_prefetch_costs_at_most_one_gathered_unit(h100):
+    _, plan, _, with_flags, _ = h100[8]
+    _, _, _, without, _ = h100["plain"]
+    extra = memory.measure(with_flags)["total"] - memory.measure(without)["total"]
+    assert extra <= memory._stored_bytes(plan.layouts["units"], jnp.bfloat16)
+
+
+def test_hlo_reader_on_combined_async_collectives():
+    """A hand-written scheduled module in XLA:GPU's form: a combined all-gather-start returns
+    ((operands), (results)); an all-reduce-start returns its result; a matmul between start and done."""
+    text = """HloModule m, is_scheduled=true
+
+ENTRY %main (p0: bf16[4,8], p1: bf16[2], p2: f32[3]) -> f32[3] {
+  %p0 = bf16[4,8]{1,0} parameter(0)
+  %p1 = bf16[2]{0} parameter(1)
+  %p2 = f32[3]{0} parameter(2)
+  %ags = ((bf16[4,8]{1,0}, bf16[2]{0}), (bf16[16,8]{1,0}, /*index=1*/bf16[8]{0})) all-gather-start(%p0, %p1), channel_id=1, replica_groups=[1,4]<=[4], dimensions={0}
+  %gemm = f32[3]{0} fusion(%p2), kind=kCustom, calls=%gemm_fusion_dot.1
+  %agd = (bf16[16,8]{1,0}, bf16[8]{0}) all-gather-done(%ags)
+  %ars = f32[3]{0} all-reduce-start(%gemm), channel_id=2, replica_groups=mesh['axis_0'=4] {'axis_0'}, to_apply=%add
+  %ard = f32[3]{0} all-reduce-done(%ars)
+  ROOT %out = f32[3]{0} copy(%ard)
+}
+"""
+    colls = hlo.collectives(text)
+    ag, ar = colls
+    assert (ag.kind, ag.result_bytes, ag.operands, ag.group_size, ag.dtypes) == ("all-gather", (16 * 8 + 8) * 2, 2, 4,
+                                                                              ("bf16",))
+    assert (ar.kind, ar.result_bytes, ar.group_size) == ("all-reduce", 12, 4)
+    ov = {o.collective.kind: o for o in hlo.overlap(text)}
+    assert ov["all-gather"].hidden and ov["all-gather"].matmuls == ("gemm",)
+    assert not ov["all-reduce"].hidden
+
+
+def test_plan_cli_compiles_for_h100(tmp_path):
+    from jfsdp import plan
+    out = tmp_path / "plan.json"
+    assert plan.main(["--model", "llama-test", "--mesh", "1x8", "--target", "h100", "--seq-len", "64",
+                      "--device-memory", "64MiB", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["compiled"]["backend"] == "h100" and r["attention"] == "cudnn"
+    assert ["all-gather", "bf16"] in r["collective_dtypes"] and ["reduce-scatter", "f32"] in r["collective_dtypes"]
+    assert r["comm_compiled"]["all-gather"] == pytest.approx(r["comm_formula"]["all-gather"], rel=1e-6)
+    assert set(r["overlap"]) >= {"all-gather", "reduce-scatter"}
+    assert r["xla_options"]["xla_gpu_enable_pipelined_all_gather"] is True
+
+
+def test_torchtitan_llama3_8b_fits_below_fsdp2_with_torch_compile():
+    """torchtitan's Llama 3.1 8B run (8 x H100, local batch 2, sequence 8192, selective activation
+    checkpointing) measured 82.4 GiB per GPU with FSDP2 and 77.0 GiB with torch.compile. The same
+    configuration compiled for H100 with remat `dots`: XLA:GPU's buffer assignment must be below
+    77.0 GiB (measured 66.88 GiB; 349.5 GiB before attention went through cuDNN's fused kernel)."""
+    cfg = dataclasses.replace(models.get_config("llama-8b"), attention="cudnn")
+    mesh = jfsdp.make_mesh("1x8", targets.devices("h100", "1x8"))
+    x = jax.ShapeDtypeStruct((16, 8192), jnp.int32)
+    root, unit, n = models.parts(cfg)
+    with targets.tracing_for("h100"):
+        plan = jfsdp.fully_shard(jfsdp.Stacked(root, unit, n), mesh, x, strategy="full_shard", remat="dots",
+                                 mp_policy=jfsdp.MixedPrecision.parse("bf16"))
+        compiled = targets.compile_step("h100", plan, jfsdp.adamw(1e-4), models.loss_fn(cfg),
+                                        {"inputs": x, "targets": x})
+    total = memory.measure(compiled)["total"]
+    assert total < 77.0 * 2**30, total / 2**30
+    assert "__cudnn$fmha" in compiled.as_text()  # the fused attention, no T x T scores kept

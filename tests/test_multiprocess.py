@@ -1,0 +1,134 @@
+"""More than one process: train.py on 2 processes x 4 fake CPU devices (gloo on 127.0.0.1) computes
+what one process with 8 devices computes, and the faults end in bounded time.
+
+The reference is an independent run: the same command in one process. Every process here is a
+subprocess; the test session's own 16 devices are not used."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jfsdp import distributed
+from jfsdp.mesh import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN = ["--model", "llama-test", "--steps", "8", "--batch-size", "8", "--seq-len", "32", "--eval-every", "4",
+       "--eval-iters", "1", "--log-every", "2", "--gen-tokens", "4", "--warmup", "2"]
+
+
+def env():
+    e = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}   # train.py fakes the devices itself
+    e["JAX_PLATFORMS"] = "cpu"
+    e["PYTHONPATH"] = str(ROOT)
+    return e
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def records(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def losses(recs):
+    return [(r["step"], "loss" if "loss" in r else "val_loss", r.get("loss", r.get("val_loss"))) for r in recs]
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    out = tmp_path_factory.mktemp("single") / "m.jsonl"
+    p = subprocess.run([sys.executable, "train.py", "--mesh", "2x4", *RUN, "--metrics-out", str(out)], cwd=ROOT,
+                       env=env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return records(out)
+
+
+@pytest.mark.parametrize("mesh, fsdp_where", [("2x4", "inside one process"), ("1x8", "across 2 processes")])
+def test_two_processes_equal_one(single, tmp_path, mesh, fsdp_where):
+    """The launcher's 2 processes (hybrid sharding with fsdp inside a process, or full sharding
+    across both) give the one-process losses; only process 0 reports and writes the metrics."""
+    out = tmp_path / "m.jsonl"
+    p = subprocess.run([sys.executable, "-m", "jfsdp.launch", "-n", "2", "train.py", "--mesh", mesh, *RUN,
+                        "--metrics-out", str(out)], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert f"fsdp axis: {mesh.split('x')[1]} devices per group" in p.stdout and fsdp_where in p.stdout, p.stdout
+    assert p.stdout.count("== summary") == 1 and p.stdout.count("== sample") == 1   # process 0 only
+    ours, ref = losses(records(out)), losses(single)
+    assert [r[:2] for r in ours] == [r[:2] for r in ref]                      # no duplicated lines either
+    for (step, kind, a), (_, _, b) in zip(ours, ref):
+        assert abs(a - b) <= 1e-5 * abs(b), (step, kind, a, b)
+
+
+def test_unreachable_coordinator_is_an_error_within_the_timeout():
+    t = time.monotonic()
+    p = subprocess.run([sys.executable, "train.py", "--mesh", "2x4", *RUN, "--coordinator", f"127.0.0.1:{free_port()}",
+                        "--num-processes", "2", "--process-id", "1", "--init-timeout", "3"], cwd=ROOT, env=env(),
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr[-2000:]
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "did not answer within 3 s" in errors[0], p.stderr
+    assert "Traceback" not in p.stderr
+    assert time.monotonic() - t < 3 + 30   # the timeout, plus starting Python and importing jax
+
+
+def test_missing_peer_is_an_error_within_the_timeout():
+    """Process 0 starts the coordinator but process 1 never comes: jaxlib would abort after its own
+    timeout with a stack trace; jfsdp says so in one line and exits 2."""
+    p = subprocess.run([sys.executable, "train.py", "--mesh", "2x4", *RUN, "--coordinator", f"127.0.0.1:{free_port()}",
+                        "--num-processes", "2", "--process-id", "0", "--init-timeout", "3"], cwd=ROOT, env=env(),
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "error: process 0 could not join the distributed run within 3 s" in p.stderr
+
+
+def test_dead_peer_stops_the_others(tmp_path):
+    """kill -9 of process 1 mid-run: process 0 stops by itself (no launcher watching) within the
+    heartbeat timeout plus a margin, instead of hanging in a collective."""
+    out = tmp_path / "m.jsonl"
+    port = free_port()
+    args = [sys.executable, "train.py", "--mesh", "2x4", *RUN, "--steps", "100000", "--eval-every", "0",
+            "--metrics-out", str(out), "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+            "--heartbeat-timeout", "5"]
+    procs = [subprocess.Popen(args + ["--process-id", str(i)], cwd=ROOT, env=env(), stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL) for i in range(2)]
+    try:
+        deadline = time.monotonic() + 240
+        while not (out.exists() and '"step": 4,' in out.read_text()):
+            assert time.monotonic() < deadline and procs[0].poll() is None, "the run did not start"
+            time.sleep(0.5)
+        procs[1].send_signal(signal.SIGKILL)
+        t = time.monotonic()
+        code = procs[0].wait(timeout=60)
+        assert code != 0
+        assert time.monotonic() - t < 5 + 15
+    finally:
+        for q in procs:
+            if q.poll() is None:
+                q.kill()
+
+
+def test_detect():
+    assert not distributed.detect(env={}).multi
+    p = distributed.detect("127.0.0.1:1234", 2, 1, env={})
+    assert (p.coordinator, p.num_processes, p.process_id, p.source) == ("127.0.0.1:1234", 2, 1, "flags")
+    slurm = distributed.detect(env={"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4"})
+    assert slurm.source == "slurm" and slurm.num_processes == 4 and slurm.coordinator is None
+    assert distributed.detect(env={"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1"}).source == "single"
+    assert distributed.detect(env={"OMPI_COMM_WORLD_SIZE": "2"}).source == "openmpi"
+    # flags win over a cluster environment
+    assert distributed.detect("h:1", 2, 0, env={"OMPI_COMM_WORLD_SIZE": "8"}).source == "flags"
+    for bad, msg in [(("h:1", 2, None), "missing --process-id"), (("h:1", 2, 2), "outside 0..1"),
+                     (("h", 2, 0), "malformed"), (("h:99999", 2, 0), "malformed"), ((None, 2, 0), "missing --coordinator")]:
+        with pytest.raises(ConfigError, match=msg):
+            distributed.detect(*bad, env={})
+    with pytest.raises(ConfigError, match="init-timeout"):
+        distributed.detect(init_timeout=0, env={})
