@@ -454,8 +454,9 @@ def train(c: TrainConfig) -> int:
         ckpt.close()
     if stop:
         interrupted = True
-        name = "interrupted (SIGINT)" if stop["signal"] == signal.SIGINT else "terminated (SIGTERM)"
-        note(f"{name} at step {loader.step}/{c.steps}: stopping; "
+        name = "interrupted" if stop["signal"] == signal.SIGINT else "terminated"
+        how = "Ctrl-C" if stop["signal"] == signal.SIGINT else "SIGTERM"
+        note(f"{name} at step {loader.step}/{c.steps} ({how}): stopping; "
              + (f"checkpoint saved to {saved_at}" if ckpt else "no checkpoint saved (no --ckpt-dir)"))
     elif ckpt:
         note(f"checkpoint saved to {saved_at}")
@@ -502,12 +503,12 @@ def sample(plan, params, corpus, c: TrainConfig, jdata) -> None:
 
     T = c.seq_len
     if c.prompt is not None:
-        prompt = jdata.encode(c.prompt)
+        prompt = corpus.encode(c.prompt)
     else:   # the start of a validation document, up to a line break: text the model has not trained on
         head = np.asarray(corpus.val[: min(64, T // 2)], dtype=np.int32)
         breaks = np.nonzero(head == ord("\n"))[0] if corpus.is_bytes else []
         prompt = head[: breaks[-1] + 1] if len(breaks) and breaks[-1] > 8 else head
-    tokens = [int(t) for t in prompt][-(T - 1):] or [jdata.EOS]
+    tokens = [int(t) for t in prompt][-(T - 1):] or [corpus.eos if corpus.eos is not None else 0]
     fwd = jax.jit(lambda p, x, i: jax.lax.dynamic_index_in_dim(plan.apply(p, x)[0], i, keepdims=False))
     rng = np.random.default_rng(c.seed)
     buf = np.full((plan.n_devices, T), jdata.PAD if corpus.is_bytes else 0, np.int32)
@@ -525,12 +526,12 @@ def sample(plan, params, corpus, c: TrainConfig, jdata) -> None:
             p = np.exp(z) / np.exp(z).sum()
             nxt = int(rng.choice(len(p), p=p))
         tokens.append(nxt)
-        if corpus.is_bytes and nxt == jdata.EOS:
+        if nxt == corpus.eos:
             break
     how = "greedy" if c.temperature == 0 else f"temperature {c.temperature}"
     print(f"\n== sample ({how}, {len(tokens) - n_prompt} tokens after the prompt) ==")
-    if corpus.is_bytes:
-        print(f"[prompt]{jdata.decode(tokens[:n_prompt])}[model]{jdata.decode(tokens[n_prompt:])}")
+    if corpus.can_decode:
+        print(f"[prompt]{corpus.decode(tokens[:n_prompt])}[model]{corpus.decode(tokens[n_prompt:])}")
     else:
         print(f"prompt token ids {tokens[:n_prompt]}\ngenerated token ids {tokens[n_prompt:]} (no tokenizer here)")
 

@@ -112,7 +112,7 @@ def test_sigterm_saves_and_resume_is_exact(env, straight, tmp_path):
     assert p.returncode == 143, err[-3000:]
     stopped = max(losses(m))
     assert 3 <= stopped < 12
-    assert f"terminated (SIGTERM) at step {stopped}/12: stopping; checkpoint saved to {ck / str(stopped)}" in err
+    assert f"terminated at step {stopped}/12 (SIGTERM): stopping; checkpoint saved to {ck / str(stopped)}" in err
     assert "Traceback" not in err
     r = train(env, "--metrics-out", str(m), "--ckpt-dir", str(ck), "--resume")
     assert r.returncode == 0, r.stderr[-3000:]
