@@ -311,6 +311,8 @@ def train(c: TrainConfig) -> int:
             meta = ckpt.read_meta(resume_step)
             ckpt.check_compatible(resume_step, meta, identity, plan)
             state = ckpt.restore(resume_step, jfsdp.abstract_state(plan, opt))
+            if not isinstance(meta.get("loader"), dict) or "step" not in meta["loader"]:
+                raise jckpt.CheckpointError(f"{ckpt.step_dir(resume_step) / 'meta/metadata'}: no data position")
             loader.restore(meta["loader"])
             note(f"resumed from {ckpt.step_dir(resume_step)} (step {loader.step}, saved on mesh {meta['mesh']}, "
                  f"{meta['strategy']})")

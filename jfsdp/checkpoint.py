@@ -179,12 +179,14 @@ class Checkpointer:
         if plan is not None:
             want, have = param_signature(plan), meta.get("params", {})
             for k in sorted(set(want) | set(have)):
-                if have.get(k) != want.get(k):
-                    what = (f"parameter {k} is {have[k][0]} {have[k][1]}" if k in have
-                            else f"parameter {k} is missing")
-                    raise CheckpointError(f"{path}: {what}, this run expects "
-                                          f"{want[k][0]} {want[k][1] if k in want else 'nothing'}"
-                                          if k in want else f"{path}: unexpected parameter {k}")
+                if k not in want:
+                    raise CheckpointError(f"{path}: checkpoint has parameter {k}, which this run's model lacks: "
+                                          "incompatible checkpoint")
+                if k not in have:
+                    raise CheckpointError(f"{path}: checkpoint lacks parameter {k}: incompatible checkpoint")
+                if have[k] != want[k]:
+                    raise CheckpointError(f"{path}: parameter {k} is {have[k][0]} {have[k][1]}, this run expects "
+                                          f"{want[k][0]} {want[k][1]}: incompatible checkpoint")
 
     def restore(self, step: int, target) -> Any:
         """The state of checkpoint `step` placed like `target` (a tree of ShapeDtypeStructs with

@@ -25,6 +25,9 @@ from jfsdp.mesh import ConfigError
 def read_params(ckpt_dir: str, step: int | None = None):
     """(full parameters as host arrays, the checkpoint's metadata, its step)."""
     import models   # the model definitions, resolved at run time (jfsdp never imports models at import)
+    from pathlib import Path
+    if not Path(ckpt_dir).is_dir():
+        raise CheckpointError(f"{ckpt_dir}: no such checkpoint folder")
     c = Checkpointer(ckpt_dir)
     try:
         step = c.latest_step() if step is None else step
@@ -34,13 +37,13 @@ def read_params(ckpt_dir: str, step: int | None = None):
         cfg = models.LlamaConfig(**meta["model_config"])
     finally:
         c.close()
-    root, unit, n = models.parts(cfg)
-    from jfsdp.core import FSDP
-    from jfsdp.mesh import make_mesh
-    from jfsdp.policy import MixedPrecision, Strategy
+    # the layouts (logical shapes) of this model; a 1x1 plan is only a way to compute them
     import jax.numpy as jnp
-    layouts_plan = FSDP(models_stacked(root, unit, n), make_mesh("1x1", devices=jax.devices()[:1]),
-                        jax.ShapeDtypeStruct((1, 1), jnp.int32), Strategy.NO_SHARD, MixedPrecision(), "none")
+    from jfsdp.core import Stacked, fully_shard
+    from jfsdp.mesh import make_mesh
+    root, unit, n = models.parts(cfg)
+    layouts = fully_shard(Stacked(root, unit, n), make_mesh("1x1", devices=jax.devices()[:1]),
+                          jax.ShapeDtypeStruct((1, 1), jnp.int32), strategy="no_shard").layouts
     path = c.step_dir(step) / STATE
     try:
         with ocp.PyTreeCheckpointer() as ckptr:
@@ -52,15 +55,11 @@ def read_params(ckpt_dir: str, step: int | None = None):
                                                                    partial_restore=True))["params"]
     except Exception as e:
         raise CheckpointError(f"{path}: cannot be read ({_short(e)}): checkpoint {step} is corrupt or partial") from None
-    return logical_params(layouts_plan.layouts, got), meta, step
+    return logical_params(layouts, got), meta, step
 
 
-def models_stacked(root, unit, n):
-    from jfsdp.core import Stacked
-    return Stacked(root, unit, n)
-
-
-def export(ckpt_dir: str, out_dir: str, step: int | None = None) -> list[str]:
+def export(ckpt_dir: str, out_dir: str, step: int | None = None) -> tuple[list[str], int]:
+    """Write the Hugging Face folder; returns (files written, the checkpoint's step)."""
     full, meta, step = read_params(ckpt_dir, step)
     return hf.save_folder(out_dir, full, meta["model_config"], tokenizer=meta.get("tokenizer")), step
 

@@ -148,3 +148,16 @@ def test_tokenizer_json_drives_train_py(tmp_path):
     np.testing.assert_allclose(first["loss"], want, rtol=1e-5)
     meta = jckpt.Checkpointer(tmp_path / "ck").read_meta(4)
     assert meta["tokenizer"] == str(src / "tokenizer.json") and meta["model_config"]["n_kv_heads"] == 2
+
+
+def test_bad_folders_are_one_line_errors(tmp_path, capsys):
+    assert jexport.main([str(tmp_path / "nope"), str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {tmp_path / 'nope'}: no such checkpoint folder"
+    (tmp_path / "empty").mkdir()
+    assert jexport.main([str(tmp_path / "empty"), str(tmp_path / "out")]) == 2
+    assert "no complete checkpoint" in capsys.readouterr().err
+    with pytest.raises(jfsdp.ConfigError, match="config.json: missing"):
+        hf.read_config(str(tmp_path / "empty"))
+    (tmp_path / "empty" / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_act": "gelu"}))
+    with pytest.raises(jfsdp.ConfigError, match=r"empty/config.json: hidden_act='gelu' is not supported"):
+        hf.read_config(str(tmp_path / "empty"))
