@@ -147,7 +147,15 @@ def parse_args(argv=None) -> TrainConfig:
 
 # ---- failing and noticing: one line each ---------------------------------------------------------
 
+_ON_FAIL = []   # what to close before exiting on an error (the checkpointer: its pending save and threads)
+
+
 def fail(message: str):
+    for close in _ON_FAIL:
+        try:
+            close()
+        except Exception:   # already failing: the one-line message below is what matters
+            pass
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(EXIT_BAD_INPUT)
 
@@ -265,6 +273,7 @@ def train(c: TrainConfig) -> int:
         ckpt, resume_step = None, None
         if c.ckpt_dir:
             ckpt = jckpt.Checkpointer(c.ckpt_dir, keep=c.keep)
+            _ON_FAIL.append(ckpt.close)
             resume_step = ckpt.latest_step()
             if resume_step is not None and not c.resume:
                 raise jfsdp.ConfigError(f"--ckpt-dir {c.ckpt_dir} already holds checkpoints (latest: step "
@@ -445,6 +454,8 @@ def train(c: TrainConfig) -> int:
             bar.close()
             bar = None
         note(f"interrupted at step {loader.step}/{c.steps}: stopping now, without saving a checkpoint")
+        if ckpt:
+            ckpt.close()   # a save already under way still completes (or stays an unfinished tmp folder)
     for sig, h in handlers.items():
         signal.signal(sig, h)
     if bar:

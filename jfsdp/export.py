@@ -18,7 +18,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jfsdp import hf
-from jfsdp.checkpoint import STATE, CheckpointError, Checkpointer, _short, logical_params
+from jfsdp.checkpoint import (STATE, CheckpointError, Checkpointer, _ignore_closed_loop_callbacks, _short,
+                              logical_params)
 from jfsdp.mesh import ConfigError
 
 
@@ -45,6 +46,7 @@ def read_params(ckpt_dir: str, step: int | None = None):
     layouts = fully_shard(Stacked(root, unit, n), make_mesh("1x1", devices=jax.devices()[:1]),
                           jax.ShapeDtypeStruct((1, 1), jnp.int32), strategy="no_shard").layouts
     path = c.step_dir(step) / STATE
+    _ignore_closed_loop_callbacks()
     try:
         with ocp.PyTreeCheckpointer() as ckptr:
             stored = ckptr.metadata(path).item_metadata.tree["params"]
