@@ -176,8 +176,12 @@ def fail(message: str):
     sys.exit(EXIT_BAD_INPUT)
 
 
+QUIET = False   # set in processes other than 0 of a multi-process run: only process 0 reports
+
+
 def note(message: str):
-    print(message, file=sys.stderr, flush=True)
+    if not QUIET:
+        print(message, file=sys.stderr, flush=True)
 
 
 def check_flags(c: TrainConfig) -> int | None:
@@ -288,7 +292,9 @@ def train(c: TrainConfig) -> int:
             raise jfsdp.ConfigError("--prompt needs text data; a token file has no tokenizer here")
         devices = jax.devices()
         lead = jax.process_index() == 0
-        if not lead:   # one process reports: the others print nothing and write no files
+        if not lead:   # one process reports: the others print nothing but errors and write no files
+            global QUIET
+            QUIET = True
             sys.stdout = open(os.devnull, "w")
             c = dataclasses.replace(c, metrics_out=None)
         if len(devices) < r * s:
