@@ -121,3 +121,19 @@ def train_staged(root, units, loss_fn, params, batches, param_dtype=None, output
         losses.append(float(loss))
         first = grads if first is None else first
     return losses, params, first
+
+
+def keep_gradients():
+    """An optax stage that passes gradients through and keeps the first step's in its state (placed
+    like the parameters; `opt_state[k][0]` where it is stage k of a chain): the gradients of jfsdp's
+    own train step, read without compiling a second program. Its init returns what it is given
+    where that is not an array, so that optax.tree_map_params (with which jfsdp places optimizer
+    state) sees a parameter tree there."""
+    def init(params):
+        return jax.tree.map(lambda x: x * 0 if hasattr(x, "dtype") else x, params), jnp.zeros((), jnp.int32)
+
+    def update(updates, state, params=None):
+        kept, count = state
+        kept = jax.tree.map(lambda k, u: jnp.where(count == 0, u, k), kept, updates)
+        return updates, (kept, count + 1)
+    return optax.GradientTransformation(init, update)
