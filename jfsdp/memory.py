@@ -218,8 +218,12 @@ def estimate(plan: FSDP, optimizer, loss_fn: Callable, batch, *, prefetch: bool 
         # unit gradient).
         # ZeRO-2 keeps every unit from the forward scans (stacked buffers, freed only when each
         # backward scan ends), so the unit being differentiated needs a gradient buffer besides.
+        # A one-unit stage is kept like the root: XLA removes a loop of one iteration and merges
+        # its forward and backward gathers (measured: +1.34 MB for a 1.41 MB unit at 1x8).
         if plan.strategy.reshard_after_forward:
-            gathered = root_g + max(unit_g) * (2 if prefetch else 1)
+            single = sum(u for u, (_, n) in zip(unit_g, stages) if n == 1)
+            looped = max([u for u, (_, n) in zip(unit_g, stages) if n > 1], default=0)
+            gathered = root_g + single + looped * (2 if prefetch else 1)
             grad_buffers = 0
         else:
             gathered = root_g + sum(u * n for u, (_, n) in zip(unit_g, stages))
