@@ -90,11 +90,14 @@ def data(cfg: Config, steps: int, batch: int, seq: int, seed: int = 0):
 
 def init_layers(cfg: Config, seq: int, seed: int = 0):
     """Weights as a user has them: the root's tree and one tree per layer (plain Flax init)."""
-    keys = jax.random.split(jax.random.key(seed), cfg.layers + 1)
-    tokens = jnp.zeros((1, seq), jnp.int32)
-    root = GPT(cfg).init(keys[0], tokens, method=lambda m, x: m.head(m.embed(x)))["params"]
-    h = jnp.zeros((1, seq, cfg.width))
-    return root, [Block(cfg).init(k, h)["params"] for k in keys[1:]]
+    @jax.jit  # one program: Flax init run eagerly dispatches op by op
+    def init(key):
+        keys = jax.random.split(key, cfg.layers + 1)
+        tokens = jnp.zeros((1, seq), jnp.int32)
+        root = GPT(cfg).init(keys[0], tokens, method=lambda m, x: m.head(m.embed(x)))["params"]
+        h = jnp.zeros((1, seq, cfg.width))
+        return root, [Block(cfg).init(k, h)["params"] for k in keys[1:]]
+    return jax.device_get(init(jax.random.key(seed)))
 
 
 def train(mesh: str = "2x4", strategy: str = "full_shard", steps: int = 200, batch: int = 16, seq: int = 32,

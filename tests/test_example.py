@@ -27,12 +27,12 @@ def reference():
     root_p, layers = gpt2.init_layers(CFG, SEQ, seed=3)
     root, unit = gpt2.GPT(CFG), gpt2.Block(CFG)
     with jax.default_device(jax.devices()[0]):
-        params = {"root": root_p, "units": jax.tree.map(lambda *xs: jax.numpy.stack(xs), *layers)}  # by hand
-        b = batches[0]
-        grads = jax.jit(jax.grad(lambda p: gpt2.loss_fn(ref.forward(root, unit, p, b["inputs"]), b)))(params)
-        losses, final = ref.train(root, unit, gpt2.loss_fn, params, batches)
-    return dict(weights=(root_p, layers), losses=losses, grads=jax.device_get(grads), final=jax.device_get(final),
-                init=jax.device_get(params))
+        # stacked by hand; the reference's staged form with one stage, which also returns the first
+        # step's gradients
+        params = {"root": root_p, "stages": [jax.tree.map(lambda *xs: jax.numpy.stack(xs), *layers)]}
+        losses, final, grads = ref.train_staged(root, [unit], gpt2.loss_fn, params, batches)
+    as_stacked = lambda p: jax.device_get({"root": p["root"], "units": p["stages"][0]})
+    return dict(weights=(root_p, layers), losses=losses, grads=as_stacked(grads), final=as_stacked(final))
 
 
 def _close(got, want, rtol, what, atol=0.0):
