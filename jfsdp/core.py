@@ -305,8 +305,8 @@ class FSDP:
         A stage of several units must keep h's shape (it runs under a scan)."""
         m, x = self.model, self.example_inputs
         k = jax.random.key(0)
-        emb = jax.eval_shape(lambda k: m.root.init(k, x, method=m.embed_method)["params"], k)
-        h = jax.eval_shape(lambda p: m.root.apply({"params": p}, x, method=m.embed_method), emb)
+        emb = jax.eval_shape(lambda k, x: m.root.init(k, x, method=m.embed_method)["params"], k, x)
+        h = jax.eval_shape(lambda p, x: m.root.apply({"params": p}, x, method=m.embed_method), emb, x)
         shapes = [h]
         for i, st in enumerate(m.stages):
             p = jax.eval_shape(lambda k: st.unit.init(k, jnp.zeros(h.shape, h.dtype))["params"], k)

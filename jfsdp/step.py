@@ -111,7 +111,8 @@ class TrainStep:
     devices and into the micro-batches), so a bad batch is a ConfigError, host arrays included.
     With donate=True (the default) the input state's buffers are reused for the new state: the
     state passed in is deleted, keep only the returned one (`state, m = step(state, batch)`);
-    passing a donated state again is a ConfigError. Other jit methods (`lower`, ...) pass through."""
+    passing a donated state again is a ConfigError. `lower` checks the batch too; other attributes of
+    the jitted function pass through."""
 
     def __init__(self, jitted, plan: FSDP, grad_accum: int, donate: bool):
         self._jitted, self.plan, self.grad_accum, self.donate = jitted, plan, grad_accum, donate
@@ -126,12 +127,22 @@ class TrainStep:
                               "or make the step with donate=False")
         return self._jitted(state, batch)
 
+    def lower(self, state, batch):
+        """Lower for given (possibly abstract) inputs, after the same batch check as a call."""
+        self.plan.check_batch(batch, self.grad_accum)
+        return self._jitted.lower(state, batch)
+
     def __getattr__(self, name):
         return getattr(self._jitted, name)
 
 
 def _donated(state) -> bool:
-    return any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(state))
+    def deleted(x):
+        try:
+            return isinstance(x, jax.Array) and x.is_deleted()
+        except Exception:  # a tracer (the step called inside another jit) has no buffers to check
+            return False
+    return any(deleted(x) for x in jax.tree.leaves(state))
 
 
 def make_train_step(plan: FSDP, optimizer: optax.GradientTransformation, loss_fn: Callable,

@@ -130,6 +130,8 @@ def test_init_state_takes_full_weights_or_shards_and_keeps_yours(staged):
     """Friction points 1 and 5: init_state(params=full weights) places them; shards passed in are
     copied, so the caller's arrays survive the donating step."""
     opt = jfsdp.adamw(1e-2)
+    with pytest.raises(jfsdp.ConfigError, match=r"init_state needs rng \(deferred initialization\) or params="):
+        jfsdp.init_state(staged, opt)
     full = staged.gather(staged.init(jax.random.key(0)))
     shards = staged.shard(full)
     a = jfsdp.init_state(staged, opt, params=full)
