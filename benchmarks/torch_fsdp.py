@@ -108,20 +108,23 @@ def apply_fsdp(model, mesh, strategy: str = "full_shard", precision: str = "fp32
 def make_optimizer(model, lr: float, *, weight_decay: float = 0.1, b1: float = 0.9, b2: float = 0.95,
                    eps: float = 1e-8):
     """AdamW, decay on matrices (the embedding and projections), not on norm scales: jfsdp's
-    `plan.decay_mask()`. A tied embedding is one parameter, listed once."""
+    `plan.decay_mask()`. A tied embedding is one parameter, listed once. The fused implementation
+    (torchtitan's default) updates in place, like XLA's fused elementwise update of donated state;
+    `foreach` would add a parameter-sized temporary during the step."""
     import torch
     params = list(model.parameters())
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=(b1, b2), eps=eps, foreach=True)
+    return torch.optim.AdamW(groups, lr=lr, betas=(b1, b2), eps=eps, fused=True)
 
 
 def train_step(model, opt, inputs, targets, clip: float | None = 1.0):
     """One step; returns this rank's loss (mean over its batch) as a tensor."""
     import torch
     import torch.nn.functional as F
-    logits = model(input_ids=inputs, use_cache=False).logits
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    # the logits are not kept in a variable: only what autograd saves stays alive through backward
+    # (torchtitan deletes its `pred` for the same reason)
+    loss = F.cross_entropy(model(input_ids=inputs, use_cache=False).logits.flatten(0, 1).float(), targets.flatten())
     loss.backward()
     if clip:
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip, foreach=True)
@@ -313,8 +316,26 @@ def _snapshot(snap: dict) -> dict:
     return {getattr(k, "value", str(k)): int(v) for k, v in dev_snap.items()}
 
 
+def _memory_cells(cells_path: str, out_path: str) -> None:
+    """Every cell of a JSON list, one after the other in this process; one JSON line per cell."""
+    with open(cells_path) as f:
+        cells = json.load(f)
+    with open(out_path, "a") as out:
+        for c in cells:
+            try:
+                r = memory_cell(c["hf_config"], c["world"], tuple(c["torch_mesh"]), c["strategy"], c["precision"],
+                                c["remat"], c["seq"], c.get("per_rank_batch", 1), c.get("iters", 2))
+            except Exception as e:  # one failing cell is reported, not the end of the grid
+                r = {"error": f"{type(e).__name__}: {e}"[:500]}
+            out.write(json.dumps({"key": c["key"], **r}) + "\n")
+            out.flush()
+
+
 if __name__ == "__main__":
     if len(sys.argv) == 6 and sys.argv[1] == "worker":
         _worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
+    elif len(sys.argv) == 4 and sys.argv[1] == "memory":
+        _memory_cells(sys.argv[2], sys.argv[3])
     else:
-        sys.exit("usage: python benchmarks/torch_fsdp.py worker JOBDIR RANK WORLD PORT (internal; see run_workers)")
+        sys.exit("usage: python benchmarks/torch_fsdp.py worker JOBDIR RANK WORLD PORT | memory CELLS.json OUT.jsonl "
+                 "(internal: see run_workers and benchmarks/torch_compare.py)")
