@@ -37,6 +37,7 @@ import sys
 import tempfile
 
 SPEED_WORKER = "--_speed-worker" in sys.argv
+USER_XLA_FLAGS = os.environ.get("XLA_FLAGS")  # before the additions below; the speed subprocesses start from it
 DUMP_DIR = None if SPEED_WORKER else tempfile.mkdtemp(prefix="torch_compare_xla_")
 if SPEED_WORKER:
     _n = int(sys.argv[sys.argv.index("--_speed-worker") + 1])
@@ -153,7 +154,7 @@ def jfsdp_cell(cfg, cell: Cell, target: str = "cpu") -> dict:
 
 _LIVE = re.compile(r"^\s+([\w.\-]+)\{([\d,]*)\}: (\d+) bytes")
 _ARRAY = re.compile(r"\b(?:f64|f32|bf16|f16|s64|s32|u32|pred|s8|u8)\[([\d,]*)\]")
-GROUPS = ("state", "sharded grads", "vocab-sized", "attention TxT", "saved unit inputs", "gathered unit", "other")
+GROUPS = ("state", "sharded grads", "vocab-sized", "attention TxT", "all-layer activations", "gathered unit", "other")
 
 
 def _dims(shape_text: str) -> list[tuple[int, ...]]:
@@ -167,8 +168,9 @@ def peak_buffers(hlo_text: str, cfg, cell: Cell, top: int = 8) -> dict:
       state              the step's arguments: sharded parameters, AdamW moments, batch
       sharded grads      buffers shaped like a sharded parameter (the gradient shards being filled)
       vocab-sized        a vocabulary dimension: gathered embedding/head, logits, their gradients
-      attention TxT      scores / probabilities of one layer (B x H x T x T)
-      saved unit inputs  scan-stacked activations (n_layers x B x T x D), what remat keeps
+      attention TxT      scores / probabilities (B x H x T x T), of one layer or stacked for all
+      all-layer activations  other scan-stacked activations (n_layers x ...): the unit inputs that
+                         remat keeps, or everything without remat
       gathered unit      all-gathered weights of one unit, their full gradients
       other              the rest (one unit's activations and temporaries)
     `largest`: the biggest buffers other than the state.
@@ -215,10 +217,10 @@ def peak_buffers(hlo_text: str, cfg, cell: Cell, top: int = 8) -> dict:
             g = "vocab-sized"
         elif dims in arg_shapes and len(dims) >= 2:
             g = "sharded grads"
-        elif len(dims) >= 3 and dims[0] == L and dims[-1] == cfg.dim and T in dims:
-            g = "saved unit inputs"
         elif len(dims) >= 3 and dims[-2:] == (T, T) and cfg.n_heads in dims:
             g = "attention TxT"
+        elif len(dims) >= 3 and dims[0] == L and T in dims:
+            g = "all-layer activations"
         elif "all_gather" in op or "reduce_scatter" in op or "psum_scatter" in op:
             g = "gathered unit"
         else:
@@ -343,7 +345,10 @@ def run_speed(args, log) -> dict:
                    "--device", args.device] + [a for k in ("speed_model", "speed_batch", "speed_seq", "speed_steps",
                                                            "speed_warmup", "speed_precision", "speed_remat")
                                               for a in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
-            subprocess.run(cmd, check=True)
+            env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+            if USER_XLA_FLAGS:
+                env["XLA_FLAGS"] = USER_XLA_FLAGS
+            subprocess.run(cmd, check=True, env=env)  # optimized code, no dumps, W devices
             with open(f.name) as g:
                 ours = json.load(g)
         job = {"hf_config": hf.to_hf_config(dataclasses.asdict(cfg)), "lr": 3e-4, "weight_decay": 0.1, "b1": 0.9,
@@ -365,18 +370,42 @@ def run_speed(args, log) -> dict:
 
 # ---------------------------------------------------------------- output
 
-def table(rows) -> str:
-    lines = ["| W | mesh | strategy | precision | remat | seq | FSDP2 GiB | jfsdp GiB | jfsdp / FSDP2 |",
-             "| ---: | --- | --- | --- | --- | ---: | ---: | ---: | ---: |"]
-    for r in rows:
-        c, t, j = r["cell"], r["torch"], r["jfsdp"]
-        mark = "*" if "widened" in j.get("backend", "") else ""
-        lines.append(f"| {c['world']} | {c['mesh']} | {c['strategy']} | {c['precision']} | {c['remat']} | {c['seq']} | "
-                     f"{t['peak'] / GiB:.2f} | {j['peak'] / GiB:.2f}{mark} | "
-                     + (f"{r['ratio']:.2f} |" if r["ratio"] else "n/a |") if "peak" in t else
-                     f"| {c['world']} | {c['mesh']} | {c['strategy']} | {c['precision']} | {c['remat']} | {c['seq']} | "
-                     f"error | {j['peak'] / GiB:.2f}{mark} | n/a |")
-    return "\n".join(lines)
+def report(result) -> str:
+    """The README's tables from a result JSON."""
+    out = []
+    if result.get("memory"):
+        out.append("| W | mesh | strategy | precision | remat | seq | FSDP2 | jfsdp | jfsdp / FSDP2 | live at jfsdp's peak (XLA) | FSDP2 at its peak |")
+        out.append("| ---: | --- | --- | --- | --- | ---: | ---: | ---: | ---: | --- | --- |")
+        short = {"sharded grads": "grad shards", "vocab-sized": "vocab", "attention TxT": "TxT",
+                 "all-layer activations": "all-layer act", "gathered unit": "unit", "state": "state", "other": "other"}
+        for r in result["memory"]:
+            c, t, j = r["cell"], r["torch"], r["jfsdp"]
+            pb = j.get("peak_buffers", {})
+            ours = ", ".join(f"{short.get(k, k)} {v / GiB:.2f}" for k, v in pb.get("groups", {}).items() if v >= 0.01 * GiB)
+            if "live_total" in pb:
+                ours += f"; holes {(j['peak'] - pb['live_total']) / GiB:.2f}"
+            b = t.get("breakdown", {})
+            theirs = (f"param {(b.get('Sharded Param', 0) + b.get('Unsharded Param', 0)) / GiB:.2f}, "
+                      f"grad {(b.get('Sharded Grad', 0) + b.get('Unsharded Grad', 0)) / GiB:.2f}, "
+                      f"opt {b.get('OptState', 0) / GiB:.2f}, act {b.get('Activation', 0) / GiB:.2f}, "
+                      f"temp {b.get('Temp', 0) / GiB:.2f}, AG+RS {(b.get('All Gather', 0) + b.get('Reduce Scatter', 0)) / GiB:.2f}"
+                      if b else t.get("error", ""))
+            mark = "*" if "widened" in j.get("backend", "") else ""
+            tp = f"{t['peak'] / GiB:.2f}" if "peak" in t else "error"
+            ratio = f"{r['ratio']:.2f}" if r.get("ratio") else "n/a"
+            out.append(f"| {c['world']} | {c['mesh']} | {c['strategy']} | {c['precision']} | {c['remat']} | {c['seq']} | "
+                       f"{tp} | {j['peak'] / GiB:.2f}{mark} | {ratio}{mark} | {ours} | {theirs} |")
+    if result.get("speed"):
+        sp = result["speed"]
+        out.append("")
+        out.append(f"| W | jfsdp tokens/s | FSDP2 tokens/s | jfsdp / FSDP2 |  ({sp['model']}, global batch "
+                   f"{sp['global_batch'][0]} x {sp['global_batch'][1]}, {sp['precision']}, remat {sp['remat']}, "
+                   f"{sp['timed_steps']} timed steps after {sp['warmup_steps']}) |")
+        out.append("| ---: | ---: | ---: | ---: | --- |")
+        for w in sp["worlds"]:
+            out.append(f"| {w['world']} | {w['jfsdp_tokens_per_sec']:,.0f} | {w['torch_tokens_per_sec']:,.0f} | "
+                       f"{w['ratio']:.2f} | |")
+    return "\n".join(out)
 
 
 def plot(result, path):
@@ -422,12 +451,17 @@ def main(argv=None):
     p.add_argument("--speed-model", default="llama-small")
     p.add_argument("--speed-batch", type=int, default=8)
     p.add_argument("--speed-seq", type=int, default=256)
-    p.add_argument("--speed-steps", type=int, default=5)
-    p.add_argument("--speed-warmup", type=int, default=2)
+    p.add_argument("--speed-steps", type=int, default=4)
+    p.add_argument("--speed-warmup", type=int, default=3)
     p.add_argument("--speed-precision", default="fp32")
     p.add_argument("--speed-remat", default="none")
+    p.add_argument("--report", action="store_true", help="print the README tables of an existing --json file")
     p.add_argument("--_speed-worker", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.report:
+        with open(a.json) as f:
+            print(report(json.load(f)))
+        return
     if a._speed_worker:
         with open(a.json, "w") as f:
             json.dump(speed_jfsdp(a), f)
@@ -444,7 +478,7 @@ def main(argv=None):
                                   "jfsdp": f"compiled memory_analysis total, xla:{a.jfsdp_target}", "grid": a.grid}
         result["memory"] = run_memory(a, log)
         result["memory_wall_s"] = round(time.time() - t, 1)
-        log(table(result["memory"]))
+        log(report({"memory": result["memory"]}))
     if a.only in (None, "speed"):
         t1 = time.time()
         result["speed"] = run_speed(a, log)

@@ -28,7 +28,7 @@ from tests import reference as ref
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
-torch_fsdp = pytest.importorskip("benchmarks.torch_fsdp")
+from benchmarks import torch_fsdp  # noqa: E402  (no jax inside: its worker processes stay light)
 
 STEPS, BATCH, SEQ, WORLD = 10, 8, 16, 4
 CFG = models.get_config("llama-test")  # vocab 259 (uneven on 4 shards), GQA, tied embeddings
