@@ -154,7 +154,8 @@ def jfsdp_cell(cfg, cell: Cell, target: str = "cpu") -> dict:
 
 _LIVE = re.compile(r"^\s+([\w.\-]+)\{([\d,]*)\}: (\d+) bytes")
 _ARRAY = re.compile(r"\b(?:f64|f32|bf16|f16|s64|s32|u32|pred|s8|u8)\[([\d,]*)\]")
-GROUPS = ("state", "sharded grads", "vocab-sized", "attention TxT", "all-layer activations", "gathered unit", "other")
+GROUPS = ("state", "sharded grads", "vocab-sized", "attention TxT", "all-layer activations", "gathered units",
+          "gathered unit", "other")
 
 
 def _dims(shape_text: str) -> list[tuple[int, ...]]:
@@ -171,6 +172,7 @@ def peak_buffers(hlo_text: str, cfg, cell: Cell, top: int = 8) -> dict:
       attention TxT      scores / probabilities (B x H x T x T), of one layer or stacked for all
       all-layer activations  other scan-stacked activations (n_layers x ...): the unit inputs that
                          remat keeps, or everything without remat
+      gathered units     all-gathered weights stacked for every layer (kept from forward to backward)
       gathered unit      all-gathered weights of one unit, their full gradients
       other              the rest (one unit's activations and temporaries)
     `largest`: the biggest buffers other than the state.
@@ -202,6 +204,8 @@ def peak_buffers(hlo_text: str, cfg, cell: Cell, top: int = 8) -> dict:
             if is_arg:
                 arg_shapes.update(_dims(m.group(2)))
     V, T, L = cfg.vocab_size, cell.seq, cfg.n_layers
+    D, F, KV = cfg.dim, cfg.ffn_dim, cfg.n_kv_heads * cfg.head_dim
+    unit_weights = {(D, D), (D, KV), (D, F), (F, D)}  # a Llama unit's matrices, unsharded
     groups = dict.fromkeys(GROUPS, 0)
     named = []
     for name, index, size in live:
@@ -219,6 +223,8 @@ def peak_buffers(hlo_text: str, cfg, cell: Cell, top: int = 8) -> dict:
             g = "sharded grads"
         elif len(dims) >= 3 and dims[-2:] == (T, T) and cfg.n_heads in dims:
             g = "attention TxT"
+        elif len(dims) == 3 and dims[0] == L and dims[1:] in unit_weights:
+            g = "gathered units"
         elif len(dims) >= 3 and dims[0] == L and T in dims:
             g = "all-layer activations"
         elif "all_gather" in op or "reduce_scatter" in op or "psum_scatter" in op:
@@ -376,8 +382,9 @@ def report(result) -> str:
     if result.get("memory"):
         out.append("| W | mesh | strategy | precision | remat | seq | FSDP2 | jfsdp | jfsdp / FSDP2 | live at jfsdp's peak (XLA) | FSDP2 at its peak |")
         out.append("| ---: | --- | --- | --- | --- | ---: | ---: | ---: | ---: | --- | --- |")
-        short = {"sharded grads": "grad shards", "vocab-sized": "vocab", "attention TxT": "TxT",
-                 "all-layer activations": "all-layer act", "gathered unit": "unit", "state": "state", "other": "other"}
+        short = {"sharded grads": "grads", "vocab-sized": "vocab", "attention TxT": "TxT",
+                 "all-layer activations": "all-layer act", "gathered unit": "unit",
+                 "gathered units": "all gathered units", "state": "state", "other": "other"}
         for r in result["memory"]:
             c, t, j = r["cell"], r["torch"], r["jfsdp"]
             pb = j.get("peak_buffers", {})
