@@ -33,7 +33,6 @@ Three uses:
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import socket
@@ -46,7 +45,6 @@ import numpy as np
 
 STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2")
 REMATS = ("none", "full")
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def mesh_shape(replicas: int, shards: int, strategy: str) -> tuple[int, int]:
@@ -239,8 +237,8 @@ def _worker(tmp: str, rank: int, world: int, port: int) -> None:
                 t0 = time.perf_counter()
                 loss = train_step(model, opt, local[:, :-1], local[:, 1:], job.get("clip"))
                 loss = loss.detach()
-                dist.all_reduce(loss, op=dist.ReduceOp.AVG if device == "cuda" else dist.ReduceOp.SUM)
-                loss = loss.item() / (1 if device == "cuda" else world)
+                dist.all_reduce(loss)  # sum (gloo has no average); every rank has the same batch size
+                loss = loss.item() / world
                 times.append(time.perf_counter() - t0)
                 losses.append(loss)
             warm = job.get("warmup", 0)
