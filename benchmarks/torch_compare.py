@@ -32,13 +32,17 @@ on real GPUs (NCCL for FSDP2).
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 
 SPEED_WORKER = "--_speed-worker" in sys.argv
 USER_XLA_FLAGS = os.environ.get("XLA_FLAGS")  # before the additions below; the speed subprocesses start from it
 DUMP_DIR = None if SPEED_WORKER else tempfile.mkdtemp(prefix="torch_compare_xla_")
+if DUMP_DIR:
+    atexit.register(shutil.rmtree, DUMP_DIR, True)
 if SPEED_WORKER:
     _n = int(sys.argv[sys.argv.index("--_speed-worker") + 1])
     if not any(a == "cuda" for a in sys.argv):
@@ -57,7 +61,6 @@ import glob  # noqa: E402
 import itertools  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
-import shutil  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
 
@@ -344,7 +347,8 @@ def run_speed(args, log) -> dict:
     cfg = models.get_config(args.speed_model)
     out = {"model": args.speed_model, "params": cfg.num_params(), "global_batch": [args.speed_batch, args.speed_seq],
            "precision": args.speed_precision, "remat": args.speed_remat, "strategy": "full_shard",
-           "warmup_steps": args.speed_warmup, "timed_steps": args.speed_steps, "device": args.device, "worlds": []}
+           "warmup_steps": args.speed_warmup, "timed_steps": args.speed_steps, "device": args.device, "worlds": [],
+           "load_average_at_start": os.getloadavg()[0]}  # other jobs on the same cores change these figures
     for world in [int(w) for w in args.speed_worlds.split(",")]:
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             cmd = [sys.executable, os.path.abspath(__file__), "--json", f.name, "--_speed-worker", str(world),
@@ -368,6 +372,7 @@ def run_speed(args, log) -> dict:
                "torch_tokens_per_sec": theirs["tokens_per_sec"], "torch_step_times": theirs["step_times"],
                "jfsdp_step_times": ours["step_times"]}
         row["ratio"] = row["jfsdp_tokens_per_sec"] / row["torch_tokens_per_sec"]
+        row["load_average_after"] = os.getloadavg()[0]
         out["worlds"].append(row)
         log(f"speed W={world}: jfsdp {row['jfsdp_tokens_per_sec']:.0f} tok/s, FSDP2 {row['torch_tokens_per_sec']:.0f} "
             f"tok/s, jfsdp/FSDP2 {row['ratio']:.2f}")
@@ -495,8 +500,6 @@ def main(argv=None):
         json.dump(result, f, indent=1)
     if result.get("memory"):
         plot(result, a.png or os.path.splitext(a.json)[0] + ".png")
-    if DUMP_DIR:
-        shutil.rmtree(DUMP_DIR, ignore_errors=True)
     log(f"done in {result['wall_s']} s")
 
 
