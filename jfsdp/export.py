@@ -25,7 +25,12 @@ from jfsdp.mesh import ConfigError
 
 def read_params(ckpt_dir: str, step: int | None = None):
     """(full parameters as host arrays, the checkpoint's metadata, its step)."""
-    import models   # the model definitions, resolved at run time (jfsdp never imports models at import)
+    try:   # the model definitions, resolved at run time (jfsdp never imports models at import)
+        import models
+        models.LlamaConfig
+    except (ImportError, AttributeError):   # pip installs only jfsdp: models/ is the repository's own
+        raise ConfigError("export needs the repository's models/ package, which pip does not install: "
+                          "run python -m jfsdp.export from the repository root") from None
     from pathlib import Path
     if not Path(ckpt_dir).is_dir():
         raise CheckpointError(f"{ckpt_dir}: no such checkpoint folder")
