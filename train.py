@@ -5,8 +5,10 @@
 
 Without an accelerator the devices the mesh needs are faked on the CPU (XLA's host device count,
 which has to be set before jax is imported: that is why this file parses its flags first and imports
-jax afterwards). Bad input ends with one line `error: ...` and exit status 2; Ctrl-C ends with 130.
-See README.md (Training) for every flag, the data formats and what the progress line shows.
+jax afterwards). Bad input (and a diverged loss, and an unusable checkpoint) ends with one line
+`error: ...` and exit status 2. Ctrl-C (SIGINT) and SIGTERM finish the current step, save a checkpoint if
+--ckpt-dir is set, and exit with 130 and 143 (128 + the signal number, the shell's convention).
+See README.md (Training, Checkpoints) for every flag, the data formats and what the progress line shows.
 """
 from __future__ import annotations
 
@@ -16,10 +18,11 @@ import math
 import os
 import re
 import shutil
+import signal
 import sys
 import time
 
-EXIT_BAD_INPUT, EXIT_INTERRUPTED = 2, 130
+EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_TERMINATED = 2, 130, 143
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,10 +54,13 @@ class TrainConfig:
     prompt: str | None = None
     gen_tokens: int = 100
     temperature: float = 0.8
-    # checkpointing hooks (checkpointing itself is its own issue), profiling, devices
+    # checkpoints (see jfsdp/checkpoint.py), profiling, devices
     ckpt_dir: str | None = None
     save_every: int = 0
+    keep: int = 3
     resume: bool = False
+    stop_after: int = 0
+    init_from: str | None = None
     profile: str | None = None
     cpu_devices: int = 0
     # more than one process (jfsdp/distributed.py); none given and no cluster launcher: one process
@@ -125,12 +131,19 @@ def parse_args(argv=None) -> TrainConfig:
                    "a validation document)")
     g.add_argument("--gen-tokens", type=int, default=d.gen_tokens, help="tokens to generate at the end; 0 = none")
     g.add_argument("--temperature", type=float, default=d.temperature, help="sampling temperature; 0 = greedy")
-    g = p.add_argument_group("checkpointing, profiling, devices")
-    g.add_argument("--ckpt-dir", default=d.ckpt_dir, help="where checkpoints go (checkpointing is not "
-                   "implemented yet: the hook is called, nothing is written)")
-    g.add_argument("--save-every", type=int, default=d.save_every, help="checkpoint every N steps; 0 = only on Ctrl-C")
-    g.add_argument("--resume", action="store_true", help="resume from the latest checkpoint in --ckpt-dir "
-                   "(not supported yet: an error)")
+    g = p.add_argument_group("checkpoints, profiling, devices")
+    g.add_argument("--ckpt-dir", default=d.ckpt_dir, metavar="DIR", help="save checkpoints here (at --save-every, "
+                   "at the end, and on Ctrl-C/SIGTERM); a folder that already holds checkpoints needs --resume")
+    g.add_argument("--save-every", type=int, default=d.save_every, metavar="N",
+                   help="checkpoint every N steps; 0 = only at the end and on Ctrl-C/SIGTERM")
+    g.add_argument("--keep", type=int, default=d.keep, metavar="K", help="keep the latest K checkpoints")
+    g.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint in "
+                   "--ckpt-dir, data position included (mesh and strategy may differ); none yet: start at step 0")
+    g.add_argument("--stop-after", type=int, default=d.stop_after, metavar="N",
+                   help="stop this invocation after N steps (saving a checkpoint); --resume continues; 0 = off")
+    g.add_argument("--init-from", default=d.init_from, metavar="HF_DIR",
+                   help="start from a Hugging Face Llama folder (config.json + *.safetensors; its tokenizer.json, "
+                   "if any, tokenizes text data); the model config comes from the folder")
     g.add_argument("--profile", default=d.profile, metavar="DIR",
                    help="write a jax.profiler trace of 3 steps to DIR (view with TensorBoard / XProf)")
     g.add_argument("--cpu-devices", type=int, default=d.cpu_devices, metavar="N",
@@ -150,13 +163,25 @@ def parse_args(argv=None) -> TrainConfig:
 
 # ---- failing and noticing: one line each ---------------------------------------------------------
 
+_ON_FAIL = []   # what to close before exiting on an error (the checkpointer: its pending save and threads)
+
+
 def fail(message: str):
+    for close in _ON_FAIL:
+        try:
+            close()
+        except Exception:   # already failing: the one-line message below is what matters
+            pass
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(EXIT_BAD_INPUT)
 
 
+QUIET = False   # set in processes other than 0 of a multi-process run: only process 0 reports
+
+
 def note(message: str):
-    print(message, file=sys.stderr, flush=True)
+    if not QUIET:
+        print(message, file=sys.stderr, flush=True)
 
 
 def check_flags(c: TrainConfig) -> int | None:
@@ -166,15 +191,17 @@ def check_flags(c: TrainConfig) -> int | None:
     for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_iters", "log_every"):
         if getattr(c, name) < 1:
             fail(f"--{name.replace('_', '-')} must be positive, got {getattr(c, name)}")
-    for name in ("eval_every", "save_every", "gen_tokens", "warmup", "cpu_devices"):
+    for name in ("eval_every", "save_every", "gen_tokens", "warmup", "cpu_devices", "stop_after"):
         if getattr(c, name) < 0:
             fail(f"--{name.replace('_', '-')} must not be negative, got {getattr(c, name)}")
     if not c.lr > 0 or not math.isfinite(c.lr):
         fail(f"--lr must be positive, got {c.lr}")
     if c.clip < 0 or c.temperature < 0 or c.weight_decay < 0:
         fail("--clip, --temperature and --weight-decay must not be negative")
-    if c.resume:
-        fail("--resume needs checkpointing, which is not implemented yet (it is its own issue)")
+    if c.keep < 1:
+        fail(f"--keep must be at least 1, got {c.keep}")
+    if (c.resume or c.save_every) and not c.ckpt_dir:
+        fail(f"{'--resume' if c.resume else '--save-every'} needs --ckpt-dir")
     m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", c.mesh)
     if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
         return None
@@ -211,13 +238,6 @@ def setup_devices(c: TrainConfig, n_needed: int | None) -> None:
     note(f"{why}: faking {n} CPU devices" + ("" if c.cpu_devices else f" for mesh {c.mesh} (--cpu-devices N overrides)"))
 
 
-def save_checkpoint(state, loader_state: dict, path: str) -> bool:
-    """Hook for checkpointing (its own issue): save the sharded train `state` and the data position
-    `loader_state` (a small dict, see jfsdp.data.Loader.state) under `path`. Nothing is written yet;
-    returns whether a checkpoint was saved, so callers can say so honestly."""
-    return False
-
-
 # ---- the run -------------------------------------------------------------------------------------
 
 def main(argv=None) -> int:
@@ -245,8 +265,10 @@ def train(c: TrainConfig) -> int:
 
     import jfsdp
     import models
+    from jfsdp import checkpoint as jckpt
     from jfsdp import data as jdata
     from jfsdp import distributed
+    from jfsdp import hf as jhf
     from jfsdp import metrics as jm
 
     t_launch = time.perf_counter()
@@ -255,17 +277,24 @@ def train(c: TrainConfig) -> int:
         r, s = jfsdp.parse_mesh(c.mesh)
         strategy = jfsdp.Strategy.parse(c.strategy)
         mp = jfsdp.MixedPrecision.parse(c.precision)
-        mcfg = models.get_config(c.model)
+        if c.init_from:
+            mcfg = models.LlamaConfig(**jhf.read_config(c.init_from))
+            model_name = f"{c.init_from} (Hugging Face)"
+        else:
+            mcfg, model_name = models.get_config(c.model), c.model
         if not isinstance(mcfg, models.LlamaConfig):
             raise jfsdp.ConfigError(f"model '{c.model}' is not a language model; train.py trains the llama-* models")
         if c.seq_len > mcfg.max_seq_len:
             raise jfsdp.ConfigError(f"--seq-len {c.seq_len} exceeds the model's max_seq_len {mcfg.max_seq_len}")
-        corpus = jdata.load_tokens(c.data, mcfg.vocab_size, dtype=c.data_dtype)
-        if c.prompt is not None and not corpus.is_bytes:
+        tokenizer = jhf.tokenizer_path(c.init_from) if c.init_from else None
+        corpus = jdata.load_tokens(c.data, mcfg.vocab_size, dtype=c.data_dtype, tokenizer=tokenizer)
+        if c.prompt is not None and not corpus.can_decode:
             raise jfsdp.ConfigError("--prompt needs text data; a token file has no tokenizer here")
         devices = jax.devices()
         lead = jax.process_index() == 0
-        if not lead:   # one process reports: the others print nothing and write no files
+        if not lead:   # one process reports: the others print nothing but errors and write no files
+            global QUIET
+            QUIET = True
             sys.stdout = open(os.devnull, "w")
             c = dataclasses.replace(c, metrics_out=None)
         if len(devices) < r * s:
@@ -280,7 +309,24 @@ def train(c: TrainConfig) -> int:
                                  strategy=strategy, mp_policy=mp, remat=c.remat)
         rows = jdata.process_rows(plan.batch_sharding, c.batch_size, c.seq_len)
         loader = jdata.Loader(corpus, c.batch_size, c.seq_len, seed=c.seed, rows=rows)
-        out = jm.MetricsFile(c.metrics_out or None)   # opened now: an unwritable path is bad input too
+        ckpt, resume_step = None, None
+        if c.ckpt_dir:
+            ckpt = jckpt.Checkpointer(c.ckpt_dir, keep=c.keep)
+            _ON_FAIL.append(ckpt.close)
+            resume_step = ckpt.latest_step()
+            if resume_step is not None and not c.resume:
+                raise jfsdp.ConfigError(f"--ckpt-dir {c.ckpt_dir} already holds checkpoints (latest: step "
+                                        f"{resume_step}); pass --resume to continue from it, or use another folder")
+            if ckpt.partial_writes():
+                note(f"{c.ckpt_dir}: ignoring unfinished checkpoint write(s) {', '.join(ckpt.partial_writes())} "
+                     "(a save that was killed)")
+            if c.resume and resume_step is None:
+                note(f"--resume: no checkpoint in {c.ckpt_dir} yet: starting at step 0")
+        # what a checkpoint must share with this run to be resumed by it (mesh and strategy may differ)
+        identity = {"model_config": dataclasses.asdict(mcfg), "precision": c.precision, "data": c.data or "stdlib",
+                    "data_dtype": c.data_dtype, "tokenizer": tokenizer, "batch_size": c.batch_size,
+                    "seq_len": c.seq_len, "seed": c.seed}
+        out = jm.MetricsFile(c.metrics_out or None, append=resume_step is not None)   # an unwritable path is bad input
     except (jfsdp.ConfigError, ValueError) as e:
         fail(str(e))
     except OSError as e:
@@ -294,7 +340,7 @@ def train(c: TrainConfig) -> int:
     peak = jm.peak_flops(devices[0], c.precision)
     put = lambda b: jdata.to_global(b, plan.batch_sharding, c.batch_size)
 
-    print(f"model {c.model}: {mcfg.num_params() / 1e6:.2f}M params, {n_units} units | mesh {c.mesh} "
+    print(f"model {model_name}: {mcfg.num_params() / 1e6:.2f}M params, {n_units} units | mesh {c.mesh} "
           f"({r} replicas x {s} shards) on {n_dev} {platform} devices | {strategy.value}, {c.precision}, "
           f"remat {c.remat}")
     if jax.process_count() > 1:
@@ -312,12 +358,40 @@ def train(c: TrainConfig) -> int:
     opt = jfsdp.adamw(schedule, weight_decay=c.weight_decay, clip_norm=c.clip or None, mask=plan.decay_mask())
     t0 = time.perf_counter()
     try:
-        state = jfsdp.init_state(plan, opt, jax.random.key(c.seed))
+        if resume_step is not None:
+            meta = ckpt.read_meta(resume_step)
+            ckpt.check_compatible(resume_step, meta, identity, plan)
+            state = ckpt.restore(resume_step, jfsdp.abstract_state(plan, opt))
+            if not isinstance(meta.get("loader"), dict) or "step" not in meta["loader"]:
+                raise jckpt.CheckpointError(f"{ckpt.step_dir(resume_step) / 'meta/metadata'}: no data position")
+            loader.restore(meta["loader"])
+            note(f"resumed from {ckpt.step_dir(resume_step)} (step {loader.step}, saved on mesh {meta['mesh']}, "
+                 f"{meta['strategy']})")
+        elif c.init_from:
+            state = jfsdp.init_state(plan, opt, params=jhf.load_params(plan, c.init_from))
+        else:
+            state = jfsdp.init_state(plan, opt, jax.random.key(c.seed))
         train_step = jfsdp.make_train_step(plan, opt, loss_fn, grad_accum=c.grad_accum)
         batch = put(loader.batch(loader.step))
         compiled = train_step.lower(state, batch).compile()
     except jfsdp.ConfigError as e:
         fail(str(e))
+    except OSError as e:
+        fail(f"{e.filename}: {e.strerror}")
+
+    def save(step: int) -> str:
+        """Start an asynchronous save of the current state (a non-finite state is never saved)."""
+        meta = {**identity, "loader": loader.state(), "mesh": c.mesh, "strategy": strategy.value, "model": model_name,
+                "run": dataclasses.asdict(c), "jax": jax.__version__}
+        try:
+            return str(ckpt.save(step, state, meta, plan=plan))
+        except jckpt.NonFiniteState as e:
+            out.close()
+            ckpt.wait()   # the previous save, still being written, is the last good one: finish it
+            last_good = ckpt.latest_step()
+            fail(f"{e}: training diverged (try a lower --lr, or --clip); "
+                 + (f"the last good checkpoint is {ckpt.step_dir(last_good)}" if last_good is not None
+                    else "no checkpoint was saved"))
     eval_loss = jax.jit(plan.loss(loss_fn))
     val_set = [put(b) for b in loader.val_batches(c.eval_iters)]
     mem, mem_src = jm.device_memory(mesh.local_devices, compiled)
@@ -352,13 +426,23 @@ def train(c: TrainConfig) -> int:
     pending, last = [], {"loss": None, "tokens_per_sec": None, "mem": mem}
     profile_window = range(min(loader.step + 2, c.steps - 1), min(loader.step + 5, c.steps)) if c.profile else range(0)
     interrupted = False
+    # Ctrl-C and SIGTERM: finish the step in flight, then stop and save (a second one stops at once)
+    stop = {}
+
+    def on_signal(signum, frame):
+        if stop:
+            raise KeyboardInterrupt
+        stop["signal"] = signum
+    handlers = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    stop_at = min(c.steps, loader.step + c.stop_after) if c.stop_after else c.steps
+    saved_at = None
     t_train0 = time.perf_counter()
     try:
         v0 = evaluate(loader.step)
         say(f"step {loader.step:>5} | val loss {v0:.4f}")
         t_mark = time.perf_counter()
         mark_step, step0, timed = loader.step, loader.step, 0.0   # timed: seconds spent in train steps only
-        while loader.step < c.steps:
+        while loader.step < stop_at and not stop:
             step = loader.step
             if c.profile and step == profile_window.start:
                 jax.profiler.start_trace(c.profile)
@@ -380,6 +464,8 @@ def train(c: TrainConfig) -> int:
                 if not np.all(np.isfinite(losses)):
                     bad = done - len(losses) + int(np.argmin(np.isfinite(losses))) + 1
                     out.close()
+                    if ckpt:
+                        ckpt.wait()   # finish the last good save; this state is never saved
                     fail(f"loss is {losses[~np.isfinite(losses)][0]} at step {bad}: training diverged "
                          f"(try a lower --lr, or --clip)")
                 tps = (done - mark_step) * tokens_per_step / (now - t_mark)
@@ -402,18 +488,33 @@ def train(c: TrainConfig) -> int:
                 v = evaluate(done)
                 say(f"step {done:>5} | val loss {v:.4f}")
                 t_mark += time.perf_counter() - t_eval   # evaluation is not training throughput
-            if c.ckpt_dir and c.save_every and done % c.save_every == 0:
-                save_checkpoint(state, loader.state(), c.ckpt_dir)
-    except KeyboardInterrupt:
+            if ckpt and c.save_every and done % c.save_every == 0:
+                saved_at = save(done)
+    except KeyboardInterrupt:   # a second signal, or one before the loop: no step is complete, nothing saved
         interrupted = True
         if bar:
             bar.close()
             bar = None
-        saved = save_checkpoint(state, loader.state(), c.ckpt_dir) if c.ckpt_dir else False
-        note(f"interrupted at step {loader.step}/{c.steps}: stopping; "
-             + ("checkpoint saved" if saved else "no checkpoint saved (checkpointing is not implemented yet)"))
+        note(f"interrupted at step {loader.step}/{c.steps}: stopping now, without saving a checkpoint")
+        if ckpt:
+            ckpt.close()   # a save already under way still completes (or stays an unfinished tmp folder)
+    for sig, h in handlers.items():
+        signal.signal(sig, h)
     if bar:
         bar.close()
+    if ckpt and not interrupted:
+        if saved_at is None or not saved_at.endswith(f"/{loader.step}"):
+            saved_at = save(loader.step)
+        ckpt.wait()   # the last save is on disk before this process says so or exits
+        ckpt.close()
+    if stop:
+        interrupted = True
+        name = "interrupted" if stop["signal"] == signal.SIGINT else "terminated"
+        how = "Ctrl-C" if stop["signal"] == signal.SIGINT else "SIGTERM"
+        note(f"{name} at step {loader.step}/{c.steps} ({how}): stopping; "
+             + (f"checkpoint saved to {saved_at}" if ckpt else "no checkpoint saved (no --ckpt-dir)"))
+    elif ckpt:
+        note(f"checkpoint saved to {saved_at}")
     train_s = time.perf_counter() - t_train0
     out.close()
 
@@ -436,8 +537,8 @@ def train(c: TrainConfig) -> int:
                            f"{c.model} on {c.mesh} ({strategy.value}, {c.precision}): {corpus.name}")
         print(f"   metrics {c.metrics_out}" + (f" | loss curve {png}" if png else ""))
     if interrupted:
-        return EXIT_INTERRUPTED
-    if c.gen_tokens:
+        return EXIT_TERMINATED if stop.get("signal") == signal.SIGTERM else EXIT_INTERRUPTED
+    if c.gen_tokens and loader.step == c.steps:
         sample(plan, state.params, corpus, c, jdata)
     return 0
 
@@ -457,12 +558,12 @@ def sample(plan, params, corpus, c: TrainConfig, jdata) -> None:
 
     T = c.seq_len
     if c.prompt is not None:
-        prompt = jdata.encode(c.prompt)
+        prompt = corpus.encode(c.prompt)
     else:   # the start of a validation document, up to a line break: text the model has not trained on
         head = np.asarray(corpus.val[: min(64, T // 2)], dtype=np.int32)
         breaks = np.nonzero(head == ord("\n"))[0] if corpus.is_bytes else []
         prompt = head[: breaks[-1] + 1] if len(breaks) and breaks[-1] > 8 else head
-    tokens = [int(t) for t in prompt][-(T - 1):] or [jdata.EOS]
+    tokens = [int(t) for t in prompt][-(T - 1):] or [corpus.eos if corpus.eos is not None else 0]
     replicated = jax.sharding.NamedSharding(plan.mesh, jax.sharding.PartitionSpec())   # readable by every process
     fwd = jax.jit(lambda p, x, i: jax.lax.dynamic_index_in_dim(plan.apply(p, x)[0], i, keepdims=False),
                   out_shardings=replicated)
@@ -482,12 +583,12 @@ def sample(plan, params, corpus, c: TrainConfig, jdata) -> None:
             p = np.exp(z) / np.exp(z).sum()
             nxt = int(rng.choice(len(p), p=p))
         tokens.append(nxt)
-        if corpus.is_bytes and nxt == jdata.EOS:
+        if nxt == corpus.eos:
             break
     how = "greedy" if c.temperature == 0 else f"temperature {c.temperature}"
     print(f"\n== sample ({how}, {len(tokens) - n_prompt} tokens after the prompt) ==")
-    if corpus.is_bytes:
-        print(f"[prompt]{jdata.decode(tokens[:n_prompt])}[model]{jdata.decode(tokens[n_prompt:])}")
+    if corpus.can_decode:
+        print(f"[prompt]{corpus.decode(tokens[:n_prompt])}[model]{corpus.decode(tokens[n_prompt:])}")
     else:
         print(f"prompt token ids {tokens[:n_prompt]}\ngenerated token ids {tokens[n_prompt:]} (no tokenizer here)")
 

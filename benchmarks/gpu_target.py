@@ -18,6 +18,9 @@ import argparse
 import os
 import sys
 
+# `models` is the repository's own package, imported from the repository root (pip installs only jfsdp)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import dataclasses  # noqa: E402

@@ -20,6 +20,8 @@ import sys
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=64").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# `models` is the repository's own package, imported from the repository root (pip installs only jfsdp)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import dataclasses  # noqa: E402
 import json  # noqa: E402

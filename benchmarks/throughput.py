@@ -22,6 +22,9 @@ import re
 import shutil
 import sys
 
+# `models` is the repository's own package, imported from the repository root (pip installs only jfsdp)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 
 def _args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])

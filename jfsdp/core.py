@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -26,19 +27,67 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jfsdp.mesh import AXES, DATA, FSDP as FSDP_AXIS, ConfigError, mesh_shape
 from jfsdp.policy import REMAT, MixedPrecision, Strategy
 
-ROOT, UNITS = "root", "units"
+ROOT, UNITS, STAGES = "root", "units", "stages"
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """`n_units` copies of one unit module (h -> h, same shape in and out), each with its own
+    parameters: stacked on axis 0 and run under one `lax.scan`. A stage of one unit may change the
+    shape of h (a projection between stages of different widths)."""
+    unit: nn.Module
+    n_units: int
 
 
 @dataclasses.dataclass(frozen=True)
 class Stacked:
     """A model as FSDP units: `root` holds the non-repeated parameters and has two methods,
     `embed(inputs) -> h` and `head(h) -> outputs`; `unit` (h -> h) is repeated `n_units` times with
-    its own parameters each. Tied weights live in the root and are used by both methods."""
+    its own parameters each. Tied weights live in the root and are used by both methods.
+    Parameters: {'root': tree, 'units': tree with every leaf stacked on axis 0 (n_units rows)}."""
     root: nn.Module
     unit: nn.Module
     n_units: int
     embed_method: str = "embed"
     head_method: str = "head"
+
+    @property
+    def stages(self) -> tuple:
+        return (Stage(self.unit, self.n_units),)
+
+
+@dataclasses.dataclass(frozen=True)
+class Staged:
+    """A model whose repeated blocks are not all alike: `root` as in `Stacked`, then a sequence of
+    stages run in order, each `n` copies of its own unit module (different block types, widths,
+    depths). `stages` takes `Stage`s or `(unit, n)` pairs. Every unit of every stage is an FSDP unit:
+    gathered just before it computes, freed after. Blocks that alternate (A, B, A, B...) are best one
+    unit holding both, repeated: one stage, one scan.
+    Parameters: {'root': tree, 'stages': [tree per stage, leaves stacked on axis 0 (its n rows)]}."""
+    root: nn.Module
+    stages: tuple
+    embed_method: str = "embed"
+    head_method: str = "head"
+
+    def __post_init__(self):
+        if isinstance(self.stages, (Stage, nn.Module)) or not isinstance(self.stages, (list, tuple)):
+            raise ConfigError("Staged(root, stages): stages must be a list of jfsdp.Stage(unit, n_units) "
+                              f"or (unit, n_units) pairs, got {type(self.stages).__name__}")
+        stages = []
+        for i, s in enumerate(self.stages):
+            if isinstance(s, (tuple, list)) and len(s) == 2:
+                s = Stage(*s)
+            if not isinstance(s, Stage):
+                raise ConfigError(f"stage {i} must be a jfsdp.Stage(unit, n_units) or a (unit, n_units) pair, "
+                                  f"got {type(s).__name__}")
+            stages.append(s)
+        if not stages:
+            raise ConfigError("Staged needs at least one stage")
+        object.__setattr__(self, "stages", tuple(stages))
+
+    @property
+    def n_units(self) -> int:
+        return sum(s.n_units for s in self.stages)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,11 +209,57 @@ def _is_layout(x):
     return isinstance(x, Layout)
 
 
-class FSDP:
-    """A model placed on a mesh with a strategy. Build it with `fully_shard`."""
+def _paths(tree, is_leaf=None) -> dict:
+    """{'['a']['b']': leaf} of a tree: how a message names a parameter."""
+    return {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]}
 
-    def __init__(self, model: Stacked, mesh, example_inputs, strategy, mp_policy, remat):
+
+def _listing(names, limit=4) -> str:
+    names = sorted(names)
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def stack_units(units) -> Any:
+    """Per-unit parameter trees (a list, one per layer, all of the same structure and shapes) ->
+    one tree whose leaves are stacked on a new axis 0: jfsdp's layout of a stage (host arrays)."""
+    if isinstance(units, Mapping) or not isinstance(units, (list, tuple)) or not units:
+        raise ConfigError(f"stack_units takes a non-empty list of per-unit parameter trees, got {type(units).__name__}")
+    first = _paths(units[0])
+    for i, u in enumerate(units[1:], 1):
+        got = _paths(u)
+        if set(got) != set(first):
+            raise ConfigError(f"unit {i} has other parameters than unit 0: missing {_listing(set(first) - set(got)) or 'none'}, "
+                              f"unexpected {_listing(set(got) - set(first)) or 'none'}")
+        for k, x in got.items():
+            if np.shape(x) != np.shape(first[k]):
+                raise ConfigError(f"unit {i}{k} has shape {np.shape(x)}, unit 0 has {np.shape(first[k])}: "
+                                  "units stacked together must be alike (put different ones in different stages)")
+    treedef = jax.tree.structure(units[0])
+    leaves = [np.stack([np.asarray(x) for x in xs]) for xs in zip(*(treedef.flatten_up_to(u) for u in units))]
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def unstack_units(stacked) -> list:
+    """The inverse of `stack_units`: a tree stacked on axis 0 -> a list of per-unit trees."""
+    leaves, treedef = jax.tree.flatten(stacked)
+    n = {np.shape(x)[0] if np.ndim(x) else None for x in leaves}
+    if len(n) != 1 or None in n:
+        raise ConfigError(f"unstack_units needs every leaf stacked on axis 0 with one length, got lengths {sorted(map(str, n))}")
+    return [jax.tree.unflatten(treedef, [np.asarray(x[i]) for x in leaves]) for i in range(n.pop())]
+
+
+class FSDP:
+    """A model placed on a mesh with a strategy. Build it with `fully_shard`.
+
+    Parameter layout (`init`, `shard`, `gather`, `layouts`, `decay_mask`, gradients):
+    `Stacked`: {'root': tree, 'units': tree, every leaf stacked on axis 0 (n_units rows)};
+    `Staged`: {'root': tree, 'stages': [one such stacked tree per stage]}. `split`/`join` convert
+    any tree in this layout to and from (root, [stacked tree per stage])."""
+
+    def __init__(self, model, mesh, example_inputs, strategy, mp_policy, remat):
         self.model, self.mesh, self.strategy, self.mp, self.remat = model, mesh, strategy, mp_policy, remat
+        self._one = isinstance(model, Stacked)
+        self.stage_sizes = tuple(s.n_units for s in model.stages)
         r, s = mesh_shape(mesh)
         self.replicas, self.shards, self.n_devices = r, (s if strategy.sharded else 1), r * s
         if strategy.sharded:
@@ -177,32 +272,76 @@ class FSDP:
         # every unit's parameters (measured: DDP's peak held the weights twice).
         self.policy = checkpoint_policy(remat, strategy.reshard_after_forward or self.shards == 1)
         self.example_inputs = jax.ShapeDtypeStruct(example_inputs.shape, example_inputs.dtype)
+        self.h_shapes = self._trace_shapes()
         full = jax.eval_shape(self._init_full, jax.random.key(0), self.example_inputs)
-        unit_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), full[UNITS])
-        self.layouts = jax.tree.map(lambda x: Layout(tuple(x.shape), jnp.dtype(x.dtype), self.shards),
-                                    {ROOT: full[ROOT], UNITS: unit_shapes})
+        root, stages = self.split(full)
+        per_unit = lambda t: jax.tree.map(lambda x: Layout(tuple(x.shape[1:]), jnp.dtype(x.dtype), self.shards), t)
+        self.layouts = self.join(jax.tree.map(lambda x: Layout(tuple(x.shape), jnp.dtype(x.dtype), self.shards), root),
+                                 [per_unit(u) for u in stages])
         row = FSDP_AXIS if strategy.sharded else None
-        self.param_specs = {ROOT: jax.tree.map(lambda _: P(row), self.layouts[ROOT], is_leaf=_is_layout),
-                            UNITS: jax.tree.map(lambda _: P(None, row), self.layouts[UNITS], is_leaf=_is_layout)}
+        root_l, stage_l = self.split(self.layouts)
+        self.param_specs = self.join(jax.tree.map(lambda _: P(row), root_l, is_leaf=_is_layout),
+                                     [jax.tree.map(lambda _: P(None, row), l, is_leaf=_is_layout) for l in stage_l])
         self.param_shardings = jax.tree.map(lambda p: NamedSharding(mesh, p), self.param_specs)
         self.batch_sharding = NamedSharding(mesh, P(AXES))
 
-    # ---- parameters: the full layout {'root': tree, 'units': tree stacked on axis 0} <-> shards
+    # ---- the layout
+    def split(self, tree):
+        """A tree in the parameter layout -> (root part, [stacked tree of each stage])."""
+        return (tree[ROOT], [tree[UNITS]]) if self._one else (tree[ROOT], list(tree[STAGES]))
+
+    def join(self, root, stages):
+        """(root part, [stacked tree of each stage]) -> a tree in the parameter layout."""
+        return {ROOT: root, UNITS: stages[0]} if self._one else {ROOT: root, STAGES: list(stages)}
+
+    def _layout_text(self) -> str:
+        if self._one:
+            return f"{{'root': ..., 'units': <one tree, leaves stacked on axis 0, {self.stage_sizes[0]} rows>}}"
+        return ("{'root': ..., 'stages': [" + ", ".join(f"<tree stacked on axis 0, {n} rows>" for n in self.stage_sizes)
+                + "]}")
+
+    def _trace_shapes(self):
+        """Shapes of h: the embedding's output and each stage's output (traced, nothing computed).
+        A stage of several units must keep h's shape (it runs under a scan)."""
+        m, x = self.model, self.example_inputs
+        k = jax.random.key(0)
+        emb = jax.eval_shape(lambda k, x: m.root.init(k, x, method=m.embed_method)["params"], k, x)
+        h = jax.eval_shape(lambda p, x: m.root.apply({"params": p}, x, method=m.embed_method), emb, x)
+        shapes = [h]
+        for i, st in enumerate(m.stages):
+            p = jax.eval_shape(lambda k: st.unit.init(k, jnp.zeros(h.shape, h.dtype))["params"], k)
+            out = jax.eval_shape(lambda p, h: st.unit.apply({"params": p}, h), p, h)
+            if out.shape != h.shape and st.n_units > 1:
+                raise ConfigError(f"stage {i}: its unit maps h of shape {h.shape} to {out.shape}, but a unit repeated "
+                                  f"{st.n_units} times must keep the shape of h; put the change of width in a "
+                                  "stage of its own with one unit")
+            h = out
+            shapes.append(h)
+        return shapes
+
+    # ---- parameters: the full layout <-> shards
     def _init_full(self, rng, inputs):
+        """Keys: root from split(rng)[0]; with `Stacked`, unit i from split(split(rng)[1], n)[i]; with
+        `Staged`, stage j's keys are split(split(split(rng)[1], n_stages)[j], n_j)."""
         m = self.model
         root_key, unit_key = jax.random.split(rng)
-        embed_then_head = lambda mod, x: getattr(mod, m.head_method)(getattr(mod, m.embed_method)(x))
-        root = m.root.init(root_key, inputs, method=embed_then_head)["params"]
-        h = jax.eval_shape(lambda r: m.root.apply({"params": r}, inputs, method=m.embed_method), root)
-        h = jnp.zeros(h.shape, h.dtype)
-        units = jax.vmap(lambda k: m.unit.init(k, h)["params"])(jax.random.split(unit_key, m.n_units))
-        return {ROOT: root, UNITS: units}
+        h_last = jnp.zeros(self.h_shapes[-1].shape, self.h_shapes[-1].dtype)
+        both = lambda mod, x, h: (getattr(mod, m.embed_method)(x), getattr(mod, m.head_method)(h))
+        root = m.root.init(root_key, inputs, h_last, method=both)["params"]
+        stage_keys = [unit_key] if self._one else jax.random.split(unit_key, len(m.stages))
+        stages = []
+        for st, key, h in zip(m.stages, stage_keys, self.h_shapes):
+            h = jnp.zeros(h.shape, h.dtype)
+            stages.append(jax.vmap(lambda k: st.unit.init(k, h)["params"])(jax.random.split(key, st.n_units)))
+        return self.join(root, stages)
 
     def _pad(self, full, xp=jnp):
-        root = jax.tree.map(lambda l, x: l.pad(x, xp), self.layouts[ROOT], full[ROOT], is_leaf=_is_layout)
-        units = jax.tree.map(lambda l, x: xp.stack([l.pad(u, xp) for u in x]) if xp is np else jax.vmap(l.pad)(x),
-                             self.layouts[UNITS], full[UNITS], is_leaf=_is_layout)
-        return {ROOT: root, UNITS: units}
+        root_l, stage_l = self.split(self.layouts)
+        root_x, stage_x = self.split(full)
+        root = jax.tree.map(lambda l, x: l.pad(x, xp), root_l, root_x, is_leaf=_is_layout)
+        stages = [jax.tree.map(lambda l, x: xp.stack([l.pad(u, xp) for u in x]) if xp is np else jax.vmap(l.pad)(x),
+                               ls, xs, is_leaf=_is_layout) for ls, xs in zip(stage_l, stage_x)]
+        return self.join(root, stages)
 
     def init(self, rng):
         """Deferred initialization: one jitted program whose outputs are the shards, computed where
@@ -227,66 +366,196 @@ class FSDP:
         """The unsharded initial parameters (one device): the reference for `init`."""
         return jax.jit(lambda k: self._init_full(k, self._zeros_inputs()))(rng)
 
+    def _conform(self, tree, stored: bool, what: str):
+        """Check a tree against the layout and rebuild it in the layout's exact structure. `stored`:
+        padded, stacked shapes (shards as placed) rather than the unpadded full shapes. Raises a
+        ConfigError that names the expected layout and the offending parameters."""
+        want_keys = set(self.layouts)
+        if not isinstance(tree, Mapping) or set(tree) != want_keys:
+            got = sorted(map(str, tree)) if isinstance(tree, Mapping) else type(tree).__name__
+            hint = ""
+            if isinstance(tree, Mapping) and STAGES in tree and self._one:
+                hint = "; this model is a jfsdp.Stacked (one stage): its units go under 'units'"
+            elif isinstance(tree, Mapping) and UNITS in tree and not self._one:
+                hint = "; this model is a jfsdp.Staged: its units go under 'stages', one stacked tree per stage"
+            raise ConfigError(f"{what} must be a dict {self._layout_text()}, got {got}{hint} "
+                              "(plan.from_layers(root, layers) builds it from per-layer trees)")
+        root_l, stage_l = self.split(self.layouts)
+        root_x = tree[ROOT]
+        if self._one:
+            stage_x = [tree[UNITS]]
+        else:
+            stage_x = tree[STAGES]
+            if not isinstance(stage_x, (list, tuple)) or len(stage_x) != len(stage_l):
+                raise ConfigError(f"{what}['stages'] must be a list of {len(stage_l)} trees, one per stage, each stacked "
+                                  f"on axis 0, got {type(stage_x).__name__}"
+                                  + (f" of {len(stage_x)}" if isinstance(stage_x, (list, tuple)) else ""))
+        names = [f"{what}['{UNITS}']"] if self._one else [f"{what}['{STAGES}'][{j}]" for j in range(len(stage_l))]
+        out_root = self._conform_part(root_x, root_l, f"{what}['{ROOT}']", stored, None)
+        out_stages = []
+        for j, (x, l, name, n) in enumerate(zip(stage_x, stage_l, names, self.stage_sizes)):
+            if isinstance(x, (list, tuple)):
+                raise ConfigError(f"{name} must be one tree with every leaf stacked on axis 0 ({n} rows), got a "
+                                  f"{type(x).__name__} of {len(x)} per-unit trees: stack them with "
+                                  "jfsdp.stack_units(...) or build the whole layout with plan.from_layers(root, layers)")
+            out_stages.append(self._conform_part(x, l, name, stored, n))
+        return self.join(out_root, out_stages)
+
+    def _conform_part(self, tree, layouts, name, stored, n):
+        want, got = _paths(layouts, _is_layout), _paths(tree)
+        if set(want) != set(got):
+            raise ConfigError(f"{name} does not match the model's parameters: missing {_listing(set(want) - set(got)) or 'none'}; "
+                              f"unexpected {_listing(set(got) - set(want)) or 'none'}")
+        for k, l in want.items():
+            shape = l.stored_shape if stored else l.shape
+            shape = shape if n is None else (n, *shape)
+            if np.shape(got[k]) != shape:
+                why = (f"; stack the {n} units on axis 0 (jfsdp.stack_units)" if n is not None
+                       and np.shape(got[k]) == (l.stored_shape if stored else l.shape) else "")
+                raise ConfigError(f"{name}{k} has shape {np.shape(got[k])}, expected {shape}{why}")
+        leaves = [got[k] for k in want]
+        return jax.tree.unflatten(jax.tree.structure(layouts, is_leaf=_is_layout), leaves)
+
     def shard(self, full):
-        """Place full parameters (host or device arrays) as shards; each device receives its slice."""
-        host = jax.tree.map(np.asarray, full)
+        """Place full parameters (host or device arrays, unpadded, in the layout of `layouts`) as
+        shards; each device receives its slice. Leaves are cast to the master dtype."""
+        full = self._conform(full, stored=False, what="parameters")
+        host = jax.tree.map(lambda l, x: np.asarray(x, l.dtype), self.layouts, full, is_leaf=_is_layout)
         return jax.device_put(self._pad(host, np), self.param_shardings)
+
+    def is_placed(self, params) -> bool:
+        """Whether `params` are already this plan's shards (jax arrays, padded shapes, its shardings)."""
+        try:
+            params = self._conform(params, stored=True, what="parameters")
+        except ConfigError:
+            return False
+        return all(isinstance(x, jax.Array) and x.sharding.is_equivalent_to(s, x.ndim)
+                   for x, s in zip(jax.tree.leaves(params), jax.tree.leaves(self.param_shardings)))
+
+    def place(self, params):
+        """Parameters for a new train state, never aliasing the caller's arrays (the train step
+        donates its state): this plan's shards are copied, full parameters are sharded."""
+        if self.is_placed(params):
+            params = self._conform(params, stored=True, what="parameters")
+            return jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=self.param_shardings)(params)
+        return self.shard(params)
 
     def gather(self, params):
         """Shards -> full parameters as host numpy arrays (for export and comparison)."""
         host = jax.device_get(params)
-        root = jax.tree.map(lambda l, x: l.unpad(x), self.layouts[ROOT], host[ROOT], is_leaf=_is_layout)
-        units = jax.tree.map(lambda l, x: np.stack([l.unpad(u) for u in x]), self.layouts[UNITS], host[UNITS],
-                             is_leaf=_is_layout)
-        return {ROOT: root, UNITS: units}
+        root_l, stage_l = self.split(self.layouts)
+        root_x, stage_x = self.split(host)
+        root = jax.tree.map(lambda l, x: l.unpad(x), root_l, root_x, is_leaf=_is_layout)
+        stages = [jax.tree.map(lambda l, x: np.stack([l.unpad(u) for u in x]), ls, xs, is_leaf=_is_layout)
+                  for ls, xs in zip(stage_l, stage_x)]
+        return self.join(root, stages)
+
+    def from_layers(self, root, layers):
+        """Per-layer parameter trees -> the full layout (for `shard`/`init_state(params=...)`).
+        `Stacked`: `layers` is the list of the n_units unit trees; `Staged`: a list, per stage, of
+        the lists of its unit trees."""
+        groups = [layers] if self._one else layers
+        if not isinstance(groups, (list, tuple)) or len(groups) != len(self.stage_sizes):
+            raise ConfigError(f"layers must be {'a list of unit trees' if self._one else f'a list of {len(self.stage_sizes)} lists (one per stage) of unit trees'}")
+        for j, (g, n) in enumerate(zip(groups, self.stage_sizes)):
+            if not isinstance(g, (list, tuple)) or len(g) != n:
+                where = "" if self._one else f"stage {j}: "
+                raise ConfigError(f"{where}expected a list of {n} per-unit parameter trees, got "
+                                  + (f"{len(g)}" if isinstance(g, (list, tuple)) else type(g).__name__))
+        return self.join(root, [stack_units(list(g)) for g in groups])
+
+    def to_layers(self, full):
+        """The inverse of `from_layers`: full parameters (e.g. `gather`'s) -> (root, layers)."""
+        root, stages = self.split(full)
+        layers = [unstack_units(s) for s in stages]
+        return root, (layers[0] if self._one else layers)
 
     def decay_mask(self):
-        """Weight decay on matrices, not on norms, biases or scalars (by unsharded shape)."""
+        """Weight decay on matrices, not on norms, biases or scalars (by unsharded per-unit shape)."""
         return jax.tree.map(lambda l: len(l.shape) >= 2, self.layouts, is_leaf=_is_layout)
 
     # ---- the sharded forward: runs inside shard_map on local shards
     def _unshard(self, shards, layouts):
         return jax.tree.map(lambda l, x: unshard(x, l, self.comm), layouts, shards, is_leaf=_is_layout)
 
+    def _stage(self, j, h, shards, layouts):
+        """Stage j: its units under a scan, each gathered, computed, freed (or kept: policy)."""
+        unit = self.model.stages[j].unit
+
+        def body(h, shards):
+            return unit.apply({"params": self._unshard(shards, layouts)}, h)
+        body = jax.checkpoint(body, policy=self.policy, prevent_cse=False)
+        if self.h_shapes[j].shape[1:] == self.h_shapes[j + 1].shape[1:]:
+            return lax.scan(lambda c, p: (body(c, p), None), h, shards)[0]
+        # one unit that changes the width: still a scan (of one), so that its gathered parameters
+        # live in the loop's own scope like every other unit's
+        return lax.scan(lambda c, p: (c, body(h, p)), None, shards)[1][0]
+
     def _forward(self, params, inputs):
         m = self.model
         # The root is gathered once for both ends of the model: it holds the embedding and the head,
         # which may share a tied weight, and is needed again as soon as the backward pass starts
         # (FSDP2 likewise keeps the root unsharded through the step).
-        root = self._unshard(params[ROOT], self.layouts[ROOT])
+        root_l, stage_l = self.split(self.layouts)
+        root_p, stage_p = self.split(params)
+        root = self._unshard(root_p, root_l)
         h = m.root.apply({"params": root}, inputs, method=m.embed_method)
-
-        def unit(h, shards):
-            return m.unit.apply({"params": self._unshard(shards, self.layouts[UNITS])}, h), None
-
-        h, _ = lax.scan(jax.checkpoint(unit, policy=self.policy, prevent_cse=False), h, params[UNITS])
+        for j, (shards, layouts) in enumerate(zip(stage_p, stage_l)):
+            h = self._stage(j, h, shards, layouts)
         out = m.root.apply({"params": root}, h, method=m.head_method)
         return out.astype(self.mp.output_dtype) if self.mp.output_dtype else out
 
-    def _check_batch(self, batch, grad_accum=1):
-        for x in jax.tree.leaves(batch):
-            b = x.shape[0]
+    def _check_rows(self, tree, grad_accum=1):
+        for x in jax.tree.leaves(tree):
+            if not np.ndim(x):
+                raise ConfigError(f"every batch leaf needs a leading batch axis, got a scalar ({x!r})")
+            b = np.shape(x)[0]
             if b % self.n_devices:
                 raise ConfigError(f"batch size {b} does not divide over the {self.n_devices} devices of the mesh")
             if (b // self.n_devices) % grad_accum:
                 raise ConfigError(f"per-device batch {b // self.n_devices} does not divide into "
                                   f"{grad_accum} gradient-accumulation micro-batches")
 
+    def check_batch(self, batch, grad_accum: int = 1):
+        """The batch contract: a dict whose 'inputs' is fed to the root's embed method (all of it is
+        passed to the loss); every leaf's first axis is the batch and divides over all devices (and
+        then into grad_accum micro-batches). ConfigError otherwise."""
+        if not isinstance(batch, Mapping) or "inputs" not in batch:
+            got = f"keys {sorted(map(str, batch))}" if isinstance(batch, Mapping) else type(batch).__name__
+            raise ConfigError(f"a batch must be a dict with key 'inputs' (fed to root.{self.model.embed_method}; the "
+                              f"whole dict, e.g. with 'targets', goes to loss_fn(outputs, batch)), got {got}")
+        self._check_rows(batch, grad_accum)
+
+    def put_batch(self, batch, grad_accum: int = 1):
+        """Check a (global, host) batch with `check_batch` and split it over all devices. One process;
+        with several, build the global array from each process's rows (jfsdp.data.process_rows)."""
+        self.check_batch(batch, grad_accum)
+        return jax.device_put(batch, self.batch_sharding)
+
     def _shard_map(self, f, in_specs, out_specs):
         return jax.shard_map(f, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
-    def loss_and_grad(self, loss_fn: Callable, grad_accum: int = 1):
-        """(params, batch) -> (mean loss, gradients as shards). `loss_fn(outputs, batch)` returns the
-        mean loss of a (micro-)batch; `batch['inputs']` feeds `embed`. With grad_accum = k, every
-        device runs k micro-batches, each with its own gathers and reduce-scatters."""
-        if grad_accum < 1:
-            raise ConfigError(f"grad_accum must be at least 1, got {grad_accum}")
+    def _loss(self, loss_fn, params, batch):
+        loss = loss_fn(self._forward(params, batch["inputs"]), batch)
+        if jnp.shape(loss) != ():
+            raise ConfigError(f"loss_fn must return a scalar (the mean loss over its batch), got shape {jnp.shape(loss)}")
+        return loss.astype(jnp.float32)
 
-        def micro(params, mb):
-            return loss_fn(self._forward(params, mb["inputs"]), mb)
+    def loss_and_grad(self, loss_fn: Callable, grad_accum: int = 1):
+        """(params, batch) -> (mean loss, gradients as shards).
+
+        The loss contract: `loss_fn(outputs, batch)` gets the head's outputs for the batch rows on
+        one device (one micro-batch with grad_accum) and that same slice of the batch dict, and returns
+        the mean loss over those rows, a scalar. jfsdp averages it over devices and micro-batches, which
+        is the global mean because every device holds as many rows (a loss that averages over a
+        varying count, such as unmasked tokens, becomes a mean of means). `batch['inputs']` feeds
+        `embed`. With grad_accum = k, every device runs k micro-batches, each with its own gathers
+        and reduce-scatters."""
+        if not isinstance(grad_accum, int) or grad_accum < 1:
+            raise ConfigError(f"grad_accum must be an integer of at least 1, got {grad_accum}")
 
         def local(params, batch):
-            vg = jax.value_and_grad(micro)
+            vg = jax.value_and_grad(functools.partial(self._loss, loss_fn))
             if grad_accum == 1:
                 loss, grads = vg(params, batch)
             else:
@@ -303,32 +572,53 @@ class FSDP:
         sharded = self._shard_map(local, (self.param_specs, P(AXES)), (P(), self.param_specs))
 
         def fn(params, batch):
-            self._check_batch(batch, grad_accum)
+            self.check_batch(batch, grad_accum)
             return sharded(params, batch)
         return fn
 
     def loss(self, loss_fn: Callable):
-        """(params, batch) -> mean loss, forward only (evaluation)."""
+        """(params, batch) -> mean loss, forward only (evaluation). Same contract as `loss_and_grad`."""
         def local(params, batch):
-            return lax.psum(loss_fn(self._forward(params, batch["inputs"]), batch), AXES) / self.n_devices
+            return lax.psum(self._loss(loss_fn, params, batch), AXES) / self.n_devices
         sharded = self._shard_map(local, (self.param_specs, P(AXES)), P())
 
         def fn(params, batch):
-            self._check_batch(batch)
+            self.check_batch(batch)
             return sharded(params, batch)
         return fn
 
     def apply(self, params, inputs):
         """Model outputs for a batch of inputs split over all devices (call under jit)."""
-        self._check_batch(inputs)
+        self._check_rows(inputs)
         return self._shard_map(self._forward, (self.param_specs, P(AXES)), P(AXES))(params, inputs)
 
 
-def fully_shard(model: Stacked, mesh, example_inputs, *, strategy="full_shard", mp_policy=None,
+def _check_model(model):
+    if not isinstance(model, (Stacked, Staged)):
+        raise ConfigError("fully_shard expects jfsdp.Stacked(root, unit, n_units) or, for units that are not all "
+                          f"alike, jfsdp.Staged(root, [(unit_a, n_a), (unit_b, n_b), ...]); got {type(model).__name__}")
+    if isinstance(model, Stacked) and not isinstance(model.unit, nn.Module):
+        raise ConfigError(f"Stacked's unit must be one flax Module repeated n_units times, got {type(model.unit).__name__}; "
+                          "for units that are not all alike use jfsdp.Staged(root, [(unit_a, n_a), (unit_b, n_b), ...])")
+    if not isinstance(model.root, nn.Module):
+        raise ConfigError(f"the root must be a flax Module, got {type(model.root).__name__}")
+    for meth in (model.embed_method, model.head_method):
+        if not callable(getattr(model.root, meth, None)):
+            raise ConfigError(f"the root module {type(model.root).__name__} has no method '{meth}': a root needs "
+                              "embed(inputs) -> h and head(h) -> outputs")
+    for i, st in enumerate(model.stages):
+        if not isinstance(st.unit, nn.Module):
+            raise ConfigError(f"stage {i}: the unit must be a flax Module, got {type(st.unit).__name__}")
+        if not isinstance(st.n_units, (int, np.integer)) or isinstance(st.n_units, bool) or st.n_units < 1:
+            what = "n_units" if isinstance(model, Stacked) else f"stage {i}: n_units"
+            raise ConfigError(f"{what} must be an integer of at least 1, got {st.n_units!r}")
+
+
+def fully_shard(model, mesh, example_inputs, *, strategy="full_shard", mp_policy=None,
                 remat="none", reshard_after_forward=None) -> FSDP:
-    """Apply FSDP to a model from outside. `example_inputs` (an array or ShapeDtypeStruct) fixes the
-    parameter shapes. `reshard_after_forward=False` turns FULL_SHARD into SHARD_GRAD_OP, as in FSDP2;
-    a value that contradicts `strategy` is an error."""
+    """Apply FSDP to a model (`Stacked` or `Staged`) from outside. `example_inputs` (an array or
+    ShapeDtypeStruct of the inputs' shape) fixes the parameter shapes. `reshard_after_forward=False`
+    turns FULL_SHARD into SHARD_GRAD_OP, as in FSDP2; a value that contradicts `strategy` is an error."""
     strategy = Strategy.parse(strategy)
     if reshard_after_forward is not None:
         if not strategy.sharded:
@@ -339,8 +629,8 @@ def fully_shard(model: Stacked, mesh, example_inputs, *, strategy="full_shard", 
             strategy = Strategy.HYBRID_SHARD_ZERO2
         elif strategy.reshard_after_forward != reshard_after_forward:
             raise ConfigError(f"strategy {strategy.value} contradicts reshard_after_forward={reshard_after_forward}")
-    if not isinstance(model, Stacked):
-        raise ConfigError("fully_shard expects a jfsdp.Stacked(root=..., unit=..., n_units=...)")
-    if model.n_units < 1:
-        raise ConfigError(f"n_units must be at least 1, got {model.n_units}")
+    _check_model(model)
+    if not hasattr(example_inputs, "shape") or not hasattr(example_inputs, "dtype"):
+        raise ConfigError("example_inputs must be an array or jax.ShapeDtypeStruct of the inputs (batch['inputs']), "
+                          f"got {type(example_inputs).__name__}")
     return FSDP(model, mesh, example_inputs, strategy, mp_policy or MixedPrecision(), remat)

@@ -11,7 +11,9 @@ Sources (`load_tokens`):
 
 Text is byte-level: token = byte value 0..255, and the three ids above the bytes are specials
 (BOS 256, EOS 257, PAD 258; vocabulary 259). EOS ends every document; PAD only fills the unused
-tail of the generation buffer; BOS is reserved.
+tail of the generation buffer; BOS is reserved. With a `tokenizer` (a Hugging Face `tokenizer.json`,
+read with the `tokenizers` library) text is tokenized with it instead, each document followed by the
+tokenizer's end-of-text token if it has one (`</s>`, `<|endoftext|>`, `<|end_of_text|>`, `<eos>`).
 
 Validation split: with at least 1/val_fraction documents, every k-th document is held out (so the
 validation text is spread over the corpus rather than being its alphabetical tail); otherwise
@@ -52,9 +54,27 @@ class Corpus:
     name: str
     is_bytes: bool             # byte-level text (decodable) or pre-tokenized ids
     n_docs: int
+    tokenizer: object = None   # a tokenizers.Tokenizer that made (and decodes) the ids, if any
+    eos: int | None = EOS      # the id that ends a document, if any
+    tokenizer_name: str = ""
+
+    @property
+    def can_decode(self) -> bool:
+        return self.is_bytes or self.tokenizer is not None
+
+    def encode(self, text: str) -> np.ndarray:
+        if self.tokenizer is not None:
+            return np.asarray(self.tokenizer.encode(text).ids, np.int32)
+        return encode(text)
+
+    def decode(self, tokens) -> str:
+        if self.tokenizer is not None:
+            return self.tokenizer.decode([int(t) for t in tokens])
+        return decode(tokens)
 
     def describe(self) -> str:
-        kind = "byte-level text" if self.is_bytes else "pre-tokenized"
+        kind = ("byte-level text" if self.is_bytes else
+                f"text tokenized with {self.tokenizer_name}" if self.tokenizer is not None else "pre-tokenized")
         return (f"{self.name}: {kind}, {self.n_docs} document(s), "
                 f"{len(self.train):,} train / {len(self.val):,} val tokens")
 
@@ -145,9 +165,31 @@ def _split_tail(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np
     return tokens[:-n_val], tokens[-n_val:]
 
 
+_EOS_NAMES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>")
+
+
+def load_tokenizer(path: str):
+    """A `tokenizers.Tokenizer` from a tokenizer.json, and its end-of-text id (or None)."""
+    from tokenizers import Tokenizer
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as e:   # the Rust side raises plain Exceptions for bad files
+        raise ConfigError(f"{path}: not a readable tokenizer.json ({str(e).splitlines()[0][:200]})") from None
+    eos = next((tok.token_to_id(n) for n in _EOS_NAMES if tok.token_to_id(n) is not None), None)
+    return tok, eos
+
+
+def _tokenize_docs(docs: list[np.ndarray], tok, eos: int | None) -> list[np.ndarray]:
+    """Byte docs (each ending in the byte-level EOS) -> token-id docs, each ending in `eos` if any."""
+    texts = [d[:-1].astype(np.uint8).tobytes().decode("utf-8", errors="replace") for d in docs]
+    ids = [e.ids for e in tok.encode_batch(texts)]
+    return [np.asarray(i + ([eos] if eos is not None else []), np.uint32) for i in ids if i]
+
+
 def load_tokens(path: str | None, vocab_size: int, *, val_fraction: float = 0.05,
-                dtype: str | None = None) -> Corpus:
-    """Read a source (see the module docstring) and split it; every token must be < vocab_size."""
+                dtype: str | None = None, tokenizer: str | None = None) -> Corpus:
+    """Read a source (see the module docstring) and split it; every token must be < vocab_size.
+    `tokenizer`: a tokenizer.json that tokenizes text sources instead of bytes."""
     if path in (None, "", DEFAULT_CORPUS):
         files = stdlib_files()
         docs = [_bytes_doc(p.read_bytes()) for p in files]
@@ -167,7 +209,7 @@ def load_tokens(path: str | None, vocab_size: int, *, val_fraction: float = 0.05
                 raise ConfigError(f"{path}: token {bad} is outside the model's vocabulary of {vocab_size} "
                                   f"(max token {hi}); use a model with a larger vocab_size")
             train, val = _split_tail(tokens, val_fraction)
-            return Corpus(train, val, name, False, 1)
+            return Corpus(train, val, name, False, 1, eos=None)
         if p.is_dir():
             files = sorted((f for f in p.rglob("*") if f.is_file()
                             and not any(part.startswith(".") for part in f.relative_to(p).parts)),
@@ -179,6 +221,16 @@ def load_tokens(path: str | None, vocab_size: int, *, val_fraction: float = 0.05
             docs = _text_docs(p)
             if not docs:
                 raise ConfigError(f"data file {path} is empty" + (" (no non-empty 'text')" if p.suffix == ".jsonl" else ""))
+    if tokenizer is not None:
+        tok, eos = load_tokenizer(tokenizer)
+        docs = _tokenize_docs(docs, tok, eos)
+        if not docs:
+            raise ConfigError(f"data {path} gives no tokens with {tokenizer}")
+        hi = max(int(d.max()) for d in docs)
+        if hi >= vocab_size:
+            raise ConfigError(f"{tokenizer} gives token {hi}, outside the model's vocabulary of {vocab_size}")
+        train, val = _split_docs(docs, val_fraction)
+        return Corpus(train, val, name, False, len(docs), tokenizer=tok, eos=eos, tokenizer_name=str(tokenizer))
     if vocab_size < BYTE_VOCAB - 1:   # bytes + EOS
         raise ConfigError(f"byte-level text needs a vocabulary of at least {BYTE_VOCAB - 1} "
                           f"(256 bytes + EOS); the model has {vocab_size}")

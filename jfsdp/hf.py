@@ -151,3 +151,127 @@ def _leaves(tree, prefix=()):
             yield from _leaves(v, prefix + (k,))
         else:
             yield prefix + (k,), v
+
+
+# ---- folders: config.json, *.safetensors, tokenizer.json ----------------------------------------
+
+def read_config(folder: str) -> dict:
+    """LlamaConfig keyword arguments from `folder/config.json` (ConfigError naming the file)."""
+    import json
+    from pathlib import Path
+    path = Path(folder) / "config.json"
+    if not Path(folder).is_dir():
+        raise ConfigError(f"--init-from {folder}: not a folder")
+    try:
+        hf = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: missing (a Hugging Face model folder has a config.json)") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: unreadable ({e})") from None
+    try:
+        return from_hf_config(hf)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {str(e).removeprefix('config.json: ')}") from None
+
+
+def tokenizer_path(folder: str) -> str | None:
+    from pathlib import Path
+    p = Path(folder) / "tokenizer.json"
+    return str(p) if p.is_file() else None
+
+
+def _tensor_files(folder: str) -> dict:
+    """{HF tensor name: safetensors file} for every *.safetensors file of the folder (headers only)."""
+    from pathlib import Path
+    from safetensors import safe_open
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"{folder}: no *.safetensors file")
+    where = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="numpy") as h:
+                where.update({k: str(f) for k in h.keys()})
+        except Exception as e:   # safetensors raises its own error types
+            raise ConfigError(f"{f}: not a readable safetensors file ({str(e).splitlines()[0][:200]})") from None
+    return where
+
+
+def _read_slice(files: dict, name: str, transpose: bool, rows: slice, rest: tuple) -> np.ndarray:
+    """Rows `rows` of our layout of HF tensor `name` (then `rest` of the other dims): only that
+    region is read from the file. Our rows of a transposed (out, in) tensor are its columns."""
+    from safetensors import safe_open
+    with safe_open(files[name], framework="numpy") as h:
+        sl = h.get_slice(name)
+        x = np.asarray(sl[:, rows]).T if transpose else np.asarray(sl[rows])
+    return x[(slice(None), *rest)] if rest else x
+
+
+def load_params(plan, folder: str):
+    """Hugging Face weights -> the plan's shards, streamed: every leaf is built with
+    `jax.make_array_from_callback`, whose callback reads from the safetensors file only the rows
+    (the region of the index) that one device holds, so neither the host nor any device ever holds
+    the whole model, and a sharded leaf is never whole anywhere. Padding rows are zeros."""
+    import jax
+    from jfsdp.core import ROOT, UNITS, _is_layout
+    cfg = read_config(folder)
+    files = _tensor_files(folder)
+    sources = leaf_sources(cfg["n_layers"], cfg["tie_embeddings"])
+    missing = [n for n, *_ in tensor_names(cfg["n_layers"], cfg["tie_embeddings"]) if n not in files]
+    if missing:
+        raise ConfigError(f"{folder}: the safetensors files lack {missing[0]}" +
+                          (f" and {len(missing) - 1} more tensors" if len(missing) > 1 else ""))
+    from safetensors import safe_open
+
+    def build(part, path, layout, sharding):
+        srcs = _get(sources, (part, *path))
+        stacked = part == UNITS
+        for name, tr in srcs:
+            with safe_open(files[name], framework="numpy") as h:
+                shape = tuple(h.get_slice(name).get_shape())
+            want = tuple(reversed(layout.shape)) if tr else layout.shape
+            if shape != want:
+                raise ConfigError(f"{files[name]}: {name} has shape {list(shape)}, config.json implies {list(want)}")
+        full_shape = ((len(srcs),) if stacked else ()) + layout.stored_shape
+
+        def cb(index):
+            index = tuple(index) + (slice(None),) * (len(full_shape) - len(index))
+            layers = range(*index[0].indices(len(srcs))) if stacked else [0]
+            row_idx = index[1] if stacked else index[0]
+            r0, r1, _ = row_idx.indices(layout.padded_rows)
+            rest = index[2:] if stacked else index[1:]
+            out = []
+            for i in layers:
+                name, tr = srcs[i]
+                x = _read_slice(files, name, tr, slice(r0, min(r1, layout.rows)), rest)
+                pad = [(0, max(0, r1 - max(r0, layout.rows)))] + [(0, 0)] * (x.ndim - 1)
+                out.append(np.pad(x.astype(layout.dtype), pad))
+            return np.stack(out) if stacked else out[0]
+        return jax.make_array_from_callback(full_shape, sharding, cb)
+
+    out = {}
+    for part in (ROOT, UNITS):
+        flat = jax.tree_util.tree_flatten_with_path(plan.layouts[part], is_leaf=_is_layout)[0]
+        shard_flat = jax.tree.leaves(plan.param_shardings[part])
+        leaves = [build(part, tuple(k.key for k in p), l, s) for (p, l), s in zip(flat, shard_flat)]
+        out[part] = jax.tree.unflatten(jax.tree.structure(plan.layouts[part], is_leaf=_is_layout), leaves)
+    return out
+
+
+def save_folder(folder: str, full: dict, fields: dict, tokenizer: str | None = None) -> list[str]:
+    """Write a Hugging Face Llama folder: config.json + model.safetensors (+ tokenizer.json)."""
+    import json
+    import shutil
+    from pathlib import Path
+    from safetensors.numpy import save_file
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = to_hf(full, fields["tie_embeddings"])
+    dtype = str(next(iter(tensors.values())).dtype)
+    (out / "config.json").write_text(json.dumps(to_hf_config(fields, dtype), indent=2) + "\n")
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    written = ["config.json", "model.safetensors"]
+    if tokenizer:
+        shutil.copyfile(tokenizer, out / "tokenizer.json")
+        written.append("tokenizer.json")
+    return written

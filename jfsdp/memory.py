@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jfsdp import hlo
-from jfsdp.core import FSDP, ROOT, UNITS, Layout, _is_layout
+from jfsdp.core import FSDP, Layout, _is_layout
 from jfsdp.policy import Strategy
 from jfsdp.step import abstract_state, make_train_step
 
@@ -104,12 +104,17 @@ class Breakdown:
         return d
 
 
+def _stages(plan: FSDP):
+    """[(layouts of one unit, number of units)] for every stage of the plan."""
+    return list(zip(plan.split(plan.layouts)[1], plan.stage_sizes))
+
+
 def _elements(plan: FSDP):
-    """(real elements, padding elements) of all parameters, whole model (units counted n_units times)."""
-    n = plan.model.n_units
+    """(real elements, padding elements) of all parameters, whole model (each stage's unit counted
+    n times)."""
     real = pad = 0
-    for part, mult in ((ROOT, 1), (UNITS, n)):
-        for l in jax.tree.leaves(plan.layouts[part], is_leaf=_is_layout):
+    for layouts, mult in [(plan.split(plan.layouts)[0], 1)] + _stages(plan):
+        for l in jax.tree.leaves(layouts, is_leaf=_is_layout):
             real += mult * math.prod(l.shape)
             pad += mult * l.padding
     return real, pad
@@ -138,21 +143,27 @@ def _residual_bytes(f, *args, skip_args=True) -> int:
 
 
 def activation_estimate(plan: FSDP, loss_fn: Callable, local_batch, backend: str | None = None) -> dict:
-    """Activation bytes per device, from the traced model on one device's batch:
-    `per_unit`: saved by the unit's checkpoint policy (plus the unit's input, which the scan keeps);
+    """Activation bytes per device, from the traced model on one device's batch, per stage:
+    `per_unit`: saved by a unit's checkpoint policy (plus the unit's input, which the scan keeps);
     `unit_working`: everything one unit's backward needs at once (its activations with nothing
-    recomputed away); `head`: values the embedding, head and loss keep for backward."""
+    recomputed away); and `head`: values the embedding, head and loss keep for backward.
+    `stages` lists {'per_unit', 'unit_working'} of each stage; the top-level `per_unit` and
+    `unit_working` are the first stage's (the whole answer for a one-stage model)."""
     m, mp = plan.model, plan.mp
     pdt = _wire_dtype(mp.param_dtype or jnp.float32, backend or jax.default_backend())
-    root_p = _cast(plan.layouts[ROOT], pdt)
-    unit_p = _cast(plan.layouts[UNITS], pdt)
+    root_layouts, stage_layouts = plan.split(plan.layouts)
+    root_p = _cast(root_layouts, pdt)
     inputs = local_batch["inputs"]
     h = jax.eval_shape(lambda r, x: m.root.apply({"params": r}, x, method=m.embed_method), root_p, inputs)
     cp = jax.checkpoint_policies
     base = {"none": cp.everything_saveable, "full": cp.nothing_saveable, "dots": cp.dots_saveable}[plan.remat]
-    unit_fn = lambda x, p: m.unit.apply({"params": p}, x)
-    per_unit = _residual_bytes(jax.checkpoint(unit_fn, policy=base), h, unit_p) + _nbytes(h)
-    working = _residual_bytes(unit_fn, h, unit_p) + _nbytes(h)
+    stages = []
+    for st, layouts in zip(m.stages, stage_layouts):
+        unit_p = _cast(layouts, pdt)
+        unit_fn = lambda x, p, unit=st.unit: unit.apply({"params": p}, x)
+        stages.append({"per_unit": _residual_bytes(jax.checkpoint(unit_fn, policy=base), h, unit_p) + _nbytes(h),
+                       "unit_working": _residual_bytes(unit_fn, h, unit_p) + _nbytes(h)})
+        h = jax.eval_shape(unit_fn, h, unit_p)
 
     def head_loss(x, r, batch):
         out = m.root.apply({"params": r}, x, method=m.head_method)
@@ -161,7 +172,7 @@ def activation_estimate(plan: FSDP, loss_fn: Callable, local_batch, backend: str
 
     out = jax.eval_shape(lambda x, r: m.root.apply({"params": r}, x, method=m.head_method), h, root_p)
     head = _residual_bytes(head_loss, h, root_p, local_batch) + 2 * _nbytes(out)  # + the output's cotangent in fp32
-    return {"per_unit": per_unit, "unit_working": working, "head": head}
+    return {**stages[0], "head": head, "stages": stages}
 
 
 def _wire_dtype(dtype, backend: str):
@@ -183,7 +194,9 @@ def estimate(plan: FSDP, optimizer, loss_fn: Callable, batch, *, prefetch: bool 
     then the larger of the head's backward and one unit's backward (its gathered parameters, their
     unsharded gradient, and what remat recomputes)."""
     backend = backend or jax.default_backend()
-    S, N, n = plan.shards, plan.n_devices, plan.model.n_units
+    S, N = plan.shards, plan.n_devices
+    root_l = plan.split(plan.layouts)[0]
+    stages = _stages(plan)
     master = max(jnp.dtype(l.dtype).itemsize for l in jax.tree.leaves(plan.layouts, is_leaf=_is_layout))
     real, pad = _elements(plan)
     params = real * master // S
@@ -196,31 +209,41 @@ def estimate(plan: FSDP, optimizer, loss_fn: Callable, batch, *, prefetch: bool 
     pdt = plan.mp.param_dtype or jnp.float32
     rdt = plan.mp.reduce_dtype or pdt
     gdt = _wire_dtype(pdt, backend)
-    root_g, unit_g = _stored_bytes(plan.layouts[ROOT], gdt), _stored_bytes(plan.layouts[UNITS], gdt)
-    root_r, unit_r = _stored_bytes(plan.layouts[ROOT], rdt), _stored_bytes(plan.layouts[UNITS], rdt)
+    root_g, root_r = _stored_bytes(root_l, gdt), _stored_bytes(root_l, rdt)
+    unit_g = [_stored_bytes(l, gdt) for l, _ in stages]   # one gathered unit of each stage
+    unit_r = [_stored_bytes(l, rdt) for l, _ in stages]
+    all_r = sum(u * n for u, (_, n) in zip(unit_r, stages))
     if S > 1:
-        # ZeRO-3 keeps one gathered unit at a time (two with prefetch). Its unsharded gradient needs
-        # no room of its own: each leaf's gradient is reduce-scattered as soon as it is complete and
-        # the gathered leaf dies after its last use, so one takes the place of the other (measured:
-        # the compiled peak holds root + one unit, not root + unit + unit gradient).
-        # ZeRO-2 keeps every unit from the forward scan (a stacked buffer, freed only when the
+        # ZeRO-3 keeps one gathered unit at a time (two with prefetch): the largest of any stage. Its
+        # unsharded gradient needs no room of its own: each leaf's gradient is reduce-scattered as
+        # soon as it is complete and the gathered leaf dies after its last use, so one takes the
+        # place of the other (measured: the compiled peak holds root + one unit, not root + unit +
+        # unit gradient).
+        # ZeRO-2 keeps every unit from the forward scans (stacked buffers, freed only when each
         # backward scan ends), so the unit being differentiated needs a gradient buffer besides.
-        kept = 1 + (1 if prefetch else 0) if plan.strategy.reshard_after_forward else n
-        gathered = root_g + unit_g * kept
-        grad_buffers = 0 if plan.strategy.reshard_after_forward else unit_r
+        # A one-unit stage is kept like the root: XLA removes a loop of one iteration and merges
+        # its forward and backward gathers (measured: +1.34 MB for a 1.41 MB unit at 1x8).
+        if plan.strategy.reshard_after_forward:
+            single = sum(u for u, (_, n) in zip(unit_g, stages) if n == 1)
+            looped = max([u for u, (_, n) in zip(unit_g, stages) if n > 1], default=0)
+            gathered = root_g + single + looped * (2 if prefetch else 1)
+            grad_buffers = 0
+        else:
+            gathered = root_g + sum(u * n for u, (_, n) in zip(unit_g, stages))
+            grad_buffers = max(unit_r)
     else:
         # One shard (NO_SHARD, or any strategy on an Rx1 mesh): unshard is at most a cast, which the
         # backward pass redoes rather than keeps (core.FSDP), so a param_dtype copy exists for the
         # root and one unit at a time, and only where compute runs in another dtype than the master.
         # With N > 1 devices the gradient all-reduce writes a second full gradient (measured: 1x1
         # and 16x1 differ by that much beyond their activations).
-        gathered = 0 if gdt == jnp.dtype(jnp.float32) else root_g + unit_g
-        grad_buffers = root_r + unit_r * n if N > 1 else 0
+        gathered = 0 if gdt == jnp.dtype(jnp.float32) else root_g + max(unit_g)
+        grad_buffers = root_r + all_r if N > 1 else 0
 
     local = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // N, *a.shape[1:]), a.dtype), batch)
     act = activation_estimate(plan, loss_fn, local, backend)
-    recompute = act["unit_working"] - act["per_unit"]
-    activations = n * act["per_unit"] + max(act["head"], recompute)
+    recompute = max(s["unit_working"] - s["per_unit"] for s in act["stages"])
+    activations = sum(n * s["per_unit"] for s, (_, n) in zip(act["stages"], stages)) + max(act["head"], recompute)
     return Breakdown(params=params, grads=params, optimizer=optimizer_b, padding=pad_state + pad_grads,
                      persistent_padding=pad_state, gathered=gathered, grad_buffers=grad_buffers,
                      activations=activations, batch=_tree_bytes(local))
@@ -233,12 +256,14 @@ def comm_formula(plan: FSDP, backend: str | None = None) -> dict:
     with the root (gathered once per step, not twice), padding and the backend's wire dtype
     (`_wire_dtype`) counted exactly.
     `contract` is the headline approximation: 3Ψ·b·(S−1)/S (FULL_SHARD), 2Ψ·b(N−1)/N (DDP)."""
-    S, R, N, n = plan.shards, plan.replicas, plan.n_devices, plan.model.n_units
+    S, R, N = plan.shards, plan.replicas, plan.n_devices
     backend = backend or jax.default_backend()
     pdt = _wire_dtype(plan.mp.param_dtype or jnp.float32, backend)
     rdt = _wire_dtype(plan.mp.reduce_dtype or pdt, backend)
-    root_p, unit_p = _stored_bytes(plan.layouts[ROOT], pdt), n * _stored_bytes(plan.layouts[UNITS], pdt)
-    grads = _stored_bytes(plan.layouts[ROOT], rdt) + n * _stored_bytes(plan.layouts[UNITS], rdt)
+    root_l = plan.split(plan.layouts)[0]
+    root_p = _stored_bytes(root_l, pdt)
+    unit_p = sum(n * _stored_bytes(l, pdt) for l, n in _stages(plan))
+    grads = _stored_bytes(root_l, rdt) + sum(n * _stored_bytes(l, rdt) for l, n in _stages(plan))
     psi = _elements(plan)[0]
     # the headline formula uses the policy's dtypes, not the backend's
     pb = jnp.dtype(plan.mp.param_dtype or jnp.float32).itemsize

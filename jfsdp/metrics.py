@@ -88,12 +88,12 @@ class MetricsFile:
     """JSON lines, one object per logged step (train: step, loss, lr, tokens_per_sec, ...; eval: step,
     val_loss). Flushed per line so a crash or Ctrl-C loses nothing. Records are kept for the plot."""
 
-    def __init__(self, path: str | None):
+    def __init__(self, path: str | None, append: bool = False):
         self.path, self.records = path, []
         self._f = None
         if path:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            self._f = open(path, "w")
+            self._f = open(path, "a" if append else "w")
 
     def write(self, **record) -> None:
         record = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}

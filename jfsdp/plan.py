@@ -113,7 +113,12 @@ def build(model_name, mesh_spec, strategy, precision, remat, batch_size, seq_len
     import jax.numpy as jnp
 
     import jfsdp
-    import models
+    try:
+        import models
+        models.get_config
+    except (ImportError, AttributeError):  # pip installs only jfsdp: models/ is the repository's own
+        raise _Error("--model names come from the repository's models/ package, which pip does not install: "
+                     "run python -m jfsdp.plan from the jfsdp repository root") from None
 
     try:
         cfg = models.get_config(model_name)

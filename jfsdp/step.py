@@ -1,14 +1,17 @@
 """The train step: sharded gradients from the FSDP core, then an optax update on the shards."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jfsdp.core import FSDP
+from jfsdp.core import FSDP, ROOT, STAGES, UNITS
+from jfsdp.mesh import ConfigError
 
 
 class TrainState(NamedTuple):
@@ -17,10 +20,41 @@ class TrainState(NamedTuple):
     opt_state: Any   # shards too: optax's elementwise state follows the parameters' sharding
 
 
+def unit_view(params):
+    """Parameters as one unit sees them: the leaves of the stacked stages ('units' / 'stages')
+    become ShapeDtypeStructs without the stack axis; the root is left as it is. What a callable
+    weight-decay mask given to `adamw` is called with, so that `x.ndim >= 2` means a matrix."""
+    if not (isinstance(params, Mapping) and ROOT in params and (UNITS in params or STAGES in params)):
+        return params
+    drop = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(tuple(x.shape[1:]), x.dtype), t)
+    view = dict(params)
+    if UNITS in view:
+        view[UNITS] = drop(view[UNITS])
+    if STAGES in view:
+        view[STAGES] = [drop(s) for s in view[STAGES]]
+    return type(params)(view) if not isinstance(params, dict) else view
+
+
+def matrices(params):
+    """The default weight-decay mask: True for parameters that are matrices (or higher) per unit,
+    False for biases, norm scales and scalars, in jfsdp's stacked layout or any plain tree."""
+    return jax.tree.map(lambda x: len(np.shape(x)) >= 2, unit_view(params))
+
+
 def adamw(learning_rate, *, weight_decay: float = 0.1, b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8,
           clip_norm: float | None = 1.0, mask=None) -> optax.GradientTransformation:
     """AdamW with global-norm clipping. Run on sharded gradients under jit, the norm is the global
-    norm across all shards (padding is zero and adds nothing)."""
+    norm across all shards (padding is zero and adds nothing).
+
+    Weight decay applies where `mask` says. Default: matrices only (`matrices`: not biases, norm
+    scales, scalars), which is `plan.decay_mask()`. A callable mask is called with `unit_view(params)`
+    (the stack axis removed), so the usual `lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)` is
+    right for stacked units too; a tree of booleans is used as it is."""
+    if mask is None:
+        mask = matrices
+    elif callable(mask):
+        user = mask
+        mask = lambda params: user(unit_view(params))
     tx = optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=mask)
     return optax.chain(optax.clip_by_global_norm(clip_norm), tx) if clip_norm else tx
 
@@ -51,16 +85,73 @@ def abstract_state(plan: FSDP, optimizer: optax.GradientTransformation) -> Train
 
 
 def init_state(plan: FSDP, optimizer: optax.GradientTransformation, rng=None, params=None) -> TrainState:
-    """Sharded state: parameters from deferred init (or given shards) and optimizer state placed like them."""
+    """Sharded state: parameters from deferred init (`rng`) or from `params`, and optimizer state
+    placed like them.
+
+    `params` may be full parameters in the plan's layout (host or device arrays, unpadded:
+    {'root': ..., 'units': stacked} for `Stacked`, {'root': ..., 'stages': [...]} for `Staged`;
+    `plan.from_layers(root, layers)` builds it from per-layer trees) or this plan's shards (from
+    `plan.shard` / `plan.init`). Either way the state gets its own copy: the train step donates
+    its input state, and the arrays passed here stay valid."""
+    if params is None:
+        if rng is None:
+            raise ConfigError("init_state needs rng (deferred initialization) or params= (existing weights)")
+        params = plan.init(rng)
+    else:
+        params = plan.place(params)
     shardings = state_shardings(plan, optimizer)
-    params = plan.init(rng) if params is None else params
     opt_state = jax.jit(optimizer.init, out_shardings=shardings.opt_state)(params)
     return TrainState(jax.device_put(jnp.zeros((), jnp.int32), shardings.step), params, opt_state)
 
 
+class TrainStep:
+    """The jitted train step `(state, batch) -> (new state, {'loss', 'grad_norm'})`.
+
+    The batch is checked first (`plan.check_batch`: a dict with 'inputs', rows dividing over the
+    devices and into the micro-batches), so a bad batch is a ConfigError, host arrays included.
+    With donate=True (the default) the input state's buffers are reused for the new state: the
+    state passed in is deleted, keep only the returned one (`state, m = step(state, batch)`);
+    passing a donated state again is a ConfigError. `lower` checks the batch too; other attributes of
+    the jitted function pass through."""
+
+    def __init__(self, jitted, plan: FSDP, grad_accum: int, donate: bool):
+        self._jitted, self.plan, self.grad_accum, self.donate = jitted, plan, grad_accum, donate
+
+    def __call__(self, state: TrainState, batch):
+        self.plan.check_batch(batch, self.grad_accum)
+        # checked before the call: jax 0.10.2 on CPU crashed the process (segmentation fault) when a
+        # sharded program was given deleted buffers, instead of raising. A few dozen leaves: ~µs.
+        if self.donate and _donated(state):
+            raise ConfigError("this TrainState was donated to an earlier step and its buffers are gone: "
+                              "use the state that step returned (state, metrics = step(state, batch)), "
+                              "or make the step with donate=False")
+        return self._jitted(state, batch)
+
+    def lower(self, state, batch):
+        """Lower for given (possibly abstract) inputs, after the same batch check as a call."""
+        self.plan.check_batch(batch, self.grad_accum)
+        return self._jitted.lower(state, batch)
+
+    def __getattr__(self, name):
+        return getattr(self._jitted, name)
+
+
+def _donated(state) -> bool:
+    def deleted(x):
+        try:
+            return isinstance(x, jax.Array) and x.is_deleted()
+        except Exception:  # a tracer (the step called inside another jit) has no buffers to check
+            return False
+    return any(deleted(x) for x in jax.tree.leaves(state))
+
+
 def make_train_step(plan: FSDP, optimizer: optax.GradientTransformation, loss_fn: Callable,
-                    grad_accum: int = 1, donate: bool = True):
-    """jit'ed (state, batch) -> (state, {'loss', 'grad_norm'})."""
+                    grad_accum: int = 1, donate: bool = True) -> TrainStep:
+    """(state, batch) -> (state, {'loss', 'grad_norm'}), jitted (see `TrainStep`).
+
+    `loss_fn(outputs, batch)` is the loss contract (see `FSDP.loss_and_grad`): the head's outputs
+    and the same rows of the batch dict, on one device's (micro-)batch, -> the mean loss, a scalar.
+    `batch['inputs']` is what the root's embed method receives."""
     loss_and_grad = plan.loss_and_grad(loss_fn, grad_accum)
 
     def step(state: TrainState, batch):
@@ -70,5 +161,6 @@ def make_train_step(plan: FSDP, optimizer: optax.GradientTransformation, loss_fn
         return TrainState(state.step + 1, params, opt_state), {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
     shardings = state_shardings(plan, optimizer)
-    return jax.jit(step, in_shardings=(shardings, plan.batch_sharding), out_shardings=(shardings, shardings.step),
-                   donate_argnums=(0,) if donate else ())
+    jitted = jax.jit(step, in_shardings=(shardings, plan.batch_sharding), out_shardings=(shardings, shardings.step),
+                     donate_argnums=(0,) if donate else ())
+    return TrainStep(jitted, plan, grad_accum, donate)

@@ -61,3 +61,79 @@ def train(root, unit, loss_fn, params, batches, param_dtype=None, output_dtype=N
         params, state, loss = step(params, state, batch)
         losses.append(float(loss))
     return losses, params
+
+
+# ---- models of several stages: {'root': ..., 'stages': [units of stage j stacked on axis 0, ...]}
+
+def init_staged(root, stages, inputs, seed=0):
+    """Independent initialization of a staged model: root and every unit from their own keys. The
+    root's head is initialized on h as the last stage leaves it (the width may change between stages).
+    One jitted program (eager Flax init dispatches op by op, which is slow)."""
+    @jax.jit
+    def init(key):
+        keys = iter(jax.random.split(key, 1 + sum(n for _, n in stages)))
+        root_key = next(keys)
+        emb = root.init(root_key, inputs, method="embed")["params"]
+        h = root.apply({"params": emb}, inputs, method="embed")
+        out = []
+        for unit, n in stages:
+            units = [unit.init(next(keys), h)["params"] for _ in range(n)]
+            h = unit.apply({"params": units[0]}, h)
+            out.append(jax.tree.map(lambda *xs: jnp.stack(xs), *units))
+        root_p = root.init(root_key, inputs, h, method=lambda m, x, h: (m.embed(x), m.head(h)))["params"]
+        return {"root": root_p, "stages": out}
+    return init(jax.random.key(seed))
+
+
+def staged_optimizer():
+    # decay matrices only: ndim >= 2 per unit, so ndim >= 3 for the stacked stage leaves
+    mask = lambda p: {"root": jax.tree.map(lambda x: x.ndim >= 2, p["root"]),
+                      "stages": [jax.tree.map(lambda x: x.ndim >= 3, s) for s in p["stages"]]}
+    return optax.chain(optax.clip_by_global_norm(CLIP), optax.adamw(LR, b1=B1, b2=B2, eps=EPS, weight_decay=WD, mask=mask))
+
+
+def forward_staged(root, units, params, inputs, param_dtype=None, output_dtype=None):
+    p = jax.tree.map(lambda x: x.astype(param_dtype), params) if param_dtype else params
+    h = root.apply({"params": p["root"]}, inputs, method="embed")
+    for unit, stacked in zip(units, p["stages"]):
+        for i in range(jax.tree.leaves(stacked)[0].shape[0]):
+            h = unit.apply({"params": jax.tree.map(lambda x: x[i], stacked)}, h)
+    out = root.apply({"params": p["root"]}, h, method="head")
+    return out.astype(output_dtype) if output_dtype else out
+
+
+def train_staged(root, units, loss_fn, params, batches, param_dtype=None, output_dtype=None):
+    """Steps of AdamW on one device for a staged model; returns (losses, final params, first-step
+    gradients)."""
+    opt = staged_optimizer()
+    state = opt.init(params)
+
+    @jax.jit
+    def step(params, state, batch):
+        f = lambda p: loss_fn(forward_staged(root, units, p, batch["inputs"], param_dtype, output_dtype), batch)
+        loss, grads = jax.value_and_grad(f)(params)
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, loss, grads
+
+    losses, first = [], None
+    for batch in batches:
+        params, state, loss, grads = step(params, state, batch)
+        losses.append(float(loss))
+        first = grads if first is None else first
+    return losses, params, first
+
+
+def keep_gradients():
+    """An optax stage that passes gradients through and keeps the first step's in its state (placed
+    like the parameters; `opt_state[k][0]` where it is stage k of a chain): the gradients of jfsdp's
+    own train step, read without compiling a second program. Its init returns what it is given
+    where that is not an array, so that optax.tree_map_params (with which jfsdp places optimizer
+    state) sees a parameter tree there."""
+    def init(params):
+        return jax.tree.map(lambda x: x * 0 if hasattr(x, "dtype") else x, params), jnp.zeros((), jnp.int32)
+
+    def update(updates, state, params=None):
+        kept, count = state
+        kept = jax.tree.map(lambda k, u: jnp.where(count == 0, u, k), kept, updates)
+        return updates, (kept, count + 1)
+    return optax.GradientTransformation(init, update)

@@ -52,20 +52,47 @@ def single(tmp_path_factory):
     return records(out)
 
 
-@pytest.mark.parametrize("mesh, fsdp_where", [("2x4", "inside one process"), ("1x8", "across 2 processes")])
-def test_two_processes_equal_one(single, tmp_path, mesh, fsdp_where):
-    """The launcher's 2 processes (hybrid sharding with fsdp inside a process, or full sharding
-    across both) give the one-process losses; only process 0 reports and writes the metrics."""
-    out = tmp_path / "m.jsonl"
+def launch(mesh, out, *extra):
     p = subprocess.run([sys.executable, "-m", "jfsdp.launch", "-n", "2", "train.py", "--mesh", mesh, *RUN,
-                        "--metrics-out", str(out)], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+                        "--metrics-out", str(out), *extra], cwd=ROOT, env=env(), capture_output=True, text=True,
+                       timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert f"fsdp axis: {mesh.split('x')[1]} devices per group" in p.stdout and fsdp_where in p.stdout, p.stdout
-    assert p.stdout.count("== summary") == 1 and p.stdout.count("== sample") == 1   # process 0 only
-    ours, ref = losses(records(out)), losses(single)
+    return p
+
+
+def assert_same_losses(ours, ref):
     assert [r[:2] for r in ours] == [r[:2] for r in ref]                      # no duplicated lines either
     for (step, kind, a), (_, _, b) in zip(ours, ref):
         assert abs(a - b) <= 1e-5 * abs(b), (step, kind, a, b)
+
+
+def test_two_processes_equal_one(single, tmp_path):
+    """The launcher's 2 processes on 2x4 (hybrid sharding: fsdp inside a process, data across them)
+    give the one-process losses; only process 0 reports and writes the metrics."""
+    p = launch("2x4", tmp_path / "m.jsonl")
+    assert "fsdp axis: 4 devices per group, 2 groups, inside one process" in p.stdout, p.stdout
+    assert p.stdout.count("== summary") == 1 and p.stdout.count("== sample") == 1   # process 0 only
+    assert_same_losses(losses(records(tmp_path / "m.jsonl")), losses(single))
+
+
+def test_two_processes_save_and_resume(single, tmp_path):
+    """1x8 over 2 processes (fsdp across both): 4 steps, stop, --resume on both processes for the
+    rest; every process writes and reads only its shards; the losses are those of one process
+    running straight through."""
+    out, ckpt = tmp_path / "m.jsonl", tmp_path / "ckpt"
+    p = launch("1x8", out, "--ckpt-dir", str(ckpt), "--save-every", "4", "--stop-after", "4")
+    assert "fsdp axis: 8 devices per group, 1 groups, across 2 processes" in p.stdout, p.stdout
+    assert p.stderr.count("checkpoint saved to") == 1, p.stderr                   # said once, by process 0
+    p = launch("1x8", out, "--ckpt-dir", str(ckpt), "--save-every", "4", "--resume")
+    assert p.stderr.count("resumed from") == 1, p.stderr
+    recs = records(out)
+    # the resumed run evaluates again at its first step: drop that repeat, then compare
+    seen, unique = set(), []
+    for r in losses(recs):
+        if r[:2] not in seen:
+            seen.add(r[:2])
+            unique.append(r)
+    assert_same_losses(unique, losses(single))
 
 
 def test_unreachable_coordinator_is_an_error_within_the_timeout():
@@ -92,12 +119,14 @@ def test_missing_peer_is_an_error_within_the_timeout():
 
 def test_dead_peer_stops_the_others(tmp_path):
     """kill -9 of process 1 mid-run: process 0 stops by itself (no launcher watching) within the
-    heartbeat timeout plus a margin, instead of hanging in a collective."""
+    heartbeat timeout plus a margin, instead of hanging in a collective; then --resume on both
+    processes continues from the last complete checkpoint."""
     out = tmp_path / "m.jsonl"
     port = free_port()
-    args = [sys.executable, "train.py", "--mesh", "2x4", *RUN, "--steps", "100000", "--eval-every", "0",
-            "--metrics-out", str(out), "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
-            "--heartbeat-timeout", "5"]
+    ckpt = tmp_path / "ckpt"
+    flags = [*RUN, "--steps", "1000", "--eval-every", "0", "--ckpt-dir", str(ckpt), "--save-every", "2"]
+    args = [sys.executable, "train.py", "--mesh", "2x4", *flags, "--metrics-out", str(out),
+            "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--heartbeat-timeout", "5"]
     procs = [subprocess.Popen(args + ["--process-id", str(i)], cwd=ROOT, env=env(), stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL) for i in range(2)]
     try:
@@ -114,6 +143,14 @@ def test_dead_peer_stops_the_others(tmp_path):
         for q in procs:
             if q.poll() is None:
                 q.kill()
+    # both processes resume from the last complete checkpoint and go on
+    p = subprocess.run([sys.executable, "-m", "jfsdp.launch", "-n", "2", "train.py", "--mesh", "2x4", *flags,
+                        "--metrics-out", str(out), "--resume", "--stop-after", "2"], cwd=ROOT, env=env(),
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    step = int(p.stderr.split("resumed from")[1].split("(step ")[1].split(",")[0])
+    assert step >= 2 and step % 2 == 0, p.stderr   # the last save that completed before the kill
+    assert records(out)[-1]["step"] == step + 2
 
 
 def test_detect():

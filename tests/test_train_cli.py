@@ -59,7 +59,7 @@ BAD = {
     "zero-steps": (["--steps", "0"], "--steps must be positive"),
     "negative-steps": (["--steps", "-3"], "--steps must be positive"),
     "steps-not-a-number": (["--steps", "ten"], "invalid int"),
-    "resume-without-checkpointing": (["--resume"], "not implemented"),
+    "resume-without-ckpt-dir": (["--resume"], "--resume needs --ckpt-dir"),
 }
 
 
