@@ -167,11 +167,15 @@ def activation_estimate(plan: FSDP, loss_fn: Callable, local_batch, backend: str
 
     def head_loss(x, r, batch):
         out = m.root.apply({"params": r}, x, method=m.head_method)
-        out = out.astype(mp.output_dtype) if mp.output_dtype else out
+        out = out.astype(mp.output_dtype) if mp.output_dtype and isinstance(out, jax.Array) else out
         return loss_fn(out, batch)
 
     out = jax.eval_shape(lambda x, r: m.root.apply({"params": r}, x, method=m.head_method), h, root_p)
-    head = _residual_bytes(head_loss, h, root_p, local_batch) + 2 * _nbytes(out)  # + the output's cotangent in fp32
+    head = _residual_bytes(head_loss, h, root_p, local_batch)
+    if isinstance(out, jax.ShapeDtypeStruct):   # logits: + the output's cotangent in fp32
+        head += 2 * _nbytes(out)
+    else:   # a fused head + loss (e.g. hidden, weight): its backward's fp32 accumulators, one per leaf
+        head += sum(math.prod(x.shape) * 4 for x in jax.tree.leaves(out))
     return {**stages[0], "head": head, "stages": stages}
 
 

@@ -113,3 +113,14 @@ def linear_cross_entropy(h, w, targets, *, weights=None, chunk: int = 1024, voca
         return total
     denom = jnp.float32(n) if weights is None else jnp.sum(weights.astype(jnp.float32))
     return total / denom
+
+
+def lm_loss(*, vocab_major: bool, chunk: int = 1024):
+    """A `loss_fn(outputs, batch)` for jfsdp whose model head returns `(hidden, head_weight)` instead
+    of logits (e.g. `Stacked(root, unit, n, head_method="head_features")` for models/llama.py): the
+    mean next-token cross-entropy against `batch["targets"]` through `linear_cross_entropy`, so the
+    logits of the batch never exist. `vocab_major`: the weight is (V, d), a tied embedding table."""
+    def loss_fn(outputs, batch):
+        h, w = outputs
+        return linear_cross_entropy(h, w, batch["targets"], chunk=chunk, vocab_major=vocab_major)
+    return loss_fn

@@ -161,6 +161,18 @@ class LlamaRoot(nn.Module):
         h = self.norm(h)
         return self.tok_embeddings.attend(h) if self.cfg.tie_embeddings else self.output(h)
 
+    def head_features(self, h):
+        """The head without its matmul: (normed hidden states, head weight), for a loss that fuses the
+        output projection with the cross-entropy and never forms the logits. The weight is the
+        embedding table (V, d) when tied, the output kernel (d, V) otherwise (`vocab_major` =
+        `cfg.tie_embeddings`)."""
+        h = self.norm(h)
+        if self.cfg.tie_embeddings:
+            return h, self.tok_embeddings.embedding
+        if self.is_initializing():   # create the kernel exactly as `head` would
+            self.output(h)
+        return h, self.output.variables["params"]["kernel"]
+
 
 def lm_loss(logits, batch):
     """Mean next-token cross-entropy; `batch["targets"]` holds the inputs shifted by one."""
