@@ -92,7 +92,7 @@ def _lce_bwd(chunk, vocab_major, res, g):
 _lce.defvjp(_lce_fwd, _lce_bwd)
 
 
-def linear_cross_entropy(h, w, targets, *, weights=None, chunk: int = 1024, vocab_major: bool = False,
+def linear_cross_entropy(h, w, targets, *, weights=None, chunk: int = 256, vocab_major: bool = False,
                          reduction: str = "mean"):
     """Cross-entropy of `softmax(h @ w)` against integer `targets`, without the full logits.
 
@@ -115,7 +115,7 @@ def linear_cross_entropy(h, w, targets, *, weights=None, chunk: int = 1024, voca
     return total / denom
 
 
-def lm_loss(*, vocab_major: bool, chunk: int = 1024):
+def lm_loss(*, vocab_major: bool, chunk: int = 256):
     """A `loss_fn(outputs, batch)` for jfsdp whose model head returns `(hidden, head_weight)` instead
     of logits (e.g. `Stacked(root, unit, n, head_method="head_features")` for models/llama.py): the
     mean next-token cross-entropy against `batch["targets"]` through `linear_cross_entropy`, so the
@@ -123,4 +123,5 @@ def lm_loss(*, vocab_major: bool, chunk: int = 1024):
     def loss_fn(outputs, batch):
         h, w = outputs
         return linear_cross_entropy(h, w, batch["targets"], chunk=chunk, vocab_major=vocab_major)
+    loss_fn.chunk, loss_fn.vocab_major = chunk, vocab_major   # for the planner's estimate (jfsdp.memory)
     return loss_fn
