@@ -33,6 +33,7 @@ class TrainConfig:
     model: str = "llama-tiny"
     precision: str = "fp32"
     remat: str = "none"
+    loss: str = "fused"
     # optimization
     steps: int = 300
     batch_size: int = 16            # global, in sequences
@@ -100,6 +101,9 @@ def parse_args(argv=None) -> TrainConfig:
     g.add_argument("--remat", default=d.remat, choices=("none", "full", "dots"),
                    help="activation checkpointing per unit: none, full (save only the unit input), "
                    "dots (save matmul outputs)")
+    g.add_argument("--loss", default=d.loss, choices=("fused", "plain"),
+                   help="fused: output head and cross-entropy in chunks of tokens (jfsdp.ops.linear_cross_entropy), "
+                   "the logits of the batch never exist; plain: logits, then log_softmax")
     g = p.add_argument_group("optimization")
     g.add_argument("--steps", type=int, default=d.steps, help="optimizer steps")
     g.add_argument("--batch-size", type=int, default=d.batch_size,
@@ -304,9 +308,13 @@ def train(c: TrainConfig) -> int:
             note(f"using {r * s} of the {len(devices)} {devices[0].platform} devices")
         mesh = distributed.make_mesh(c.mesh, devices=devices[: r * s])
         root, unit, n_units = models.parts(mcfg)
-        plan = jfsdp.fully_shard(jfsdp.Stacked(root, unit, n_units), mesh,
-                                 jax.ShapeDtypeStruct((1, c.seq_len), jnp.int32),
-                                 strategy=strategy, mp_policy=mp, remat=c.remat)
+        shard = lambda head: jfsdp.fully_shard(jfsdp.Stacked(root, unit, n_units, head_method=head), mesh,
+                                               jax.ShapeDtypeStruct((1, c.seq_len), jnp.int32),
+                                               strategy=strategy, mp_policy=mp, remat=c.remat)
+        # the fused loss takes (hidden, head weight) from the root; sampling needs logits: a second
+        # plan over the same parameters with the plain head (nothing is compiled until it is used)
+        logits_plan = shard("head")
+        plan = shard("head_features") if c.loss == "fused" else logits_plan
         rows = jdata.process_rows(plan.batch_sharding, c.batch_size, c.seq_len)
         loader = jdata.Loader(corpus, c.batch_size, c.seq_len, seed=c.seed, rows=rows)
         ckpt, resume_step = None, None
@@ -334,7 +342,7 @@ def train(c: TrainConfig) -> int:
 
     n_dev = r * s
     platform = devices[0].platform
-    loss_fn = models.loss_fn(mcfg)
+    loss_fn = jfsdp.ops.lm_loss(vocab_major=mcfg.tie_embeddings) if c.loss == "fused" else models.loss_fn(mcfg)
     tokens_per_step = c.batch_size * c.seq_len
     flops_per_token = jm.llama_flops_per_token(mcfg, c.seq_len)
     peak = jm.peak_flops(devices[0], c.precision)
@@ -539,7 +547,7 @@ def train(c: TrainConfig) -> int:
     if interrupted:
         return EXIT_TERMINATED if stop.get("signal") == signal.SIGTERM else EXIT_INTERRUPTED
     if c.gen_tokens and loader.step == c.steps:
-        sample(plan, state.params, corpus, c, jdata)
+        sample(logits_plan, state.params, corpus, c, jdata)
     return 0
 
 

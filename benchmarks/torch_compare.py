@@ -118,36 +118,44 @@ def grid(kind: str) -> list[Cell]:
 
 # ---------------------------------------------------------------- jfsdp side
 
-def _target_devices(target: str, n: int):
-    """Devices jfsdp compiles for. 'cpu': n fake XLA:CPU devices. A GPU target (compile-only, no GPU
-    needed) comes from the GPU-target issue's jfsdp/targets.py; this is the one place to wire it."""
+def _target_devices(target: str, mesh: str):
+    """Devices jfsdp compiles for. 'cpu': fake XLA:CPU devices. A named GPU (h100, ...): compile-only
+    devices of jfsdp.targets (no GPU needed; XLA:GPU's buffer assignment, bf16 kept as bf16)."""
     if target == "cpu":
-        return jax.devices()[:n]
-    try:
-        from jfsdp import targets  # noqa: F401  (not there yet: the GPU-target issue adds it)
-    except ImportError:
-        raise SystemExit(f"error: --jfsdp-target {target} needs jfsdp/targets.py (compile-only GPU targets), "
-                         "which this version does not have; use --jfsdp-target cpu") from None
-    raise SystemExit(f"error: --jfsdp-target {target}: wire jfsdp.targets into benchmarks/torch_compare.py "
-                     "(_target_devices)")
+        r, s = jfsdp.parse_mesh(mesh)
+        return jax.devices()[: r * s]
+    from jfsdp import targets
+    return targets.devices(target, mesh)
 
 
-def jfsdp_cell(cfg, cell: Cell, target: str = "cpu") -> dict:
+def jfsdp_cell(cfg, cell: Cell, target: str = "cpu", loss: str = "fused") -> dict:
     t = time.time()
     r, s = jfsdp.parse_mesh(cell.mesh)
-    mesh = jfsdp.make_mesh(cell.mesh, _target_devices(target, r * s))
+    gpu = target != "cpu"
+    if gpu:   # cuDNN's fused attention where it applies (bf16), as on a real GPU
+        cfg = dataclasses.replace(cfg, attention="cudnn")
+    mesh = jfsdp.make_mesh(cell.mesh, _target_devices(target, cell.mesh))
     x = jax.ShapeDtypeStruct((r * s, cell.seq), jnp.int32)  # 1 x seq per device
     root, unit, n = models.parts(cfg)
-    plan = jfsdp.fully_shard(jfsdp.Stacked(root, unit, n), mesh, x, strategy=cell.strategy, remat=cell.remat,
-                             mp_policy=jfsdp.MixedPrecision.parse(cell.precision))
+    fused = loss == "fused"   # train.py's default: chunked head + cross-entropy, no full logits
+    plan = jfsdp.fully_shard(jfsdp.Stacked(root, unit, n, head_method="head_features" if fused else "head"), mesh, x,
+                             strategy=cell.strategy, remat=cell.remat, mp_policy=jfsdp.MixedPrecision.parse(cell.precision))
     opt = jfsdp.adamw(1e-4, mask=plan.decay_mask())
     for f in glob.glob(os.path.join(DUMP_DIR, "*")):  # one cell's dump at a time
         shutil.rmtree(f) if os.path.isdir(f) else os.remove(f)
-    compiled = memory.compile_step(plan, opt, models.loss_fn(cfg), {"inputs": x, "targets": x})
+    loss_fn = jfsdp.ops.lm_loss(vocab_major=cfg.tie_embeddings) if fused else models.loss_fn(cfg)
+    if gpu:
+        from jfsdp import targets
+        with targets.tracing_for(target):
+            compiled = memory.compile_step(plan, opt, loss_fn, {"inputs": x, "targets": x},
+                                           compiler_options=targets.compiler_options())
+    else:
+        compiled = memory.compile_step(plan, opt, loss_fn, {"inputs": x, "targets": x})
     m = memory.measure(compiled)
     out = {"peak": m["total"], "argument": m["argument"], "temp": m["temp"], "output": m["output"],
            "alias": m["alias"], "compile_s": round(time.time() - t, 1),
-           "backend": f"xla:{target}" + (" (bf16 widened to f32)" if target == "cpu" and cell.precision == "bf16" else "")}
+           "backend": f"xla:{target}" + (" (bf16 widened to f32)" if target == "cpu" and cell.precision == "bf16" else ""),
+           "loss": loss}
     try:
         out["peak_buffers"] = peak_buffers(compiled.as_text(), cfg, cell)
     except Exception as e:  # the analysis is an aid; the measurement stands without it
@@ -288,10 +296,13 @@ def run_memory(args, log) -> list[dict]:
     hf_config = hf.to_hf_config(dataclasses.asdict(cfg))
     cells = [c for c in grid(args.grid) if re.search(args.match, c.key)][: args.cells or None]
     work = tempfile.mkdtemp(prefix="torch_compare_")
-    proc, out_path = (None, None) if args.no_torch else start_torch(cells, hf_config, work)
+    proc, out_path = (None, None) if args.no_torch or args.torch_from else start_torch(cells, hf_config, work)
     rows = []
     for c in cells:
-        j = jfsdp_cell(cfg, c, args.jfsdp_target)
+        target = args.jfsdp_target
+        if args.bf16_target and c.precision == "bf16":
+            target = args.bf16_target   # XLA:CPU widens bf16 to f32: compile bf16 cells for a GPU instead
+        j = jfsdp_cell(cfg, c, target, args.jfsdp_loss)
         rows.append({"cell": dataclasses.asdict(c) | {"mesh": c.mesh, "key": c.key}, "jfsdp": j})
         log(f"jfsdp {c.key}: {j['peak'] / GiB:.2f} GiB (compile {j['compile_s']} s)")
     if proc is not None:
@@ -301,6 +312,9 @@ def run_memory(args, log) -> list[dict]:
         if proc.returncode:
             log(f"FSDP2 memory subprocess exited {proc.returncode}:\n{tail}")
     torch_rows = read_torch(out_path) if out_path else {}
+    if args.torch_from:   # FSDP2's figures of an earlier run (the torch side does not change with jfsdp)
+        with open(args.torch_from) as f:
+            torch_rows = {r["cell"]["key"]: r["torch"] for r in json.load(f)["memory"]}
     for row in rows:
         t = torch_rows.get(row["cell"]["key"], {"error": "not measured"})
         row["torch"] = t
@@ -456,8 +470,15 @@ def main(argv=None):
     p.add_argument("--cells", type=int, default=0, help="only the first N cells of the grid (development)")
     p.add_argument("--match", default="", help="only cells whose key matches this regex (development)")
     p.add_argument("--model", default="llama-1b")
-    p.add_argument("--jfsdp-target", default="cpu", help="where jfsdp compiles: cpu (fake XLA:CPU devices)")
+    p.add_argument("--jfsdp-target", default="cpu", help="where jfsdp compiles: cpu (fake XLA:CPU devices) or a "
+                   "compile-only GPU target of jfsdp.targets (h100, h200, a100, b200)")
     p.add_argument("--no-torch", action="store_true", help="jfsdp's side only")
+    p.add_argument("--torch-from", default=None, metavar="JSON",
+                   help="take FSDP2's memory figures from an earlier run's --json instead of measuring them again")
+    p.add_argument("--jfsdp-loss", choices=("fused", "plain"), default="fused",
+                   help="jfsdp's head + loss: fused (train.py's default) or plain logits")
+    p.add_argument("--bf16-target", default=None, metavar="GPU",
+                   help="compile jfsdp's bf16 cells for this compile-only GPU target (e.g. h100): XLA:CPU widens bf16")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="speed: where both sides run")
     p.add_argument("--speed-worlds", default="1,4")
     p.add_argument("--speed-model", default="llama-small")
@@ -487,7 +508,10 @@ def main(argv=None):
     if a.only in (None, "memory"):
         result["memory_setup"] = {"model": a.model, "per_rank_batch": 1, "optimizer": "AdamW + clip 1.0, decay on matrices",
                                   "torch": "FSDPMemTracker peak of step 2 (FakeTensorMode, fake process group)",
-                                  "jfsdp": f"compiled memory_analysis total, xla:{a.jfsdp_target}", "grid": a.grid}
+                                  "jfsdp": f"compiled memory_analysis total, xla:{a.jfsdp_target}"
+                                           + (f" (bf16 cells: xla:{a.bf16_target})" if a.bf16_target else "")
+                                           + f", loss {a.jfsdp_loss}",
+                                  "torch_from": a.torch_from, "grid": a.grid}
         result["memory"] = run_memory(a, log)
         result["memory_wall_s"] = round(time.time() - t, 1)
         log(report({"memory": result["memory"]}))

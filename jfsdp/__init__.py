@@ -2,6 +2,7 @@
 from jfsdp.core import (FSDP, Layout, Stacked, Stage, Staged, checkpoint_policy, fully_shard, stack_units, unshard,
                         unstack_units)
 from jfsdp.mesh import AXES, DATA, FSDP as FSDP_AXIS, ConfigError, make_mesh, mesh_shape, parse_mesh
+from jfsdp import ops
 from jfsdp.policy import REMAT, MixedPrecision, Strategy
 from jfsdp.step import (TrainState, TrainStep, abstract_state, adamw, init_state, make_train_step, matrices,
                         state_shardings, unit_view, warmup_cosine)

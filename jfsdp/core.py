@@ -503,7 +503,11 @@ class FSDP:
         for j, (shards, layouts) in enumerate(zip(stage_p, stage_l)):
             h = self._stage(j, h, shards, layouts)
         out = m.root.apply({"params": root}, h, method=m.head_method)
-        return out.astype(self.mp.output_dtype) if self.mp.output_dtype else out
+        # output_dtype applies to a head that returns an array (logits); a head that returns a
+        # pytree (e.g. hidden states and a weight for a fused loss) hands its precision to the loss
+        if self.mp.output_dtype and isinstance(out, jax.Array):
+            return out.astype(self.mp.output_dtype)
+        return out
 
     def _check_rows(self, tree, grad_accum=1):
         for x in jax.tree.leaves(tree):

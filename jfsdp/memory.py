@@ -167,11 +167,22 @@ def activation_estimate(plan: FSDP, loss_fn: Callable, local_batch, backend: str
 
     def head_loss(x, r, batch):
         out = m.root.apply({"params": r}, x, method=m.head_method)
-        out = out.astype(mp.output_dtype) if mp.output_dtype else out
+        out = out.astype(mp.output_dtype) if mp.output_dtype and isinstance(out, jax.Array) else out
         return loss_fn(out, batch)
 
     out = jax.eval_shape(lambda x, r: m.root.apply({"params": r}, x, method=m.head_method), h, root_p)
-    head = _residual_bytes(head_loss, h, root_p, local_batch) + 2 * _nbytes(out)  # + the output's cotangent in fp32
+    head = _residual_bytes(head_loss, h, root_p, local_batch)
+    if isinstance(out, jax.ShapeDtypeStruct):   # logits: + the output's cotangent in fp32
+        head += 2 * _nbytes(out)
+    else:   # a fused head + loss (hidden, weight): per leaf, its backward's fp32 accumulator and the
+        # gradient that accumulator is added into (e.g. a tied embedding's, from the embedding lookup)
+        head += 2 * sum(math.prod(x.shape) * 4 for x in jax.tree.leaves(out))
+        chunk = getattr(loss_fn, "chunk", None)
+        if chunk:   # jfsdp.ops.lm_loss: a few (chunk, vocabulary) fp32 buffers at a time
+            w = jax.tree.leaves(out)[-1]
+            vocab = w.shape[0] if getattr(loss_fn, "vocab_major", False) else w.shape[-1]
+            tokens = math.prod(inputs.shape)
+            head += 2 * min(chunk, tokens) * vocab * 4
     return {**stages[0], "head": head, "stages": stages}
 
 

@@ -66,6 +66,8 @@ def _args(argv):
     p.add_argument("--strategy", default="full_shard")
     p.add_argument("--precision", default="bf16", help="fp32 or bf16 (fp32 master, bf16 compute, fp32 reduce)")
     p.add_argument("--remat", default="full", help="none, full or dots (activation checkpointing per unit)")
+    p.add_argument("--loss", default="fused", choices=("fused", "plain"),
+                   help="fused (train.py's default): head and cross-entropy in chunks, no full logits; plain: logits")
     p.add_argument("--batch-size", type=int, default=None, help="global batch (default: one sequence per device)")
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--device-memory", default=None, help="per device, e.g. 80GiB (default: the named "
@@ -104,7 +106,8 @@ def largest_batch(fits, start: int = 1, limit: int = 1 << 20) -> int:
     return lo
 
 
-def build(model_name, mesh_spec, strategy, precision, remat, batch_size, seq_len, devices=None, attention=None):
+def build(model_name, mesh_spec, strategy, precision, remat, batch_size, seq_len, devices=None, attention=None,
+          loss="fused"):
     """(cfg, plan, optimizer, loss_fn, batch shapes) for a named model; nothing allocated.
     `devices`: the mesh's devices (default: all local ones); `attention`: override the config's."""
     import dataclasses
@@ -135,11 +138,13 @@ def build(model_name, mesh_spec, strategy, precision, remat, batch_size, seq_len
         raise _Error("batch size and sequence length must be at least 1")
     x = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
     root, unit, n_units = models.parts(cfg)
-    plan = jfsdp.fully_shard(jfsdp.Stacked(root, unit, n_units), mesh, x, strategy=strategy,
-                             mp_policy=jfsdp.MixedPrecision.parse(precision), remat=remat)
+    fused = loss == "fused"   # as train.py: the head hands (hidden, weight) to a chunked cross-entropy
+    plan = jfsdp.fully_shard(jfsdp.Stacked(root, unit, n_units, head_method="head_features" if fused else "head"),
+                             mesh, x, strategy=strategy, mp_policy=jfsdp.MixedPrecision.parse(precision), remat=remat)
     if batch_size % n:
         raise _Error(f"batch size {batch_size} does not divide over the {n} devices of the mesh")
-    return cfg, plan, jfsdp.adamw(1e-4), models.loss_fn(cfg), {"inputs": x, "targets": x}
+    loss_fn = jfsdp.ops.lm_loss(vocab_major=cfg.tie_embeddings) if fused else models.loss_fn(cfg)
+    return cfg, plan, jfsdp.adamw(1e-4), loss_fn, {"inputs": x, "targets": x}
 
 
 def _option(text: str):
@@ -175,7 +180,7 @@ def report(a) -> dict:
     ctx = targets.tracing_for(a.target) if gpu else contextlib.nullcontext()
     with ctx:
         cfg, plan, opt, loss_fn, batch = build(a.model, a.mesh, a.strategy, a.precision, a.remat, a.batch_size,
-                                               a.seq_len, devices, attention)
+                                               a.seq_len, devices, attention, a.loss)
         if gpu:
             import models.llama
             attention = models.llama.attention_impl(cfg, plan.mp.param_dtype or jnp.float32)

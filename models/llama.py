@@ -13,6 +13,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from models.attention import blockwise_attention
+
+ATTENTION = ("auto", "blockwise", "cudnn", "xla")
+
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
@@ -27,9 +31,10 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
     init_std: float = 0.02
-    # jax.nn.dot_product_attention's implementation: "xla", "cudnn" (fused flash attention: no T x T
-    # score matrix in memory; for 16-bit compute) or "auto" (cudnn on GPUs where it applies); see
-    # attention_impl
+    # attention: "blockwise" (models/attention.py: O(T) memory on every backend), "cudnn" (cuDNN's
+    # fused attention where it applies, blockwise elsewhere), "xla" (jax.nn.dot_product_attention's
+    # reference: keeps the T x T scores), "auto" (cudnn on a CUDA backend, blockwise elsewhere);
+    # see attention_impl
     attention: str = "auto"
 
     @property
@@ -40,8 +45,8 @@ class LlamaConfig:
         if self.dim % self.n_heads or self.n_heads % self.n_kv_heads:
             raise ValueError(f"dim {self.dim}, n_heads {self.n_heads}, n_kv_heads {self.n_kv_heads}: "
                              "dim must divide by n_heads and n_heads by n_kv_heads")
-        if self.attention not in ("auto", "xla", "cudnn"):
-            raise ValueError(f"attention '{self.attention}': choose auto, xla or cudnn")
+        if self.attention not in ATTENTION:
+            raise ValueError(f"attention '{self.attention}': choose {', '.join(ATTENTION)}")
 
     def num_params(self) -> int:
         d, f, v = self.dim, self.ffn_dim, self.vocab_size
@@ -80,15 +85,18 @@ def _dense(features: int, name: str, std: float):
 
 
 def attention_impl(cfg: LlamaConfig, dtype) -> str:
-    """The implementation of jax.nn.dot_product_attention for this config and compute dtype. cuDNN's
-    fused attention takes 16-bit floats and head_dim a multiple of 8 up to 128; anything else (fp32,
-    e.g. while parameters are initialized) runs the XLA reference. "auto" uses cuDNN only on a CUDA
-    backend; "cudnn" wherever it applies (for a program compiled for a GPU on another machine)."""
+    """Which attention runs for this config and compute dtype: "cudnn" (jax.nn.dot_product_attention's
+    fused kernel: 16-bit floats, head_dim a multiple of 8 up to 128), "blockwise" (models/attention.py,
+    any dtype and backend, O(T) memory) or "xla" (the reference, T x T scores; only when asked for).
+    "auto" uses cuDNN only on a CUDA backend; "cudnn" wherever it applies (for a program compiled for
+    a GPU on another machine); where cuDNN does not apply (fp32, CPU) both fall back to blockwise."""
+    if cfg.attention in ("xla", "blockwise"):
+        return cfg.attention
     ok = (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
           and cfg.head_dim % 8 == 0 and cfg.head_dim <= 128)
-    if cfg.attention == "xla" or not ok:
-        return "xla"
-    return "cudnn" if cfg.attention == "cudnn" or jax.default_backend() == "gpu" else "xla"
+    if ok and (cfg.attention == "cudnn" or jax.default_backend() == "gpu"):
+        return "cudnn"
+    return "blockwise"
 
 
 class Attention(nn.Module):
@@ -104,7 +112,11 @@ class Attention(nn.Module):
         v = _dense(c.n_kv_heads * hd, "wv", c.init_std)(x).reshape(b, t, c.n_kv_heads, hd)
         q, k = rotary(q, c.rope_theta), rotary(k, c.rope_theta)
         # grouped-query attention natively: k and v keep their n_kv_heads, no repeat
-        out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention_impl(c, q.dtype))
+        impl = attention_impl(c, q.dtype)
+        if impl == "blockwise":
+            out = blockwise_attention(q, k, v, causal=True)
+        else:
+            out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
         out = out.reshape(b, t, c.n_heads * hd)
         return _dense(c.dim, "wo", c.init_std)(out)
 
@@ -148,6 +160,18 @@ class LlamaRoot(nn.Module):
     def head(self, h):
         h = self.norm(h)
         return self.tok_embeddings.attend(h) if self.cfg.tie_embeddings else self.output(h)
+
+    def head_features(self, h):
+        """The head without its matmul: (normed hidden states, head weight), for a loss that fuses the
+        output projection with the cross-entropy and never forms the logits. The weight is the
+        embedding table (V, d) when tied, the output kernel (d, V) otherwise (`vocab_major` =
+        `cfg.tie_embeddings`)."""
+        h = self.norm(h)
+        if self.cfg.tie_embeddings:
+            return h, self.tok_embeddings.embedding
+        if self.is_initializing():   # create the kernel exactly as `head` would
+            self.output(h)
+        return h, self.output.variables["params"]["kernel"]
 
 
 def lm_loss(logits, batch):

@@ -1,0 +1,150 @@
+"""Softmax attention in O(T) memory: blockwise, with an online softmax and a hand-written VJP.
+
+Pure JAX (no meshes, no jfsdp): any model can call `blockwise_attention(q, k, v)` where it would
+call `jax.nn.dot_product_attention`. Queries and keys are cut into blocks; for each query block a
+loop over key blocks keeps only a running max, a running sum and the output accumulator (the
+FlashAttention algorithm), so no (T, T) score matrix is ever formed, in the forward pass or the
+backward one, which saves only the output and the per-query log-sum-exp and recomputes each block's
+scores. With a causal mask the key loop stops at the diagonal. Grouped-query attention is native:
+queries are viewed as (kv heads, group) and K/V are never repeated.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def _chunks(n: int, chunk: int) -> int:
+    return -(-n // chunk)
+
+
+_NEG = -1e30   # finite "minus infinity": a fully masked row stays NaN-free
+
+
+def _blocks(x, n, block):
+    """(B, T, ...) -> (n, B, block, ...), zero-padded to n * block rows."""
+    pad = n * block - x.shape[1]
+    x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) if pad else x
+    return jnp.moveaxis(x.reshape(x.shape[0], n, block, *x.shape[2:]), 1, 0)
+
+
+def _unblock(x, t):
+    """(n, B, block, ...) -> (B, t, ...)."""
+    x = jnp.moveaxis(x, 0, 1)
+    return x.reshape(x.shape[0], -1, *x.shape[3:])[:, :t]
+
+
+def _mask(i, j, block, t, causal):
+    qpos = i * block + jnp.arange(block)
+    kpos = j * block + jnp.arange(block)
+    valid = kpos[None, :] < t
+    if causal:
+        valid = valid & (kpos[None, :] <= qpos[:, None])
+    return valid   # (block_q, block_k)
+
+
+def _scores(qi, kj, scale):
+    # qi (B, bq, K, G, D), kj (B, bk, K, D) -> (B, K, G, bq, bk) in fp32
+    return jnp.einsum("bqkgd,bpkd->bkgqp", qi, kj, preferred_element_type=jnp.float32) * scale
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _flash(q, k, v, causal, block, scale):
+    return _flash_fwd(q, k, v, causal, block, scale)[0]
+
+
+def _flash_fwd(q, k, v, causal, block, scale):
+    b, t, h, d = q.shape
+    kh = k.shape[2]
+    n = _chunks(t, block)
+    qb = _blocks(q.reshape(b, t, kh, h // kh, d), n, block)
+    kb, vb = _blocks(k, n, block), _blocks(v, n, block)
+
+    def q_block(i):
+        qi = qb[i]
+
+        def body(j, carry):
+            m, l, acc = carry
+            s = jnp.where(_mask(i, j, block, t, causal), _scores(qi, kb[j], scale), _NEG)
+            m_new = jnp.maximum(m, s.max(-1))
+            p = jnp.exp(s - m_new[..., None])
+            corr = jnp.exp(m - m_new)
+            pv = jnp.einsum("bkgqp,bpkd->bkgqd", p.astype(v.dtype), vb[j], preferred_element_type=jnp.float32)
+            return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv
+
+        shape = (b, kh, h // kh, block)
+        m, l, acc = lax.fori_loop(0, i + 1 if causal else n, body,
+                                  (jnp.full(shape, _NEG, jnp.float32), jnp.zeros(shape, jnp.float32),
+                                   jnp.zeros((*shape, d), jnp.float32)))
+        return acc / l[..., None], m + jnp.log(l)     # (B, K, G, bq, D), (B, K, G, bq)
+
+    o, lse = lax.map(q_block, jnp.arange(n))
+    # (n, B, K, G, bq, D) -> (B, T, H, D)
+    o = jnp.moveaxis(o, 4, 2).reshape(n, b, block, h, d)
+    o = _unblock(o, t).astype(q.dtype)
+    return o, (q, k, v, o, lse)
+
+
+def _flash_bwd(causal, block, scale, res, do):
+    q, k, v, o, lse = res
+    b, t, h, d = q.shape
+    kh, g = k.shape[2], h // k.shape[2]
+    n = _chunks(t, block)
+    qb = _blocks(q.reshape(b, t, kh, g, d), n, block)
+    dob = _blocks(do.reshape(b, t, kh, g, d), n, block)
+    kb, vb = _blocks(k, n, block), _blocks(v, n, block)
+    # D_i = rowsum(dO * O) per query, laid out like lse: (n, B, K, G, bq)
+    dsum = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), -1).reshape(b, t, kh, g)
+    dsum = jnp.moveaxis(_blocks(dsum, n, block), 2, -1)
+
+    def probs(i, j):
+        s = _scores(qb[i], kb[j], scale)
+        return jnp.where(_mask(i, j, block, t, causal), jnp.exp(s - lse[i][..., None]), 0.0)
+
+    def dscores(i, j, p):
+        dp = jnp.einsum("bqkgd,bpkd->bkgqp", dob[i], vb[j], preferred_element_type=jnp.float32)
+        return p * (dp - dsum[i][..., None])
+
+    def dq_block(i):
+        def body(j, dq):
+            ds = dscores(i, j, probs(i, j))
+            return dq + jnp.einsum("bkgqp,bpkd->bqkgd", ds.astype(k.dtype), kb[j], preferred_element_type=jnp.float32)
+        return lax.fori_loop(0, i + 1 if causal else n, body, jnp.zeros((b, block, kh, g, d), jnp.float32)) * scale
+
+    def dkv_block(j):
+        def body(i, carry):
+            dk, dv = carry
+            p = probs(i, j)
+            dv = dv + jnp.einsum("bkgqp,bqkgd->bpkd", p.astype(do.dtype), dob[i], preferred_element_type=jnp.float32)
+            ds = dscores(i, j, p)
+            dk = dk + jnp.einsum("bkgqp,bqkgd->bpkd", ds.astype(q.dtype), qb[i], preferred_element_type=jnp.float32)
+            return dk, dv
+        zero = jnp.zeros((b, block, kh, d), jnp.float32)
+        dk, dv = lax.fori_loop(j if causal else 0, n, body, (zero, zero))
+        return dk * scale, dv
+
+    dq = _unblock(lax.map(dq_block, jnp.arange(n)), t).reshape(b, t, h, d)
+    dk, dv = lax.map(dkv_block, jnp.arange(n))
+    return dq.astype(q.dtype), _unblock(dk, t).astype(k.dtype), _unblock(dv, t).astype(v.dtype)
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def blockwise_attention(q, k, v, *, causal: bool = True, block: int = 512, scale: float | None = None):
+    """Softmax attention in O(T) memory, exact (fp32 softmax statistics, fp32 accumulation).
+
+    q: (B, T, H, D); k, v: (B, T, K, D) with K dividing H (grouped-query attention: each group of
+    H/K query heads shares a K/V head, which is never repeated in memory). Returns (B, T, H, D) in
+    q's dtype. `block`: query and key block length; the score tile is (B, H, block, block) fp32."""
+    b, t, h, d = q.shape
+    if k.shape != v.shape or k.shape[0] != b or k.shape[1] != t or k.shape[3] != d or h % k.shape[2]:
+        raise ValueError(f"blockwise_attention: q {q.shape}, k {k.shape}, v {v.shape}: expected k = v = (B, T, K, D) "
+                         "with K dividing q's heads")
+    if block < 1:
+        raise ValueError(f"block must be positive, got {block}")
+    block = min(block, t)
+    return _flash(q, k, v, causal, block, float(scale if scale is not None else d ** -0.5))

@@ -1,0 +1,111 @@
+"""The fused head + loss inside the engine: a Llama whose root hands (hidden, head weight) to
+`jfsdp.ops.lm_loss` trains exactly like the single-device reference with the plain head and
+log_softmax loss, and its compiled step holds no vocabulary-sized logits."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jfsdp
+import models
+from jfsdp import memory
+from tests import reference as ref
+
+STEPS, BATCH, SEQ = 3, 16, 16
+
+
+def batches(cfg, seed=0):
+    rng = np.random.default_rng(seed)
+    tok = [rng.integers(0, cfg.vocab_size, (BATCH, SEQ + 1)) for _ in range(STEPS)]
+    return [{"inputs": jnp.asarray(t[:, :-1], jnp.int32), "targets": jnp.asarray(t[:, 1:], jnp.int32)} for t in tok]
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])
+def case(request):
+    cfg = dataclasses.replace(models.get_config("llama-test"), tie_embeddings=request.param)
+    root, unit, n = models.parts(cfg)
+    bs = batches(cfg)
+    with jax.default_device(jax.devices()[0]):
+        params = ref.init_params(root, unit, n, bs[0]["inputs"])
+        losses, final = ref.train(root, unit, models.loss_fn(cfg), params, bs)     # plain head and loss
+    return dict(cfg=cfg, root=root, unit=unit, n=n, batches=bs, init=jax.device_get(params), losses=losses,
+                final=jax.device_get(final))
+
+
+@pytest.mark.parametrize("mesh_spec", ["1x8", "2x4"])
+def test_fused_loss_equals_plain_reference(case, mesh_spec):
+    mesh = jfsdp.make_mesh(mesh_spec, devices=jax.devices()[:8])
+    model = jfsdp.Stacked(case["root"], case["unit"], case["n"], head_method="head_features")
+    plan = jfsdp.fully_shard(model, mesh, case["batches"][0]["inputs"], strategy="full_shard", remat="full")
+    opt = jfsdp.adamw(ref.LR, b1=ref.B1, b2=ref.B2, eps=ref.EPS, weight_decay=ref.WD, clip_norm=ref.CLIP)
+    state = jfsdp.init_state(plan, opt, params=case["init"])
+    # chunk 40 does not divide the 32 (1x8: 2 rows x 16) or 64 tokens per device: a ragged last chunk
+    step = jfsdp.make_train_step(plan, opt, jfsdp.ops.lm_loss(vocab_major=case["cfg"].tie_embeddings, chunk=40))
+    losses = []
+    for b in case["batches"]:
+        state, m = step(state, plan.put_batch(b))
+        losses.append(float(m["loss"]))
+    np.testing.assert_allclose(losses, case["losses"], rtol=1e-5)
+    # first-step gradients, against jax.grad of the plain single-device loss (measured <= 7e-7)
+    root, unit, cfg, b0 = case["root"], case["unit"], case["cfg"], case["batches"][0]
+    with jax.default_device(jax.devices()[0]):
+        ref_g = jax.grad(lambda p: models.loss_fn(cfg)(ref.forward(root, unit, p, b0["inputs"]), b0))(
+            jax.device_put(case["init"]))
+    _, g = jax.jit(plan.loss_and_grad(jfsdp.ops.lm_loss(vocab_major=cfg.tie_embeddings, chunk=40)))(
+        plan.shard(case["init"]), plan.put_batch(b0))
+    for a, b in zip(jax.tree.leaves(plan.gather(g)), jax.tree.leaves(ref_g)):
+        assert np.max(np.abs(a - b)) <= 1e-5 * np.max(np.abs(b))
+    # parameters after 3 AdamW steps: Adam turns 1e-7-level reassociation of the head's gradient
+    # (chunked sums) into larger updates where a gradient is near eps (measured 1.3e-4 of the leaf's
+    # largest magnitude on the untied head), hence 2e-4 here
+    got = plan.gather(state.params)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(case["final"])):
+        assert np.max(np.abs(a - b)) <= 2e-4 * max(np.max(np.abs(b)), 1e-6)
+
+
+def test_fused_loss_bf16_close_to_reference(case):
+    """bf16 mixed precision: the gathered bf16 head weight goes into the fused loss as is (fp32
+    accumulation inside); close to the reference run of the same policy with the plain head."""
+    cfg, bs = case["cfg"], case["batches"]
+    with jax.default_device(jax.devices()[0]):
+        ref_losses, _ = ref.train(case["root"], case["unit"], models.loss_fn(cfg), jax.device_put(case["init"]), bs,
+                                  param_dtype=jnp.bfloat16, output_dtype=jnp.float32)
+    mesh = jfsdp.make_mesh("1x8", devices=jax.devices()[:8])
+    model = jfsdp.Stacked(case["root"], case["unit"], case["n"], head_method="head_features")
+    plan = jfsdp.fully_shard(model, mesh, bs[0]["inputs"], strategy="full_shard",
+                             mp_policy=jfsdp.MixedPrecision.parse("bf16"))
+    opt = jfsdp.adamw(ref.LR, b1=ref.B1, b2=ref.B2, eps=ref.EPS, weight_decay=ref.WD, clip_norm=ref.CLIP)
+    state = jfsdp.init_state(plan, opt, params=case["init"])
+    step = jfsdp.make_train_step(plan, opt, jfsdp.ops.lm_loss(vocab_major=cfg.tie_embeddings))
+    for b, r in zip(bs, ref_losses):
+        state, m = step(state, plan.put_batch(b))
+        assert abs(float(m["loss"]) - r) <= 1e-3 * abs(r)
+
+
+def test_fused_loss_compiled_memory():
+    """A vocabulary of 8192 and 512 tokens per device: one fp32 (tokens, V) logits buffer is 16 MiB.
+    The plain loss's compiled step holds several at its peak; the fused one at most a chunk's worth,
+    so the whole step's temporary memory drops by more than two full logits buffers."""
+    cfg = dataclasses.replace(models.get_config("llama-test"), vocab_size=8192, max_seq_len=512)
+    root, unit, n = models.parts(cfg)
+    mesh = jfsdp.make_mesh("1x8", devices=jax.devices()[:8])
+    x = jax.ShapeDtypeStruct((8, 512), jnp.int32)
+    logits = 512 * cfg.vocab_size * 4
+
+    def compiled(head, loss):
+        plan = jfsdp.fully_shard(jfsdp.Stacked(root, unit, n, head_method=head), mesh, x, remat="full")
+        opt, batch = jfsdp.adamw(1e-3), {"inputs": x, "targets": x}
+        return plan, opt, batch, memory.compile_step(plan, opt, loss, batch)
+
+    plain = compiled("head", models.loss_fn(cfg))[3].memory_analysis().temp_size_in_bytes
+    fused_loss = jfsdp.ops.lm_loss(vocab_major=True, chunk=128)
+    plan, opt, batch, c = compiled("head_features", fused_loss)
+    fused = c.memory_analysis().temp_size_in_bytes
+    print(f"train-step temp bytes per device: plain {plain:,}, fused {fused:,}, one logits buffer {logits:,}")
+    assert plain - fused >= 2 * logits
+    # the planner's estimate knows the fused head too (the issue's bar: within 10% of the compiled total)
+    ratio = memory.estimate(plan, opt, fused_loss, batch).total / memory.measure(c)["total"]
+    print(f"estimate / compiled: {ratio:.3f}")
+    assert 0.9 <= ratio <= 1.1, ratio
