@@ -183,7 +183,7 @@ def report(a) -> dict:
                                                a.seq_len, devices, attention, a.loss)
         if gpu:
             import models.llama
-            attention = models.llama.attention_impl(cfg, plan.mp.param_dtype or jnp.float32)
+            attention = models.llama.attention_impl(cfg, plan.mp.param_dtype or jnp.float32, a.seq_len)
         budget = parse_bytes(a.device_memory) if a.device_memory else (
             targets.get(a.target).memory_bytes if gpu else parse_bytes("80GiB"))
         here = a.target if gpu else jax.default_backend()

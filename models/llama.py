@@ -16,6 +16,9 @@ import jax.numpy as jnp
 from models.attention import blockwise_attention
 
 ATTENTION = ("auto", "blockwise", "cudnn", "xla")
+# Below this many tokens the T x T scores of the XLA reference are small (4 MiB per head-batch at 1024)
+# and its single fused program is faster on CPU; from here on, "auto" switches to blockwise attention.
+BLOCKWISE_FROM = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,9 +35,9 @@ class LlamaConfig:
     tie_embeddings: bool = True
     init_std: float = 0.02
     # attention: "blockwise" (models/attention.py: O(T) memory on every backend), "cudnn" (cuDNN's
-    # fused attention where it applies, blockwise elsewhere), "xla" (jax.nn.dot_product_attention's
-    # reference: keeps the T x T scores), "auto" (cudnn on a CUDA backend, blockwise elsewhere);
-    # see attention_impl
+    # fused attention where it applies), "xla" (jax.nn.dot_product_attention's reference: keeps the
+    # T x T scores), "auto" (cudnn on a CUDA backend; elsewhere blockwise from 1024 tokens, xla
+    # below); see attention_impl
     attention: str = "auto"
 
     @property
@@ -84,19 +87,20 @@ def _dense(features: int, name: str, std: float):
     return nn.Dense(features, use_bias=False, name=name, kernel_init=nn.initializers.normal(std))
 
 
-def attention_impl(cfg: LlamaConfig, dtype) -> str:
+def attention_impl(cfg: LlamaConfig, dtype, seq_len: int | None = None) -> str:
     """Which attention runs for this config and compute dtype: "cudnn" (jax.nn.dot_product_attention's
     fused kernel: 16-bit floats, head_dim a multiple of 8 up to 128), "blockwise" (models/attention.py,
     any dtype and backend, O(T) memory) or "xla" (the reference, T x T scores; only when asked for).
     "auto" uses cuDNN only on a CUDA backend; "cudnn" wherever it applies (for a program compiled for
-    a GPU on another machine); where cuDNN does not apply (fp32, CPU) both fall back to blockwise."""
+    a GPU on another machine); where cuDNN does not apply (fp32, CPU) both fall back to blockwise
+    attention from BLOCKWISE_FROM tokens on (or when the length is not given), to the XLA reference below."""
     if cfg.attention in ("xla", "blockwise"):
         return cfg.attention
     ok = (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
           and cfg.head_dim % 8 == 0 and cfg.head_dim <= 128)
     if ok and (cfg.attention == "cudnn" or jax.default_backend() == "gpu"):
         return "cudnn"
-    return "blockwise"
+    return "blockwise" if seq_len is None or seq_len >= BLOCKWISE_FROM else "xla"
 
 
 class Attention(nn.Module):
@@ -112,7 +116,7 @@ class Attention(nn.Module):
         v = _dense(c.n_kv_heads * hd, "wv", c.init_std)(x).reshape(b, t, c.n_kv_heads, hd)
         q, k = rotary(q, c.rope_theta), rotary(k, c.rope_theta)
         # grouped-query attention natively: k and v keep their n_kv_heads, no repeat
-        impl = attention_impl(c, q.dtype)
+        impl = attention_impl(c, q.dtype, t)
         if impl == "blockwise":
             out = blockwise_attention(q, k, v, causal=True)
         else:
