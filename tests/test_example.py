@@ -35,29 +35,15 @@ def reference():
     return dict(weights=(root_p, layers), losses=losses, grads=as_stacked(grads), final=as_stacked(final))
 
 
-def _close(got, want, rtol, what, atol=0.0):
-    for path, g, w in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(got), jax.tree.leaves(want)):
-        assert np.shape(g) == np.shape(w), jax.tree_util.keystr(path)
-        err = np.max(np.abs(np.asarray(g, np.float64) - w))
-        assert err <= rtol * np.max(np.abs(w)) + atol, f"{what}{jax.tree_util.keystr(path)}: max error {err:.3g}"
-
-
-# Parameters after the steps: within 1e-4 of each leaf's largest, or 1e-3 of how far AdamW can move an
-# element in these steps (LR each), whichever is larger. Leaves that start at zero (biases) are of
-# the update's own size, and Adam turns gradient differences at float noise on near-zero elements
-# into update differences of ~1e-6 (measured: 2.5e-6 on a qkv bias of max 9e-3 after 3 steps).
-PARAM_ATOL = 1e-3 * 3 * ref.LR
-
-
 @pytest.mark.parametrize("mesh", ["1x8", "2x4", "8x1"])
 @pytest.mark.parametrize("strategy", ["full_shard", "shard_grad_op", "no_shard"])
 def test_example_matches_single_device(reference, mesh, strategy):
     """The example's own train(): losses within 1e-5 relative, first-step gradients within 1e-5 of each
-    leaf's largest, parameters after 3 steps close (PARAM_ATOL); the reference decays matrices only, which
+    leaf's largest, parameters after 3 steps close (ref.PARAM_ATOL); the reference decays matrices only, which
     the example gets from jfsdp.adamw's default mask."""
     adamw = jfsdp.adamw(ref.LR, b1=ref.B1, b2=ref.B2, eps=ref.EPS, weight_decay=ref.WD, clip_norm=ref.CLIP)
     plan, state, losses = gpt2.train(mesh, strategy, steps=STEPS, batch=BATCH, seq=SEQ, weights=reference["weights"],
                                      optimizer=optax.chain(ref.keep_gradients(), adamw))
     np.testing.assert_allclose(losses, reference["losses"], rtol=1e-5)
-    _close(plan.gather(state.opt_state[0][0]), reference["grads"], 1e-5, "grad")  # kept from the first step
-    _close(plan.gather(state.params), reference["final"], 1e-4, "param", PARAM_ATOL)
+    ref.close(plan.gather(state.opt_state[0][0]), reference["grads"], 1e-5, "grad")  # kept from the first step
+    ref.close(plan.gather(state.params), reference["final"], 1e-4, "param", ref.PARAM_ATOL)

@@ -101,20 +101,6 @@ def _plan(stages, mesh_spec, strategy, remat, mp=None):
                              remat=remat, mp_policy=mp)
 
 
-def _close(got, want, rtol, what, atol=0.0):
-    for path, g, w in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(got), jax.tree.leaves(want)):
-        assert np.shape(g) == np.shape(w), jax.tree_util.keystr(path)
-        err = np.max(np.abs(np.asarray(g, np.float64) - w))
-        assert err <= rtol * np.max(np.abs(w)) + atol, f"{what}{jax.tree_util.keystr(path)}: max error {err:.3g}"
-
-
-# Parameters after the steps: within 1e-4 of each leaf's largest, or 1e-3 of how far AdamW can move an
-# element in these steps (LR each), whichever is larger. Leaves that start at zero (biases) are of
-# the update's own size, and Adam turns gradient differences at float noise on near-zero elements
-# into update differences of ~1e-6 (measured: 2.5e-6 on a qkv bias of max 9e-3 after 3 steps).
-PARAM_ATOL = 1e-3 * 3 * ref.LR
-
-
 def _run(case, mesh_spec, strategy, remat, mp=None):
     """jfsdp's train step for the case's batches -> (plan, final state, losses, first-step gradients)."""
     plan = _plan(case["stages"], mesh_spec, strategy, remat, mp)
@@ -133,12 +119,12 @@ def _run(case, mesh_spec, strategy, remat, mp=None):
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_two_stages_match_single_device(two, mesh_spec, strategy):
     """Losses of 3 AdamW steps within 1e-5 relative, first-step gradients within 1e-5 of each leaf's
-    largest, final parameters close (PARAM_ATOL); with jfsdp.adamw's default weight-decay mask."""
+    largest, final parameters close (ref.PARAM_ATOL); with jfsdp.adamw's default weight-decay mask."""
     remat = REMATS[(MESHES.index(mesh_spec) + STRATEGIES.index(strategy)) % 3]
     plan, state, losses, grads = _run(two, mesh_spec, strategy, remat)
     np.testing.assert_allclose(losses, two["losses"], rtol=1e-5)
-    _close(grads, two["grads"], 1e-5, "grad")
-    _close(plan.gather(state.params), two["final"], 1e-4, "param", PARAM_ATOL)
+    ref.close(grads, two["grads"], 1e-5, "grad")
+    ref.close(plan.gather(state.params), two["final"], 1e-4, "param", ref.PARAM_ATOL)
 
 
 def test_width_changing_stage_matches_single_device():
@@ -147,8 +133,8 @@ def test_width_changing_stage_matches_single_device():
     plan, state, losses, grads = _run(case, "2x4", "full_shard", "full")
     assert [tuple(h.shape) for h in plan.h_shapes] == [(BATCH, SEQ, 40)] * 2 + [(BATCH, SEQ, 24)] * 2  # embed, each stage
     np.testing.assert_allclose(losses, case["losses"], rtol=1e-5)
-    _close(grads, case["grads"], 1e-5, "grad")
-    _close(plan.gather(state.params), case["final"], 1e-4, "param", PARAM_ATOL)
+    ref.close(grads, case["grads"], 1e-5, "grad")
+    ref.close(plan.gather(state.params), case["final"], 1e-4, "param", ref.PARAM_ATOL)
 
 
 def test_two_stages_bf16_policy(two):
