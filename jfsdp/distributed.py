@@ -126,10 +126,10 @@ def initialize(p: Processes, *, cpu: bool) -> None:
     import jax
     if cpu:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    started = time.monotonic()   # one clock for the probe and the join: both fit in --init-timeout
     if p.coordinator and p.process_id:
         wait_for_coordinator(p.coordinator, p.init_timeout)
     who = f"process {p.process_id}" if p.process_id is not None else "this process"
-    started = time.monotonic()
 
     def give_up():
         # jaxlib would abort with a C++ stack trace at its own timeout; end with one line instead
