@@ -19,30 +19,39 @@ What is guaranteed, and how:
 - Never a non-finite state: `save` first reduces the whole state to one "all finite" flag under jit
   (a pass over the shards where they live) and refuses to save otherwise (NonFiniteState).
 
-Layout on disk, and resharding. jfsdp stores each parameter padded along its first dimension to a
-multiple of the shard count S (core.Layout), because XLA needs even shards: jax 0.10 refuses a
-NamedSharding whose dimension does not divide (`IndivisibleError`: a (259,) array on 8 shards), so a
-logical 259-row array cannot be a sharded jax.Array at all. Writing the logical array would need
-every process to gather its rows into some even re-tiling first (communication) or a custom orbax
-type handler. Instead the arrays are written as they live (each process writes its own padded
-shards, no copy), the JSON records each parameter's logical shape, and restore relies on a property
-of the padding plus one of orbax's reader:
-- padding rows are always zero: they start at zero, their gradient is zero (the reduce-scatter
-  of a zero-padded gradient), so Adam's moments stay zero and weight decay keeps them at zero;
-- orbax restores an array into a different global shape when asked (`ArrayRestoreArgs(global_shape=,
-  strict=False)`): rows beyond the stored ones are read as zeros, rows beyond the requested ones are
-  dropped. Since every padded shape has at least the logical rows, restoring the 264-row array
-  written on 8 shards into the 261 rows of 3 shards (or the 259 of NO_SHARD, or 272 of 16) drops or
-  adds padding rows only.
-So restore is one orbax call whose targets are the new mesh's abstract state: each device reads just
-its own slice of the files (tensorstore reads any region) and it is placed directly with the new
-sharding; no device ever holds a whole parameter unless its sharding says so, and nothing is re-padded
-afterwards. The stored arrays' row counts therefore depend on the mesh that wrote them, but what a
-checkpoint means does not: `logical_params` gives the unpadded parameters (export uses it), and any
-mesh and strategy restores any checkpoint.
+Layout on disk: logical shapes, whatever the mesh. In memory jfsdp pads each parameter along its
+row dimension to a multiple of the shard count S (core.Layout), because XLA needs even shards: jax
+0.10 refuses a NamedSharding whose dimension does not divide (`IndivisibleError`: a (259,) array on
+8 shards), so the logical 259-row array cannot exist as a sharded jax.Array. The files hold each
+array with its logical shape all the same (259 rows whether written on 8, 4, 3 or 1 shards), through
+`_LogicalArrayHandler`, orbax's own jax.Array handler with one step added between its two halves:
+- in `save` (the loop waits for this part): orbax's device-to-host copy of the shards this process
+  holds (replica 0 of each, or a 1/R slice of each with replica-parallel writing), then each host
+  shard is cut to the rows below the logical row count (a numpy view, no copy): a shard wholly in
+  the padding writes nothing, the shard holding the last logical rows writes only those;
+- in the background (orbax's commit, same transaction, temporary folder and finalizing rename as
+  orbax's handler): orbax creates the tensorstore array with the logical global shape and each
+  process writes its own cut shards into it.
+So no process gathers a leaf, nothing is replicated to be saved, and the zarr arrays' shapes (what
+tensorstore and orbax's metadata report) are the model's. Only the chunk grid (one chunk per
+writer shard, so two processes never write one chunk) and OCDBT's internal files follow the
+writer; any reader reads any region. The row count to keep per leaf comes from the plan
+(`_logical_rows`: parameters and every optimizer subtree shaped like them, i.e. Adam's moments).
+
+Restore is one orbax call whose targets are the new mesh's abstract state: orbax reads, for each
+device, its row range of the logical array (`ArrayRestoreArgs(global_shape=padded, strict=False)`:
+rows past the stored ones read as zeros) and places the array directly with its new sharding: no
+device ever holds a whole parameter unless its sharding says so. Padding rows must be zero for the
+reduce-scatters, and they are (they start at zero, their gradient is zero, so are Adam's moments,
+and weight decay keeps zero at zero).
+
+Checkpoints of format jfsdp-checkpoint/1 (written before this layout: arrays stored padded for the
+writer's mesh) stay readable: the same restore adds or drops zero padding rows to fit the target,
+and export cuts them to the logical shape.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -58,7 +67,8 @@ import orbax.checkpoint as ocp
 from jfsdp.core import ROOT, UNITS, FSDP, _is_layout
 from jfsdp.mesh import ConfigError
 
-FORMAT = "jfsdp-checkpoint/1"
+FORMAT = "jfsdp-checkpoint/2"                 # arrays stored with their logical shapes
+READABLE = (FORMAT, "jfsdp-checkpoint/1")     # /1: padded for the writer's mesh (restore pads/cuts)
 STATE, META = "state", "meta"
 
 
@@ -91,6 +101,119 @@ def _all_finite(state) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])) if leaves else jnp.array(True)
 
 
+# ---- writing arrays with their logical shapes ------------------------------------------------------
+# orbax internals used below (orbax-checkpoint 0.12.8; tests/test_checkpoint.py checks they exist):
+# replica_slices.transfer_arrays_to_host (the device-to-host copy of the shards to write) and
+# jax_array_handlers._async_serialize_replica_slices (tensorstore writes + OCDBT transaction + array
+# metadata), the two halves of ArrayHandler.serialize.
+from orbax.checkpoint._src.arrays import fragments as _fragments  # noqa: E402
+from orbax.checkpoint._src.arrays import numpy_utils as _np_utils  # noqa: E402
+from orbax.checkpoint._src.futures import future as _future  # noqa: E402
+from orbax.checkpoint._src.metadata import array_metadata_store as _array_metadata_store  # noqa: E402
+from orbax.checkpoint._src.serialization import jax_array_handlers as _jah  # noqa: E402
+from orbax.checkpoint._src.serialization import replica_slices as _rs  # noqa: E402
+
+
+@dataclasses.dataclass
+class _SaveArgs(ocp.SaveArgs):
+    """orbax's SaveArgs plus which axis of the leaf is padded and how many of its rows are real."""
+    pad_axis: int | None = None
+    rows: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _CutSlices(_rs.ReplicaSlices):
+    """Host shards cut to the logical shape: their fragments differ in size (the last real shard is
+    shorter, shards wholly in the padding are gone), which orbax's own `to_fragments` asserts against."""
+
+    def to_fragments(self):
+        return _fragments.ConcreteFragments(shape=self.global_shape, dtype=self.dtype, fragments=[
+            _fragments.ConcreteFragment(index=r.index, value=r.data()) for r in self.replica_slices])
+
+
+def _cut(host: _rs.ReplicaSlices, axis: int | None, rows: int | None) -> _rs.ReplicaSlices:
+    """This process's host shards of one padded array -> the same data for the array of `rows` rows
+    along `axis` (views into the host copies, nothing copied)."""
+    shape = tuple(host.global_shape)
+    if axis is None or rows is None or axis >= len(shape) or shape[axis] <= rows:
+        return host
+    kept = []
+    for r in host.replica_slices:
+        index = list(_np_utils.resolve_slice(r.index, shape))
+        lo, hi = index[axis].start, index[axis].stop
+        if lo >= rows:
+            continue                                   # wholly padding: nothing to write
+        value = r.data()
+        if hi > rows:
+            value = value[(slice(None),) * axis + (slice(0, rows - lo),)]
+            index[axis] = slice(lo, rows)
+        kept.append(dataclasses.replace(r, index=tuple(index), unsliced_data=value))
+    return _CutSlices(global_shape=shape[:axis] + (rows,) + shape[axis + 1:], local_shape=host.local_shape,
+                      sharding=host.sharding, dtype=host.dtype, is_on_host=True, replica_slices=kept)
+
+
+class _LogicalArrayHandler(ocp.type_handlers.ArrayHandler):
+    """orbax's jax.Array handler that writes each array with the logical shape given in its
+    `_SaveArgs` (see the module docstring). Reading, metadata and the typestr are orbax's: the files
+    are ordinary orbax arrays that any orbax reader opens. No sharding file is written: it would
+    record the writer's mesh, and restore always passes the target's shardings."""
+
+    def __init__(self):
+        super().__init__(array_metadata_store=_array_metadata_store.Store(), enable_write_sharding_file=False)
+
+    async def serialize(self, values, infos, args=None):
+        args = args or [ocp.SaveArgs()] * len(values)
+        if not any(isinstance(a, _SaveArgs) and a.rows is not None for a in args):
+            return await super().serialize(values, infos, args)
+        for v, info in zip(values, infos):
+            if jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key) or (jax.process_count() > 1
+                                                                        and v.is_fully_addressable):
+                raise ValueError(f"{info.name}: jfsdp checkpoints hold global arrays of numbers only")
+        self._ext_metadata = {}
+        # the part the training loop waits for: the device-to-host copy of this process's shards
+        host = _rs.transfer_arrays_to_host(
+            values, self._replica_id, self._use_replica_parallel, self._min_slice_bytes_for_replica_parallel,
+            self._max_replicas_for_replica_parallel, enable_pinned_host_transfer=infos[0].enable_pinned_host_transfer)
+        host = [_cut(h, getattr(a, "pad_axis", None), getattr(a, "rows", None)) for h, a in zip(host, args)]
+        plain = [ocp.SaveArgs(**{f.name: getattr(a, f.name) for f in dataclasses.fields(ocp.SaveArgs)})
+                 for a in args]
+        # the background part, inside orbax's commit (temporary folder, then the finalizing rename)
+        write = _jah._async_serialize_replica_slices(
+            host, infos, plain, primary_host=self._primary_host, metadata_key=self._metadata_key,
+            array_metadata_store=self._array_metadata_store,
+            enable_replica_parallel_separate_folder=self._enable_replica_parallel_separate_folder,
+            use_replica_parallel=self._use_replica_parallel, ext_metadata=self._ext_metadata)
+        return [_future.CommitFutureAwaitingContractedSignals(write, name="jfsdp_logical_arrays")]
+
+
+def _registry():
+    """orbax's default type handlers, with jax.Array written by _LogicalArrayHandler."""
+    from orbax.checkpoint._src.serialization import type_handler_registry as reg
+    return ocp.type_handlers.create_type_handler_registry(
+        *[(t, _LogicalArrayHandler() if t is jax.Array else h) for t, h in reg._DEFAULT_TYPE_HANDLERS])
+
+
+def _logical_rows(plan: FSDP, state) -> dict:
+    """{leaf path: (padded axis, logical rows)} for every leaf of `state` stored padded: the
+    parameters and each subtree shaped like them (Adam's moments; found by tree structure, as
+    optax.tree_map_params does), when the leaf has the padded shape."""
+    root_l, stage_l = plan.split(plan.layouts)
+    axes = plan.join(jax.tree.map(lambda _: 0, root_l, is_leaf=_is_layout),      # root: rows are axis 0;
+                     [jax.tree.map(lambda _: 1, u, is_leaf=_is_layout) for u in stage_l])   # units: axis 1
+    flat = list(zip(jax.tree.leaves(axes), jax.tree.leaves(plan.layouts, is_leaf=_is_layout)))
+    pdef = jax.tree.structure(plan.layouts, is_leaf=_is_layout)
+    like_params = lambda x: x is not state and jax.tree.structure(x) == pdef   # noqa: E731
+    out = {}
+    for path, sub in jax.tree_util.tree_flatten_with_path(state, is_leaf=like_params)[0]:
+        if not like_params(sub):
+            continue
+        for (sub_path, x), (axis, l) in zip(jax.tree_util.tree_flatten_with_path(sub)[0], flat):
+            want = (x.shape[0],) + l.stored_shape if axis else l.stored_shape
+            if tuple(x.shape) == want and l.padded_rows != l.rows:
+                out[_path_str(path + sub_path)] = (axis, l.rows)
+    return out
+
+
 class Checkpointer:
     """Save/restore train states under `directory` (local path; orbax also takes gs:// etc.).
 
@@ -104,7 +227,8 @@ class Checkpointer:
                                             create=True, cleanup_tmp_directories=False)
         try:
             self._mgr = ocp.CheckpointManager(self.directory, options=opts, item_handlers={
-                STATE: ocp.StandardCheckpointHandler(), META: ocp.JsonCheckpointHandler()})
+                STATE: ocp.PyTreeCheckpointHandler(type_handler_registry=_registry()),
+                META: ocp.JsonCheckpointHandler()})
         except OSError as e:
             raise CheckpointError(f"cannot use {self.directory} for checkpoints: {e.strerror or e}") from None
         self._finite = jax.jit(_all_finite)
@@ -126,18 +250,22 @@ class Checkpointer:
         return self.directory / str(step)
 
     # ---- saving
-    def save(self, step: int, state, meta: dict, *, plan: FSDP | None = None) -> Path:
-        """Start saving `state` (a TrainState of shards) and `meta` (JSON-able) as checkpoint `step`.
+    def save(self, step: int, state, meta: dict, *, plan: FSDP) -> Path:
+        """Start saving `state` (a TrainState of shards of `plan`) and `meta` (JSON-able) as checkpoint
+        `step`, every array with its logical shape (the plan's layouts say which rows are padding).
         Returns after the device-to-host copy; the files are written in the background. Raises
         NonFiniteState, saving nothing, if any array of the state is NaN or inf."""
         if not bool(self._finite(state)):
             raise NonFiniteState(f"the train state at step {step} holds NaN or inf; it was not saved")
         meta = {"format": FORMAT, "step": int(step), **meta}
-        if plan is not None:
-            meta["params"] = param_signature(plan)
+        meta["params"] = param_signature(plan)
         if step in self._mgr.all_steps():   # e.g. the final save right after a periodic one
             return self.step_dir(step)
-        self._mgr.save(step, args=ocp.args.Composite(**{STATE: ocp.args.StandardSave(state),
+        rows = _logical_rows(plan, state)
+        save_args = jax.tree_util.tree_map_with_path(
+            lambda p, _: _SaveArgs(pad_axis=rows.get(_path_str(p), (None, None))[0],
+                                   rows=rows.get(_path_str(p), (None, None))[1]), state)
+        self._mgr.save(step, args=ocp.args.Composite(**{STATE: ocp.args.PyTreeSave(state, save_args=save_args),
                                                          META: ocp.args.JsonSave(meta)}), force=True)
         return self.step_dir(step)
 
@@ -157,7 +285,7 @@ class Checkpointer:
             raise CheckpointError(f"{path}: missing: checkpoint {step} is incomplete") from None
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise CheckpointError(f"{path}: unreadable ({e}): checkpoint {step} is corrupt") from None
-        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        if not isinstance(meta, dict) or meta.get("format") not in READABLE:
             raise CheckpointError(f"{path}: not a {FORMAT} checkpoint (format {meta.get('format')!r})"
                                   if isinstance(meta, dict) else f"{path}: not a jfsdp checkpoint")
         return meta
@@ -192,7 +320,9 @@ class Checkpointer:
     def restore(self, step: int, target) -> Any:
         """The state of checkpoint `step` placed like `target` (a tree of ShapeDtypeStructs with
         shardings, e.g. `jfsdp.abstract_state(plan, opt)` for any mesh and strategy). Each device
-        reads only its own slice; padding rows are added or dropped to fit the target's shard count."""
+        reads only its own row range of the stored (logical) arrays; the rows past them, the target
+        mesh's padding, are zeros. A format /1 checkpoint (padded for its writer) restores the same
+        way, its extra padding rows dropped."""
         path = self.step_dir(step) / STATE
         _ignore_closed_loop_callbacks()
         try:
@@ -216,12 +346,17 @@ class Checkpointer:
             if jnp.dtype(m.dtype) != jnp.dtype(t.dtype):
                 raise CheckpointError(f"{path}: array {name} is {jnp.dtype(m.dtype)}, this run expects "
                                       f"{jnp.dtype(t.dtype)}: incompatible checkpoint")
-            if len(m.shape) != len(t.shape):
+            # stored logical rows (or another mesh's padded rows, format /1) differ from the target's
+            # padded rows along one axis at most
+            if len(m.shape) != len(t.shape) or sum(a != b for a, b in zip(m.shape, t.shape)) > 1:
                 raise CheckpointError(f"{path}: array {name} has shape {tuple(m.shape)}, this run expects "
                                       f"{t.shape}: incompatible checkpoint")
         try:
+            # each device reads its row range of the stored array; rows past the stored ones are zeros
+            restore_args = jax.tree.map(lambda a: dataclasses.replace(a, strict=False),
+                                        ocp.checkpoint_utils.construct_restore_args(target))
             out = self._mgr.restore(step, args=ocp.args.Composite(
-                **{STATE: ocp.args.StandardRestore(target, strict=False)}))
+                **{STATE: ocp.args.PyTreeRestore(item=target, restore_args=restore_args)}))
         except Exception as e:
             raise CheckpointError(f"{path}: cannot be read ({_short(e)}): checkpoint {step} is corrupt "
                                   "or partial") from None

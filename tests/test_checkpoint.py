@@ -279,6 +279,21 @@ def _step(plan, opt):
     return jfsdp.make_train_step(plan, opt, models.loss_fn(cfg), donate=False)
 
 
+def _stored_shapes(step_dir: Path, names) -> dict:
+    """The shapes of the arrays as the files hold them, read with tensorstore itself (zarr arrays in
+    orbax's OCDBT store, one per state leaf, named by its dotted path), not through jfsdp or orbax."""
+    import tensorstore as ts
+    base = f"file://{step_dir / 'state'}"
+    return {n: tuple(ts.open({"driver": "zarr", "kvstore": {"driver": "ocdbt", "base": base, "path": n}},
+                             open=True).result().shape) for n in names}
+
+
+def _logical_shapes(target) -> dict:
+    """{dotted leaf path: shape} of an abstract state."""
+    return {".".join(str(getattr(k, "name", getattr(k, "idx", getattr(k, "key", k)))) for k in path): tuple(x.shape)
+            for path, x in jax.tree_util.tree_flatten_with_path(target)[0]}
+
+
 def test_reshard_across_meshes_and_strategies(tmp_path):
     cfg = models.get_config("llama-test")
     batches = _batches(cfg, 5)
@@ -297,6 +312,15 @@ def test_reshard_across_meshes_and_strategies(tmp_path):
     c = jckpt.Checkpointer(tmp_path / "hop0")
     c.save(3, state, {"hop": "2x8 full_shard"}, plan=plan)
     c.wait()
+    # the files hold every array with its logical shape: those of the unpadded one-device state (in
+    # memory, the 259-row embedding is 264 rows on 8 shards, 260 on 4, 261 on 3, and the 200-row w2
+    # 201 rows on 3); every hop below writes the same shapes
+    logical = _logical_shapes(jfsdp.abstract_state(*_plan(cfg, "1x1", "no_shard")))
+    assert logical["params.root.tok_embeddings.embedding"] == (259, 96)
+    assert _stored_shapes(tmp_path / "hop0" / "3", logical) == logical
+    # written on 8 shards, restored onto 3 directly (the chain below restores it onto 4)
+    plan3, opt3 = _plan(cfg, "1x3", "full_shard")
+    jax.tree.map(np.testing.assert_array_equal, _logical(plan3, c.restore(3, jfsdp.abstract_state(plan3, opt3))), saved)
     # two chains: meshes (2x8 -> 1x4 -> 4x1 -> 1x3 -> 1x1) and strategies (FULL -> NO_SHARD -> SHARD_GRAD_OP),
     # each hop restoring the previous hop's checkpoint, checking it, and saving it again
     for chain in ([("1x4", "full_shard"), ("4x1", "full_shard"), ("1x3", "full_shard"), ("1x1", "full_shard")],
@@ -317,6 +341,7 @@ def test_reshard_across_meshes_and_strategies(tmp_path):
             dst = jckpt.Checkpointer(tmp_path / f"{mesh}-{strategy}")
             dst.save(3, restored, {"hop": f"{mesh} {strategy}"}, plan=plan2)
             dst.wait()
+            assert _stored_shapes(tmp_path / f"{mesh}-{strategy}" / "3", logical) == logical
             src = dst
             if i == len(chain) - 1:   # train on: the loss of the original mesh
                 step2, s2, got_losses = _step(plan2, opt2), restored, []
@@ -342,3 +367,32 @@ def test_incompatible_vocabulary_is_named(tmp_path):
     with pytest.raises(jckpt.CheckpointError, match=r"parameter root/tok_embeddings/embedding is \[259, 96\] float32, "
                                                     r"this run expects \[300, 96\]"):
         c.check_compatible(1, c.read_meta(1), {}, other)
+
+
+def test_padded_checkpoints_of_format_1_stay_readable(tmp_path):
+    """A checkpoint of the earlier layout (jfsdp-checkpoint/1: arrays stored padded for the writer's
+    mesh, written here with plain orbax) restores onto other shard counts and exports."""
+    import orbax.checkpoint as ocp
+    cfg = models.get_config("llama-test")
+    plan, opt = _plan(cfg, "1x8", "full_shard")
+    state = jfsdp.init_state(plan, opt, jax.random.key(1))
+    mgr = ocp.CheckpointManager(tmp_path / "ck", item_handlers={"state": ocp.StandardCheckpointHandler(),
+                                                                 "meta": ocp.JsonCheckpointHandler()})
+    import dataclasses
+    meta = {"format": "jfsdp-checkpoint/1", "step": 1, "model_config": dataclasses.asdict(cfg),
+            "params": jckpt.param_signature(plan)}
+    mgr.save(1, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+    mgr.wait_until_finished()
+    mgr.close()
+    assert _stored_shapes(tmp_path / "ck" / "1", ["params.root.tok_embeddings.embedding"]) == {
+        "params.root.tok_embeddings.embedding": (264, 96)}
+    c = jckpt.Checkpointer(tmp_path / "ck")
+    for mesh in ("1x3", "1x1"):
+        plan2, opt2 = _plan(cfg, mesh, "full_shard")
+        c.check_compatible(1, c.read_meta(1), {}, plan2)
+        jax.tree.map(np.testing.assert_array_equal, _logical(plan2, c.restore(1, jfsdp.abstract_state(plan2, opt2))),
+                     _logical(plan, state))
+    c.close()
+    from jfsdp.export import read_params
+    full, _, _ = read_params(str(tmp_path / "ck"))
+    jax.tree.map(np.testing.assert_array_equal, full, plan.gather(state.params))
