@@ -6,7 +6,8 @@ For each model, on 8 fake CPU devices (mesh 1x8, FULL_SHARD, fp32 params + AdamW
 - async save: `Checkpointer.save` returns after the device-to-host copy (blocked_s, what the loop
   waits), the files are written in the background (total_s: until `wait()` returns);
 - sync save: the same with asynchronous checkpointing off (the loop waits for all of it);
-- restore onto the same mesh (1x8) and onto another one (2x4: every array re-placed);
+- restore onto the same mesh (1x8), onto another one (2x4: every array re-placed) and onto 3 devices
+  (1x3: the stored logical rows padded to a multiple of 3 instead of 8);
 - size on disk of one checkpoint (params + optimizer state + JSON).
 Models: llama-small (byte-level, ~11M params) and the llama-1b shape (Llama 3.2 1B widths: vocabulary
 128256, dim 2048, ffn 8192, 32/8 heads) cut to 2 of its 16 layers, ~0.38B params (4.6 GB of state),
@@ -25,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import dataclasses  # noqa: E402
 import json  # noqa: E402
+import math  # noqa: E402
 import platform  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
@@ -46,7 +48,8 @@ MODELS = {
 
 def plan_for(cfg, mesh):
     root, unit, n = models.parts(cfg)
-    plan = jfsdp.fully_shard(jfsdp.Stacked(root, unit, n), jfsdp.make_mesh(mesh, devices=jax.devices()[:8]),
+    devices = jax.devices()[:math.prod(jfsdp.parse_mesh(mesh))]
+    plan = jfsdp.fully_shard(jfsdp.Stacked(root, unit, n), jfsdp.make_mesh(mesh, devices=devices),
                              jax.ShapeDtypeStruct((1, 128), jnp.int32))
     return plan, jfsdp.adamw(1e-3, mask=plan.decay_mask())
 
@@ -80,7 +83,7 @@ def measure(name, cfg, root: Path, repeats: int) -> dict:
         rec[f"{mode}_save_total_s"] = statistics.median(total)
         if mode == "async":
             rec["size_bytes"] = du(d / str(c.latest_step()))
-            for mesh in ("1x8", "2x4"):
+            for mesh in ("1x8", "2x4", "1x3"):
                 p2, o2 = plan_for(cfg, mesh)
                 target = jfsdp.abstract_state(p2, o2)
                 times = []
@@ -112,7 +115,7 @@ def main(argv=None) -> int:
         print(f"{r['model']:<32} {r['params'] / 1e6:7.1f}M params | {r['size_bytes'] / 1e6:8.1f} MB on disk | "
               f"async save: loop blocked {r['async_save_blocked_s']:.3f}s of {r['async_save_total_s']:.2f}s | "
               f"sync save {r['sync_save_blocked_s']:.2f}s | restore 1x8 {r['restore_1x8_s']:.2f}s, "
-              f"2x4 {r['restore_2x4_s']:.2f}s", flush=True)
+              f"2x4 {r['restore_2x4_s']:.2f}s, 1x3 {r['restore_1x3_s']:.2f}s", flush=True)
     shutil.rmtree(root, ignore_errors=True)
     out = {"device": f"CPU, {os.cpu_count()}-core {platform.machine()} VM, 8 fake XLA devices (mesh 1x8, full_shard)",
            "date": time.strftime("%Y-%m-%d", time.gmtime()), "jax": jax.__version__,

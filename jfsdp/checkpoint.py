@@ -63,6 +63,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+# orbax internals (orbax-checkpoint 0.12.8), used by _LogicalArrayHandler: the two halves of
+# ArrayHandler.serialize, replica_slices.transfer_arrays_to_host (the device-to-host copy of the
+# shards to write) and jax_array_handlers._async_serialize_replica_slices (tensorstore writes, OCDBT
+# transaction, array metadata), plus the types they exchange
+from orbax.checkpoint._src.arrays import fragments as _fragments
+from orbax.checkpoint._src.arrays import numpy_utils as _np_utils
+from orbax.checkpoint._src.futures import future as _future
+from orbax.checkpoint._src.metadata import array_metadata_store as _array_metadata_store
+from orbax.checkpoint._src.serialization import jax_array_handlers as _jah
+from orbax.checkpoint._src.serialization import replica_slices as _rs
+from orbax.checkpoint._src.serialization import type_handler_registry as _registry_lib
 
 from jfsdp.core import ROOT, UNITS, FSDP, _is_layout
 from jfsdp.mesh import ConfigError
@@ -102,18 +113,6 @@ def _all_finite(state) -> jax.Array:
 
 
 # ---- writing arrays with their logical shapes ------------------------------------------------------
-# orbax internals used below (orbax-checkpoint 0.12.8; tests/test_checkpoint.py checks they exist):
-# replica_slices.transfer_arrays_to_host (the device-to-host copy of the shards to write) and
-# jax_array_handlers._async_serialize_replica_slices (tensorstore writes + OCDBT transaction + array
-# metadata), the two halves of ArrayHandler.serialize.
-from orbax.checkpoint._src.arrays import fragments as _fragments  # noqa: E402
-from orbax.checkpoint._src.arrays import numpy_utils as _np_utils  # noqa: E402
-from orbax.checkpoint._src.futures import future as _future  # noqa: E402
-from orbax.checkpoint._src.metadata import array_metadata_store as _array_metadata_store  # noqa: E402
-from orbax.checkpoint._src.serialization import jax_array_handlers as _jah  # noqa: E402
-from orbax.checkpoint._src.serialization import replica_slices as _rs  # noqa: E402
-
-
 @dataclasses.dataclass
 class _SaveArgs(ocp.SaveArgs):
     """orbax's SaveArgs plus which axis of the leaf is padded and how many of its rows are real."""
@@ -188,9 +187,8 @@ class _LogicalArrayHandler(ocp.type_handlers.ArrayHandler):
 
 def _registry():
     """orbax's default type handlers, with jax.Array written by _LogicalArrayHandler."""
-    from orbax.checkpoint._src.serialization import type_handler_registry as reg
     return ocp.type_handlers.create_type_handler_registry(
-        *[(t, _LogicalArrayHandler() if t is jax.Array else h) for t, h in reg._DEFAULT_TYPE_HANDLERS])
+        *[(t, _LogicalArrayHandler() if t is jax.Array else h) for t, h in _registry_lib._DEFAULT_TYPE_HANDLERS])
 
 
 def _logical_rows(plan: FSDP, state) -> dict:

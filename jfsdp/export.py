@@ -5,7 +5,8 @@
 Writes OUT_DIR/config.json and OUT_DIR/model.safetensors (fp32, torch's (out, in) layout, names of
 `LlamaForCausalLM`, through jfsdp.hf's one mapping), and the run's tokenizer.json if it had one.
 Only the parameters are read (orbax partial restore, as host arrays: the optimizer state is not
-touched); each is cut from its stored padded rows to its logical shape. The single output file needs
+touched); each is stored with its logical shape (format /2) or padded for its writer's mesh
+(format /1), then cut to its logical shape. The single output file needs
 the whole model in host memory once; nothing is placed on a device. Bad input: `error: ...`, exit 2.
 """
 from __future__ import annotations
