@@ -75,7 +75,7 @@ from orbax.checkpoint._src.serialization import jax_array_handlers as _jah
 from orbax.checkpoint._src.serialization import replica_slices as _rs
 from orbax.checkpoint._src.serialization import type_handler_registry as _registry_lib
 
-from jfsdp.core import ROOT, UNITS, FSDP, _is_layout
+from jfsdp.core import FSDP, _is_layout
 from jfsdp.mesh import ConfigError
 
 FORMAT = "jfsdp-checkpoint/2"                 # arrays stored with their logical shapes
@@ -98,13 +98,15 @@ def _path_str(path) -> str:
 
 def param_signature(plan: FSDP) -> dict:
     """{parameter path: [logical shape, dtype]} of the full (unpadded) layout: what a checkpoint must
-    match to be restored into `plan`, whatever the mesh."""
-    n = plan.model.n_units
-    sig = {}
-    for part, stacked in ((ROOT, ()), (UNITS, (n,))):
-        for path, l in jax.tree_util.tree_flatten_with_path(plan.layouts[part], is_leaf=_is_layout)[0]:
-            sig[f"{part}/{_path_str(path)}"] = [list(stacked + l.shape), str(l.dtype)]
-    return sig
+    match to be restored into `plan`, whatever the mesh. Paths as in the state: `root/...`, then
+    `units/...` (`Stacked`) or `stages/<j>/...` (`Staged`), a stage's leaves with its unit count first."""
+    root_l, stage_l = plan.split(plan.layouts)
+    stacked = plan.join(jax.tree.map(lambda _: (), root_l, is_leaf=_is_layout),
+                        [jax.tree.map(lambda _: (n,), l, is_leaf=_is_layout)
+                         for l, n in zip(stage_l, plan.stage_sizes)])
+    lead = jax.tree.leaves(stacked, is_leaf=lambda x: isinstance(x, tuple))
+    flat = jax.tree_util.tree_flatten_with_path(plan.layouts, is_leaf=_is_layout)[0]
+    return {_path_str(path): [list(n + l.shape), str(l.dtype)] for (path, l), n in zip(flat, lead)}
 
 
 def _all_finite(state) -> jax.Array:
@@ -388,10 +390,12 @@ def _short(e: BaseException) -> str:
     return ": ".join(msgs)
 
 
-def logical_params(plan_layouts: dict, params: dict) -> dict:
-    """Padded params (host arrays, any shard count) -> the full layout, using the layouts' shapes."""
-    root = jax.tree.map(lambda l, x: np.asarray(x)[: l.rows].reshape(l.shape), plan_layouts[ROOT], params[ROOT],
-                        is_leaf=_is_layout)
-    units = jax.tree.map(lambda l, x: np.asarray(x)[:, : l.rows].reshape(x.shape[0], *l.shape),
-                         plan_layouts[UNITS], params[UNITS], is_leaf=_is_layout)
-    return {ROOT: root, UNITS: units}
+def logical_params(plan: FSDP, params: dict) -> dict:
+    """Padded params (host arrays, any shard count: `plan`'s or another mesh's) -> the full layout,
+    using `plan`'s layouts for the logical shapes (any model, `Stacked` or `Staged`)."""
+    root_l, stage_l = plan.split(plan.layouts)
+    root_x, stage_x = plan.split(params)
+    root = jax.tree.map(lambda l, x: np.asarray(x)[: l.rows].reshape(l.shape), root_l, root_x, is_leaf=_is_layout)
+    stages = [jax.tree.map(lambda l, x: np.asarray(x)[:, : l.rows].reshape(x.shape[0], *l.shape), ls, xs,
+                           is_leaf=_is_layout) for ls, xs in zip(stage_l, stage_x)]
+    return plan.join(root, stages)

@@ -7,7 +7,9 @@ Writes OUT_DIR/config.json and OUT_DIR/model.safetensors (fp32, torch's (out, in
 Only the parameters are read (orbax partial restore, as host arrays: the optimizer state is not
 touched); each is stored with its logical shape (format /2) or padded for its writer's mesh
 (format /1), then cut to its logical shape. The single output file needs
-the whole model in host memory once; nothing is placed on a device. Bad input: `error: ...`, exit 2.
+the whole model in host memory once; nothing is placed on a device. Bad input: `error: ...`, exit 2;
+so is a checkpoint of any model but jfsdp's Llama (no Llama model_config in its JSON, or parameters
+other than that Llama's, e.g. a jfsdp.Staged model's): only LlamaForCausalLM is written.
 """
 from __future__ import annotations
 
@@ -41,16 +43,33 @@ def read_params(ckpt_dir: str, step: int | None = None):
         if step is None or step not in c.steps():
             raise CheckpointError(f"{c.directory}: no complete checkpoint" + ("" if step is None else f" {step}"))
         meta = c.read_meta(step)
-        cfg = models.LlamaConfig(**meta["model_config"])
     finally:
         c.close()
+    where = c.step_dir(step) / "meta" / "metadata"
+    not_llama = (f"{where}: checkpoint {step} does not hold jfsdp's Llama model ({{}}); export writes "
+                 "Hugging Face LlamaForCausalLM folders only")
+    mc = meta.get("model_config")
+    if not isinstance(mc, dict):
+        raise ConfigError(not_llama.format("its metadata has no model_config"))
+    try:
+        cfg = models.LlamaConfig(**mc)
+    except (TypeError, ValueError) as e:   # another model's configuration (unknown or missing fields)
+        raise ConfigError(not_llama.format(f"model_config {_short(e)}")) from None
     # the layouts (logical shapes) of this model; a 1x1 plan is only a way to compute them
     import jax.numpy as jnp
+    from jfsdp.checkpoint import param_signature
     from jfsdp.core import Stacked, fully_shard
     from jfsdp.mesh import make_mesh
     root, unit, n = models.parts(cfg)
-    layouts = fully_shard(Stacked(root, unit, n), make_mesh("1x1", devices=jax.devices()[:1]),
-                          jax.ShapeDtypeStruct((1, 1), jnp.int32), strategy="no_shard").layouts
+    plan = fully_shard(Stacked(root, unit, n), make_mesh("1x1", devices=jax.devices()[:1]),
+                       jax.ShapeDtypeStruct((1, 1), jnp.int32), strategy="no_shard")
+    # the parameters saved must be the Llama ones of that config (a model of several stages, say,
+    # saved with a Llama-like model_config is not)
+    want, have = param_signature(plan), meta.get("params")
+    if isinstance(have, dict) and have != want:
+        diff = sorted(set(have) ^ set(want)) or sorted(k for k in want if have[k] != want[k])
+        raise ConfigError(not_llama.format(f"its parameters differ from the Llama of its model_config, "
+                                           f"first at {diff[0]}"))
     path = c.step_dir(step) / STATE
     _ignore_closed_loop_callbacks()
     try:
@@ -63,7 +82,7 @@ def read_params(ckpt_dir: str, step: int | None = None):
                                                                    partial_restore=True))["params"]
     except Exception as e:
         raise CheckpointError(f"{path}: cannot be read ({_short(e)}): checkpoint {step} is corrupt or partial") from None
-    return logical_params(layouts, got), meta, step
+    return logical_params(plan, got), meta, step
 
 
 def export(ckpt_dir: str, out_dir: str, step: int | None = None) -> tuple[list[str], int]:

@@ -396,3 +396,68 @@ def test_padded_checkpoints_of_format_1_stay_readable(tmp_path):
     from jfsdp.export import read_params
     full, _, _ = read_params(str(tmp_path / "ck"))
     jax.tree.map(np.testing.assert_array_equal, full, plan.gather(state.params))
+
+
+# ---- models of several stages (jfsdp.Staged): {'root', 'stages': [...]} -----------------------------
+
+def _staged_plan(mesh, sizes=(2, 3)):
+    from tests.test_stages import BATCH as B, SEQ as T, GLUBlock, MLPBlock, Root
+    r, s = jfsdp.parse_mesh(mesh)
+    model = jfsdp.Staged(Root(), [(MLPBlock(), sizes[0]), (GLUBlock(), sizes[1])])
+    plan = jfsdp.fully_shard(model, jfsdp.make_mesh(mesh, devices=jax.devices()[: r * s]),
+                             jax.ShapeDtypeStruct((B, T), jnp.int32))
+    return plan, jfsdp.adamw(1e-3, mask=plan.decay_mask())
+
+
+def test_staged_model_saves_logical_arrays_restores_onto_other_meshes_and_does_not_export(tmp_path, capsys):
+    """A two-stage model (tests/test_stages.py's: vocabulary 53, MLP hidden 72, GLU hidden 56, width
+    40: padded on 8, 4 and 3 shards) saved on 1x8 with non-zero Adam moments, restored onto 2x4 and
+    1x3: parameters and moments equal those saved, padding rows zero, files in the logical shapes.
+    Export (Llama only) refuses it with one `error:` line, as it does another model's config."""
+    plan, opt = _staged_plan("1x8")
+    rng = np.random.default_rng(0)
+    rand = lambda: jax.tree.map(lambda x: rng.standard_normal(x.shape, np.float32) + 1,  # noqa: E731
+                                jax.eval_shape(plan.init_full, jax.random.key(0)))   # the full layout
+    params, mu, nu = rand(), rand(), jax.tree.map(np.abs, rand())
+    state = jfsdp.init_state(plan, opt, params=params)
+    state = state._replace(opt_state=jax.tree.map(
+        lambda s: s._replace(mu=plan.shard(mu), nu=plan.shard(nu)) if hasattr(s, "mu") else s,
+        state.opt_state, is_leaf=lambda s: hasattr(s, "mu")))
+    saved = _logical(plan, state)
+    jax.tree.map(np.testing.assert_array_equal, saved["mu"], mu)   # really the moments we set
+    c = jckpt.Checkpointer(tmp_path / "ck")
+    c.save(1, state, {"run": "staged"}, plan=plan)
+    c.wait()
+    assert c.read_meta(1)["params"]["stages/1/w2/kernel"] == [[3, 56, 40], "float32"]
+    logical = _logical_shapes(jfsdp.abstract_state(*_staged_plan("1x1")))
+    assert logical["params.stages.1.w2.kernel"] == (3, 56, 40) and logical["params.root.tok.embedding"] == (53, 40)
+    assert _stored_shapes(tmp_path / "ck" / "1", logical) == logical
+    for mesh in ("2x4", "1x3"):
+        plan2, opt2 = _staged_plan(mesh)
+        c.check_compatible(1, c.read_meta(1), {}, plan2)
+        restored = c.restore(1, jfsdp.abstract_state(plan2, opt2))
+        jax.tree.map(np.testing.assert_array_equal, _logical(plan2, restored), saved)
+        jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),   # zero padding
+                     restored.params, plan2.shard(saved["params"]))
+    assert plan2.layouts["stages"][1]["w2"]["kernel"].stored_shape == (57, 40)   # 1x3 really padded
+    other, _ = _staged_plan("1x3", sizes=(2, 2))
+    with pytest.raises(jckpt.CheckpointError, match=r"parameter stages/1/norm/scale is \[3, 40\] float32, this run "
+                                                    r"expects \[2, 40\]"):
+        c.check_compatible(1, c.read_meta(1), {}, other)
+    c.close()
+    # export: no model_config; another model's config; a Llama config over these parameters
+    from jfsdp.export import main as export_main
+    meta_file = tmp_path / "ck" / "1" / "meta" / "metadata"
+    meta = json.loads(meta_file.read_text())
+    import dataclasses
+    for model_config, why in [(None, "has no model_config"),
+                              (dataclasses.asdict(models.get_config("resmlp-test")), "model_config"),
+                              (dataclasses.asdict(models.get_config("llama-test")), "parameters differ")]:
+        if model_config is not None:
+            meta_file.write_text(json.dumps({**meta, "model_config": model_config}))
+        assert export_main([str(tmp_path / "ck"), str(tmp_path / "hf")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and "Traceback" not in err[0], err
+        assert "does not hold jfsdp's Llama model" in err[0] and why in err[0] and "LlamaForCausalLM" in err[0], err
+    assert not (tmp_path / "hf").exists()
+
