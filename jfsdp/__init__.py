@@ -1,13 +1,39 @@
-"""jfsdp: Fully Sharded Data Parallel training on JAX/XLA."""
-from jfsdp.core import (FSDP, Layout, Stacked, Stage, Staged, checkpoint_policy, fully_shard, stack_units, unshard,
-                        unstack_units)
-from jfsdp.mesh import AXES, DATA, FSDP as FSDP_AXIS, ConfigError, make_mesh, mesh_shape, parse_mesh
-from jfsdp import ops
-from jfsdp.policy import REMAT, MixedPrecision, Strategy
-from jfsdp.step import (TrainState, TrainStep, abstract_state, adamw, init_state, make_train_step, matrices,
-                        state_shardings, unit_view, warmup_cosine)
+"""jfsdp: Fully Sharded Data Parallel training on JAX/XLA.
+
+The names below are loaded on first use (PEP 562), so that `import jfsdp.cli` does not import jax:
+the command line must set XLA's device flags and JAX_PLATFORMS before jax starts, and bad flags
+fail in a fraction of a second. `from jfsdp import X` and `jfsdp.X` work as with plain imports.
+"""
+import importlib
+
+_EXPORTS = {   # module -> the names it gives this package ("alias=name" where they differ)
+    "core": ("FSDP", "Layout", "Stacked", "Stage", "Staged", "checkpoint_policy", "fully_shard", "stack_units",
+             "unshard", "unstack_units"),
+    "mesh": ("AXES", "DATA", "FSDP_AXIS=FSDP", "ConfigError", "make_mesh", "mesh_shape", "parse_mesh"),
+    "policy": ("REMAT", "MixedPrecision", "Strategy"),
+    "step": ("TrainState", "TrainStep", "abstract_state", "adamw", "init_state", "make_train_step", "matrices",
+             "state_shardings", "unit_view", "warmup_cosine"),
+}
+_WHERE = {alias: (module, name) for module, names in _EXPORTS.items()
+          for alias, _, name in (n.partition("=") if "=" in n else (n, "", n) for n in names)}
+_SUBMODULES = ("core", "mesh", "ops", "policy", "step")   # attributes of the package before it was lazy
 
 __all__ = ["FSDP", "Layout", "Stacked", "Stage", "Staged", "fully_shard", "unshard", "stack_units", "unstack_units",
            "AXES", "DATA", "FSDP_AXIS", "ConfigError", "make_mesh", "mesh_shape", "parse_mesh", "REMAT",
            "MixedPrecision", "Strategy", "checkpoint_policy", "TrainState", "TrainStep", "abstract_state",
            "state_shardings", "adamw", "init_state", "make_train_step", "matrices", "unit_view", "warmup_cosine"]
+
+
+def __getattr__(name):
+    if name in _WHERE:
+        module, attr = _WHERE[name]
+        value = getattr(importlib.import_module(f"{__name__}.{module}"), attr)
+        globals()[name] = value
+        return value
+    if name in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__) | set(_SUBMODULES))

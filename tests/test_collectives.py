@@ -1,6 +1,7 @@
 """What the compiled program does, read from XLA: which collectives, where, how big, in which dtype;
 and per-device memory. Nothing is executed: programs are lowered from abstract inputs."""
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -14,8 +15,10 @@ from jfsdp import hlo
 BATCH, SEQ = 16, 32
 
 
+@functools.lru_cache(maxsize=None)
 def compile_grad(mesh_spec, strategy, remat="full", n_layers=4, precision="fp32"):
-    """The compiled (params, batch) -> (loss, grads) program of llama-test with n_layers units."""
+    """The compiled (params, batch) -> (loss, grads) program of llama-test with n_layers units (each
+    program compiled once per module: the placement tests read the 8-unit ones the memory tests use)."""
     cfg = dataclasses.replace(models.get_config("llama-test"), n_layers=n_layers)
     root, unit, n = models.parts(cfg)
     mesh = jfsdp.make_mesh(mesh_spec)
@@ -41,7 +44,7 @@ def by_loop(colls, kind):
 
 
 def test_full_shard_gathers_in_forward_and_backward_and_reduce_scatters():
-    cfg, plan, c = compile_grad("1x16", "full_shard")
+    cfg, plan, c = compile_grad("1x16", "full_shard", n_layers=8)
     colls = hlo.collectives(c.as_text(), 16)
     n_leaves = len(jax.tree.leaves(plan.layouts["units"], is_leaf=lambda l: isinstance(l, jfsdp.Layout)))
     gathers = {loop: k for loop, k in by_loop(colls, "all-gather").items() if loop}
@@ -58,7 +61,7 @@ def test_full_shard_gathers_in_forward_and_backward_and_reduce_scatters():
 
 
 def test_shard_grad_op_gathers_once():
-    cfg, plan, c = compile_grad("1x16", "shard_grad_op")
+    cfg, plan, c = compile_grad("1x16", "shard_grad_op", n_layers=8)
     colls = hlo.collectives(c.as_text(), 16)
     gathers = {loop for loop, k in by_loop(colls, "all-gather").items() if loop}
     rs = {loop for loop, k in by_loop(colls, "reduce-scatter").items() if loop}

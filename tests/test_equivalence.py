@@ -11,7 +11,10 @@ import models
 from tests import reference as ref
 
 MESHES = ["1x16", "2x8", "4x4", "16x1", "1x1"]
-STRATEGIES = ["full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2"]
+# hybrid_shard and hybrid_shard_zero2 are full_shard and shard_grad_op by another name (the mesh's data
+# axis makes any sharded strategy hybrid): test_hybrid_names_are_the_same_programs shows that they
+# lower to the same program on a hybrid mesh, so the grid runs the three distinct strategies.
+STRATEGIES = ["full_shard", "shard_grad_op", "no_shard"]
 REMATS = ["none", "full", "dots"]
 STEPS, BATCH, SEQ = 3, 16, 16
 
@@ -35,16 +38,38 @@ def _batches(cfg, seed=0):
     return out
 
 
-@pytest.fixture(scope="module", params=["llama", "resmlp"])
+_CASES = {}
+
+
+def get_case(family):
+    """The family's model, batches, initial parameters and single-device reference, built once."""
+    if family not in _CASES:
+        _CASES[family] = _make_case(LLAMA if family == "llama" else RESMLP)
+    return _CASES[family]
+
+
+@pytest.fixture(params=["llama", "resmlp"])
 def case(request):
-    cfg = LLAMA if request.param == "llama" else RESMLP
+    return get_case(request.param)
+
+
+def _make_case(cfg):
     root, unit, n = models.parts(cfg)
     batches = _batches(cfg)
     with jax.default_device(jax.devices()[0]):
         params = ref.init_params(root, unit, n, batches[0]["inputs"])
         losses, final = ref.train(root, unit, models.loss_fn(cfg), params, batches)
     return dict(cfg=cfg, root=root, unit=unit, n=n, batches=batches, init=jax.device_get(params),
-                ref_losses=losses, ref_final=jax.device_get(final))
+                ref_losses=losses, ref_final=jax.device_get(final), cache={})
+
+
+def reference_once(case, name, compute):
+    """A reference result that depends on the case only (not on the mesh or strategy): computed by
+    the first test that needs it, on one device, and kept for the others."""
+    if name not in case["cache"]:
+        with jax.default_device(jax.devices()[0]):
+            case["cache"][name] = jax.device_get(compute())
+    return case["cache"][name]
 
 
 def run_jfsdp(case, mesh_spec, strategy, remat="none", mp=None, grad_accum=1):
@@ -74,13 +99,45 @@ def assert_params_close(got, want, before, rtol):
     assert moved > 1e-3, "reference parameters did not move; the comparison would prove nothing"
 
 
-@pytest.mark.parametrize("mesh_spec", MESHES)
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_matches_single_device_fp32(case, mesh_spec, strategy):
+# Llama on every mesh with every strategy; the residual MLP (the second family: other shapes and
+# paddings, biases) on every mesh once, with the strategies in turn (so every strategy and every
+# remat at least once): the mesh x strategy grid is the Llama's.
+GRID = ([("llama", m, s) for m in MESHES for s in STRATEGIES]
+        + [("resmlp", m, STRATEGIES[i % len(STRATEGIES)]) for i, m in enumerate(MESHES)])
+
+
+@pytest.mark.parametrize("family,mesh_spec,strategy", GRID)
+def test_matches_single_device_fp32(family, mesh_spec, strategy):
+    case = get_case(family)
     remat = REMATS[(MESHES.index(mesh_spec) + STRATEGIES.index(strategy)) % len(REMATS)]
     plan, state, losses = run_jfsdp(case, mesh_spec, strategy, remat)
     np.testing.assert_allclose(losses, case["ref_losses"], rtol=1e-5)
     assert_params_close(plan.gather(state.params), case["ref_final"], case["init"], rtol=1e-4)
+
+
+def test_hybrid_names_are_the_same_programs():
+    """The train step of hybrid_shard (hybrid_shard_zero2) lowers to exactly the program of full_shard
+    (shard_grad_op) on a 2x8 mesh: what the grid checks for one holds for the other. (Remat and the
+    strategy meet only through `reshard_after_forward`, equal within each pair.)"""
+    root, unit, n = models.parts(LLAMA)
+    tok = jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32)
+    mesh = jfsdp.make_mesh("2x8")
+
+    def lowered(strategy, remat):
+        plan = jfsdp.fully_shard(jfsdp.Stacked(root, unit, n), mesh, tok, strategy=strategy, remat=remat)
+        opt = jfsdp.adamw(ref.LR, mask=plan.decay_mask())
+        batch = {k: jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32, sharding=plan.batch_sharding)
+                 for k in ("inputs", "targets")}
+        step = jfsdp.make_train_step(plan, opt, models.loss_fn(LLAMA))
+        return step.lower(jfsdp.abstract_state(plan, opt), batch).as_text()
+
+    programs = {}
+    for hybrid, plain in [("hybrid_shard", "full_shard"), ("hybrid_shard_zero2", "shard_grad_op")]:
+        h, p = jfsdp.Strategy.parse(hybrid), jfsdp.Strategy.parse(plain)
+        assert (h.sharded, h.reshard_after_forward) == (p.sharded, p.reshard_after_forward)
+        programs[plain] = lowered(plain, "full")
+        assert lowered(hybrid, "full") == programs[plain], hybrid
+    assert programs["full_shard"] != programs["shard_grad_op"]   # the comparison can tell them apart
 
 
 @pytest.mark.parametrize("mesh_spec,strategy", [("1x16", "full_shard"), ("2x8", "hybrid_shard"), ("4x4", "no_shard")])
@@ -89,8 +146,8 @@ def test_gradients_match(case, mesh_spec, strategy):
     mesh = jfsdp.make_mesh(mesh_spec)
     root, unit, lf, b = case["root"], case["unit"], models.loss_fn(case["cfg"]), case["batches"][0]
     plan = jfsdp.fully_shard(jfsdp.Stacked(root, unit, case["n"]), mesh, b["inputs"], strategy=strategy, remat="full")
-    with jax.default_device(jax.devices()[0]):
-        want = jax.device_get(jax.grad(lambda p: lf(ref.forward(root, unit, p, b["inputs"]), b))(case["init"]))
+    want = reference_once(case, "grads", lambda: jax.grad(lambda p: lf(ref.forward(root, unit, p, b["inputs"]), b))(
+        case["init"]))
     loss, grads = jax.jit(plan.loss_and_grad(lf))(plan.shard(case["init"]), jax.device_put(b, plan.batch_sharding))
     np.testing.assert_allclose(float(loss), case["ref_losses"][0], rtol=1e-5)
     for path, g, w in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(plan.gather(grads)), jax.tree.leaves(want)):
@@ -119,9 +176,9 @@ BF16_LOSS_RTOL, BF16_UPDATE_RTOL = 1e-3, 0.10
 
 @pytest.mark.parametrize("mesh_spec,strategy", [("2x8", "full_shard"), ("1x16", "shard_grad_op"), ("4x4", "no_shard")])
 def test_bf16_policy_matches_single_device_bf16(case, mesh_spec, strategy):
-    with jax.default_device(jax.devices()[0]):
-        losses_ref, final_ref = ref.train(case["root"], case["unit"], models.loss_fn(case["cfg"]), case["init"],
-                                          case["batches"], param_dtype=jnp.bfloat16, output_dtype=jnp.float32)
+    losses_ref, final_ref = reference_once(case, "bf16", lambda: ref.train(
+        case["root"], case["unit"], models.loss_fn(case["cfg"]), case["init"], case["batches"],
+        param_dtype=jnp.bfloat16, output_dtype=jnp.float32))
     plan, state, losses = run_jfsdp(case, mesh_spec, strategy, "full", mp=jfsdp.MixedPrecision.parse("bf16"))
     np.testing.assert_allclose(losses, losses_ref, rtol=BF16_LOSS_RTOL)
     got, want = plan.gather(state.params), jax.device_get(final_ref)

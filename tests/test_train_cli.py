@@ -1,4 +1,6 @@
-"""train.py as users run it: a subprocess with its own environment (it fakes its own CPU devices)."""
+"""train.py as users run it: a subprocess with its own environment (it fakes its own CPU devices).
+Bad input is checked in-process through the same `jfsdp.cli.main` (a subprocess costs a jax import
+each), with one subprocess that shows the real command's exit status and single line."""
 import json
 import os
 import signal
@@ -71,21 +73,65 @@ def _assert_one_line_error(r, expect):
     assert len(r.stderr.strip().splitlines()) <= 2   # the error, and at most the fake-devices notice
 
 
+def run_in_process(args, monkeypatch, capsys):
+    """jfsdp.cli.main in this process: (exit status, stdout, stderr). The device set-up it does writes
+    XLA_FLAGS / JAX_PLATFORMS, which monkeypatch puts back (this process's 16 devices already exist)."""
+    for k in ("XLA_FLAGS", "JAX_PLATFORMS"):
+        monkeypatch.setenv(k, os.environ.get(k, ""))
+    from jfsdp import cli
+    with pytest.raises(SystemExit) as e:
+        cli.main(list(args))
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(args, e.value.code, out.out, out.err)
+
+
 @pytest.mark.parametrize("name", BAD)
-def test_bad_input(name):
+def test_bad_input(name, monkeypatch, capsys):
     args, expect = BAD[name]
-    _assert_one_line_error(run_train(*args, "--metrics-out", ""), expect)
+    _assert_one_line_error(run_in_process([*args, "--metrics-out", ""], monkeypatch, capsys), expect)
 
 
 @pytest.mark.parametrize("name", ["empty", "beyond-vocab"])
-def test_bad_data_file(tmp_path, name):
+def test_bad_data_file(tmp_path, name, monkeypatch, capsys):
     if name == "empty":
         p, expect = tmp_path / "empty.txt", "is empty"
         p.write_text("")
     else:
         p, expect = tmp_path / "tokens.npy", "token 1000 is outside the model's vocabulary of 259"
         np.save(p, np.arange(1001, dtype=np.uint32))
-    _assert_one_line_error(run_train(*TINY, "--data", str(p), "--metrics-out", ""), expect)
+    _assert_one_line_error(run_in_process([*TINY, "--data", str(p), "--metrics-out", ""], monkeypatch, capsys), expect)
+
+
+def test_bad_input_as_a_command():
+    """The real process: a flag refused before jax is imported, and a model refused after."""
+    for name in ("zero-steps", "unknown-model"):
+        args, expect = BAD[name]
+        _assert_one_line_error(run_train(*args, "--metrics-out", ""), expect)
+
+
+def test_cli_imports_no_jax():
+    """train.py's flags are checked and XLA's device count set before jax starts: importing the
+    command line (and jfsdp, whose names load on first use) must not import jax."""
+    code = "import sys, jfsdp, jfsdp.cli; print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib')))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), cwd=REPO, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", (r.stdout, r.stderr)
+
+
+def test_a_models_own_step_metrics_are_logged():
+    """Scalars a train step returns beside loss and grad_norm (an MoE auxiliary loss, say) are
+    averaged over the logged steps and shown after the loss; without them the line is unchanged."""
+    from jfsdp import run
+    steps = [{"loss": 2.0, "grad_norm": 1.0, "aux_loss": 0.25, "dropped": 0.0},
+             {"loss": 1.0, "grad_norm": 0.5, "aux_loss": 0.75, "dropped": 0.5}]
+    assert run.extra_metrics(steps) == {"aux_loss": 0.5, "dropped": 0.25}
+    assert run.extra_metrics([{"loss": 1.0, "grad_norm": 1.0}]) == {}
+    rec = {"step": 2, "loss": 1.5, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_sec": 1000.0, "tflops_per_device": 1e-3,
+           "mfu": None, "memory_bytes": 2e6, "epoch": 0.1, "time_s": 1.0}
+    plain = run.progress_line(rec, "cpu")
+    assert plain == ("loss 1.5000 | lr 1.00e-03 | 1,000 tok/s | 0.001 TFLOP/s/dev | MFU n/a (CPU) | "
+                     f"mem {run.jm.fmt_bytes(2e6)}/dev")
+    extra = run.progress_line({**rec, "aux_loss": 0.5, "dropped": 0.25}, "cpu")
+    assert extra == plain.replace("loss 1.5000 |", "loss 1.5000 | aux_loss 0.5 | dropped 0.25 |")
 
 
 def test_nan_loss_is_an_error(tmp_path):

@@ -1,0 +1,269 @@
+"""The training command line (`python train.py`): flags -> TrainConfig -> devices -> `jfsdp.run.train`.
+
+    python train.py --mesh 2x8                      # the default run: 16 fake CPU devices if no GPU
+    python train.py --mesh 1x8 --model llama-small --precision bf16 --steps 2000 --data my_text/
+
+Nothing here imports jax at import time (nor does `import jfsdp`, whose names load lazily): without
+an accelerator the devices the mesh needs are faked on the CPU (XLA's host device count, which has
+to be set before jax starts), so the flags are parsed and checked first and jax is imported after.
+Bad input (and a diverged loss, and an unusable checkpoint) ends with one line `error: ...` and exit
+status 2 (`fail`). Ctrl-C (SIGINT) and SIGTERM finish the current step, save a checkpoint if
+--ckpt-dir is set, and exit with 130 and 143 (128 + the signal number, the shell's convention).
+The run itself (model, plan, data, loop, checkpoints, summary, sample) is `jfsdp/run.py`.
+See README.md (Training, Checkpoints) for every flag, the data formats and what the progress line shows.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import re
+import shutil
+import sys
+
+EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_TERMINATED = 2, 130, 143
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    # parallelism and model
+    mesh: str = "2x8"
+    strategy: str = "full_shard"
+    model: str = "llama-tiny"
+    precision: str = "fp32"
+    remat: str = "none"
+    loss: str = "fused"
+    # optimization
+    steps: int = 300
+    batch_size: int = 16            # global, in sequences
+    seq_len: int = 256
+    grad_accum: int = 1
+    lr: float = 3e-3
+    warmup: int = 30
+    weight_decay: float = 0.1
+    clip: float = 1.0               # global gradient norm; 0 turns clipping off
+    seed: int = 0
+    # data
+    data: str | None = None         # None: the Python standard library (see jfsdp/data.py)
+    data_dtype: str | None = None   # for .bin token files (default uint16)
+    # evaluation, logging, sampling
+    eval_every: int = 50
+    eval_iters: int = 4
+    log_every: int = 10
+    metrics_out: str | None = "out/metrics.jsonl"
+    prompt: str | None = None
+    gen_tokens: int = 100
+    temperature: float = 0.8
+    # checkpoints (see jfsdp/checkpoint.py), profiling, devices
+    ckpt_dir: str | None = None
+    save_every: int = 0
+    keep: int = 3
+    resume: bool = False
+    stop_after: int = 0
+    init_from: str | None = None
+    profile: str | None = None
+    cpu_devices: int = 0
+    # more than one process (jfsdp/distributed.py); none given and no cluster launcher: one process
+    coordinator: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+    init_timeout: float = 60.0
+    heartbeat_timeout: int = 30
+
+
+class ArgParser(argparse.ArgumentParser):
+    def error(self, message):  # one line, like every other bad input (argparse prints usage + error)
+        fail(f"{message} (see --help)")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    def _get_help_string(self, action):  # no "(default: None)", and no second default where help names one
+        if action.default is None or action.default is False or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def parse_args(argv=None) -> TrainConfig:
+    d = TrainConfig()
+    p = ArgParser(description="Train a language model with Fully Sharded Data Parallel (jfsdp).",
+                  formatter_class=HelpFormatter)
+    g = p.add_argument_group("parallelism and model")
+    g.add_argument("--mesh", default=d.mesh, help="device mesh RxS: R replicas (data axis) of S shards (fsdp axis); "
+                   "1xN = full sharding, Nx1 = data parallel, both > 1 = hybrid sharding")
+    g.add_argument("--strategy", default=d.strategy, help="full_shard (ZeRO-3), shard_grad_op (ZeRO-2), no_shard "
+                   "(DDP), hybrid_shard, hybrid_shard_zero2")
+    g.add_argument("--model", default=d.model, help="named model config from models/__init__.py: llama-test, "
+                   "llama-tiny, llama-small, llama-1b, llama-8b, llama-70b")
+    g.add_argument("--precision", default=d.precision, choices=("fp32", "bf16"),
+                   help="fp32, or bf16 mixed precision (bf16 gathers and compute, fp32 master weights, "
+                   "optimizer state and gradient reduction)")
+    g.add_argument("--remat", default=d.remat, choices=("none", "full", "dots"),
+                   help="activation checkpointing per unit: none, full (save only the unit input), "
+                   "dots (save matmul outputs)")
+    g.add_argument("--loss", default=d.loss, choices=("fused", "plain"),
+                   help="fused: output head and cross-entropy in chunks of tokens (jfsdp.ops.linear_cross_entropy), "
+                   "the logits of the batch never exist; plain: logits, then log_softmax")
+    g = p.add_argument_group("optimization")
+    g.add_argument("--steps", type=int, default=d.steps, help="optimizer steps")
+    g.add_argument("--batch-size", type=int, default=d.batch_size,
+                   help="global batch in sequences; must divide over the mesh's devices")
+    g.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence")
+    g.add_argument("--grad-accum", type=int, default=d.grad_accum,
+                   help="micro-batches per step (each device's batch is split into this many)")
+    g.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (AdamW)")
+    g.add_argument("--warmup", type=int, default=d.warmup,
+                   help="linear warmup steps, then cosine decay to lr/10 at --steps")
+    g.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW weight decay (matrices only)")
+    g.add_argument("--clip", type=float, default=d.clip, help="clip the global gradient norm to this; 0 = off")
+    g.add_argument("--seed", type=int, default=d.seed, help="seed of the initialization and the data order")
+    g = p.add_argument_group("data")
+    g.add_argument("--data", default=d.data, help="a text file, a folder of text files, a .jsonl file (field "
+                   "'text'), or a token array (.bin raw uint16 nanoGPT-style, or .npy); default: the Python "
+                   "standard library's source (byte-level, no download)")
+    g.add_argument("--data-dtype", default=d.data_dtype, choices=("uint16", "uint32"),
+                   help="token dtype of a .bin file (default uint16); .npy files carry their own")
+    g = p.add_argument_group("evaluation, logging and sampling")
+    g.add_argument("--eval-every", type=int, default=d.eval_every,
+                   help="validation loss every N steps (and at step 0 and at the end); 0 = only those two")
+    g.add_argument("--eval-iters", type=int, default=d.eval_iters, help="validation batches per evaluation")
+    g.add_argument("--log-every", type=int, default=d.log_every,
+                   help="steps between logged metrics (the metrics file and the progress line)")
+    g.add_argument("--metrics-out", default=d.metrics_out, metavar="FILE",
+                   help="JSON lines, one object per logged step; the loss-curve PNG goes next to it; '' = none")
+    g.add_argument("--prompt", default=d.prompt, help="text to continue at the end (default: the start of "
+                   "a validation document)")
+    g.add_argument("--gen-tokens", type=int, default=d.gen_tokens, help="tokens to generate at the end; 0 = none")
+    g.add_argument("--temperature", type=float, default=d.temperature, help="sampling temperature; 0 = greedy")
+    g = p.add_argument_group("checkpoints, profiling, devices")
+    g.add_argument("--ckpt-dir", default=d.ckpt_dir, metavar="DIR", help="save checkpoints here (at --save-every, "
+                   "at the end, and on Ctrl-C/SIGTERM); a folder that already holds checkpoints needs --resume")
+    g.add_argument("--save-every", type=int, default=d.save_every, metavar="N",
+                   help="checkpoint every N steps; 0 = only at the end and on Ctrl-C/SIGTERM")
+    g.add_argument("--keep", type=int, default=d.keep, metavar="K", help="keep the latest K checkpoints")
+    g.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint in "
+                   "--ckpt-dir, data position included (mesh and strategy may differ); none yet: start at step 0")
+    g.add_argument("--stop-after", type=int, default=d.stop_after, metavar="N",
+                   help="stop this invocation after N steps (saving a checkpoint); --resume continues; 0 = off")
+    g.add_argument("--init-from", default=d.init_from, metavar="HF_DIR",
+                   help="start from a Hugging Face Llama folder (config.json + *.safetensors; its tokenizer.json, "
+                   "if any, tokenizes text data); the model config comes from the folder")
+    g.add_argument("--profile", default=d.profile, metavar="DIR",
+                   help="write a jax.profiler trace of 3 steps to DIR (view with TensorBoard / XProf)")
+    g.add_argument("--cpu-devices", type=int, default=d.cpu_devices, metavar="N",
+                   help="on a CPU-only machine, fake N devices instead of the number the mesh needs")
+    g = p.add_argument_group("more than one process (see README: Multi-process runs)")
+    g.add_argument("--coordinator", default=d.coordinator, metavar="HOST:PORT",
+                   help="address of process 0's coordinator; with --num-processes and --process-id. Without "
+                   "them, a SLURM or Open MPI launch is detected; otherwise the run is one process")
+    g.add_argument("--num-processes", type=int, default=d.num_processes, metavar="N", help="processes in the run")
+    g.add_argument("--process-id", type=int, default=d.process_id, metavar="I", help="this process, 0..N-1")
+    g.add_argument("--init-timeout", type=float, default=d.init_timeout, metavar="S",
+                   help="seconds to wait for the coordinator and for every process to join")
+    g.add_argument("--heartbeat-timeout", type=int, default=d.heartbeat_timeout, metavar="S",
+                   help="seconds without a peer's heartbeat before the run is stopped (a process died)")
+    return TrainConfig(**vars(p.parse_args(argv)))
+
+
+# ---- failing and noticing: one line each ---------------------------------------------------------
+
+_ON_FAIL = []   # what to close before exiting on an error (the checkpointer: its pending save and threads)
+
+
+def on_fail(close) -> None:
+    """Have `fail` call `close()` before it exits (the run's checkpointer registers its close)."""
+    _ON_FAIL.append(close)
+
+
+def fail(message: str):
+    for close in _ON_FAIL:
+        try:
+            close()
+        except Exception:   # already failing: the one-line message below is what matters
+            pass
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(EXIT_BAD_INPUT)
+
+
+QUIET = False   # set in processes other than 0 of a multi-process run: only process 0 reports
+
+
+def note(message: str):
+    if not QUIET:
+        print(message, file=sys.stderr, flush=True)
+
+
+def check_flags(c: TrainConfig) -> int | None:
+    """What can be checked before jax is imported (so bad input fails in a fraction of a second).
+    Returns the number of devices the mesh needs in this process, or None if the mesh is malformed
+    (jfsdp then reports it, with the one authoritative message)."""
+    for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_iters", "log_every"):
+        if getattr(c, name) < 1:
+            fail(f"--{name.replace('_', '-')} must be positive, got {getattr(c, name)}")
+    for name in ("eval_every", "save_every", "gen_tokens", "warmup", "cpu_devices", "stop_after"):
+        if getattr(c, name) < 0:
+            fail(f"--{name.replace('_', '-')} must not be negative, got {getattr(c, name)}")
+    if not c.lr > 0 or not math.isfinite(c.lr):
+        fail(f"--lr must be positive, got {c.lr}")
+    if c.clip < 0 or c.temperature < 0 or c.weight_decay < 0:
+        fail("--clip, --temperature and --weight-decay must not be negative")
+    if c.keep < 1:
+        fail(f"--keep must be at least 1, got {c.keep}")
+    if (c.resume or c.save_every) and not c.ckpt_dir:
+        fail(f"{'--resume' if c.resume else '--save-every'} needs --ckpt-dir")
+    m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", c.mesh)
+    if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
+        return None
+    n = int(m.group(1)) * int(m.group(2))
+    if c.batch_size % n:
+        fail(f"--batch-size {c.batch_size} does not divide over the {n} devices of mesh {c.mesh}")
+    if (c.batch_size // n) % c.grad_accum:
+        fail(f"per-device batch {c.batch_size // n} does not divide into --grad-accum {c.grad_accum} micro-batches")
+    procs = c.num_processes or 1
+    if procs > 1 and n % procs:
+        fail(f"mesh {c.mesh} has {n} devices, which do not divide over {procs} processes")
+    return n // procs
+
+
+def setup_devices(c: TrainConfig, n_needed: int | None) -> None:
+    """Before jax is imported: on a machine without an accelerator, fake the mesh's devices on the CPU.
+    An explicit JAX_PLATFORMS wins; NVIDIA GPUs (and TPUs) are detected without importing jax."""
+    requested = os.environ.get("JAX_PLATFORMS", "").strip().lower()
+    has_accel = bool(shutil.which("nvidia-smi")) or os.path.exists("/dev/nvidia0") or os.path.exists("/dev/accel0")
+    on_cpu = requested.split(",")[0] == "cpu" if requested else not has_accel
+    if not on_cpu:
+        if c.cpu_devices:
+            fail("--cpu-devices only applies on a machine without an accelerator (or with JAX_PLATFORMS=cpu)")
+        from jfsdp.targets import gpu_xla_flags  # FSDP prefetch on GPUs; XLA reads the flags when jax starts
+        os.environ["XLA_FLAGS"] = gpu_xla_flags()
+        return
+    if n_needed is None and not c.cpu_devices:
+        return  # a malformed mesh: jfsdp.parse_mesh reports it once jax is imported; nothing to fake
+    n = c.cpu_devices or n_needed
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", ""))
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")   # don't probe for GPU/TPU plugins
+    why = "JAX_PLATFORMS=cpu" if requested else "no accelerator found"
+    note(f"{why}: faking {n} CPU devices" + ("" if c.cpu_devices else f" for mesh {c.mesh} (--cpu-devices N overrides)"))
+
+
+# ---- the run -------------------------------------------------------------------------------------
+
+def main(argv=None) -> int:
+    """The whole command: returns the exit status (0, 130, 143); bad input exits 2 through `fail`."""
+    c = parse_args(argv)
+    n_needed = check_flags(c)
+    setup_devices(c, n_needed)
+    from jfsdp import distributed
+    try:
+        procs = distributed.detect(c.coordinator, c.num_processes, c.process_id,
+                                   init_timeout=c.init_timeout, heartbeat_timeout=c.heartbeat_timeout)
+        distributed.initialize(procs, cpu=os.environ.get("JAX_PLATFORMS", "").startswith("cpu"))
+    except distributed.ConfigError as e:
+        fail(str(e))
+    try:
+        from jfsdp import run
+        return run.train(c)
+    except KeyboardInterrupt:          # Ctrl-C before or after the loop (the loop handles its own)
+        note("interrupted")
+        return EXIT_INTERRUPTED
