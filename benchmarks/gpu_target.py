@@ -7,10 +7,11 @@ Tables (every figure from `compiled.memory_analysis()` / `compiled.as_text()` of
 precision, AdamW, remat full unless said, jfsdp's XLA:GPU options, cuDNN attention):
 1. llama-1b on 1x8, 8 x 2048 tokens, per strategy: compiled total and state, estimate, comm;
 2. FULL_SHARD memory against depth (llama-1b width, 2..32 units): flat beyond the kept activations;
-3. overlap, llama-1b 1x8: exposed / hidden collective bytes per step with jfsdp's options and without
-   them (the memory prefetch costs);
+3. overlap, llama-1b 1x8: exposed / hidden collective bytes per step with jfsdp's prefetch pipeline
+   (the GPU default for remat full), the plain scan with jfsdp's XLA flags, and XLA's defaults (and
+   the memory prefetch costs);
 4. the torchtitan Llama 3.1 8B configuration (8 GPUs, local batch 2, seq 8192) with remat dots
-   (torchtitan's selective checkpointing) and full.
+   (torchtitan's selective checkpointing; plain scan) and full (prefetch pipeline, then plain scan).
 """
 from __future__ import annotations
 
@@ -38,14 +39,14 @@ from jfsdp import hlo, memory, targets  # noqa: E402
 GiB = 2**30
 
 
-def compile_case(target, cfg, mesh_spec, strategy, remat, batch, seq, overrides=None):
+def compile_case(target, cfg, mesh_spec, strategy, remat, batch, seq, overrides=None, prefetch=None):
     cfg = dataclasses.replace(cfg, attention="cudnn")
     mesh = jfsdp.make_mesh(mesh_spec, targets.devices(target, mesh_spec))
     x = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
     root, unit, n = models.parts(cfg)
     with targets.tracing_for(target):
         plan = jfsdp.fully_shard(jfsdp.Stacked(root, unit, n), mesh, x, strategy=strategy, remat=remat,
-                                 mp_policy=jfsdp.MixedPrecision.parse("bf16"))
+                                 mp_policy=jfsdp.MixedPrecision.parse("bf16"), prefetch=prefetch)
         opt, b, loss = jfsdp.adamw(1e-4), {"inputs": x, "targets": x}, models.loss_fn(cfg)
         t = time.time()
         compiled = targets.compile_step(target, plan, opt, loss, b, overrides=overrides)
@@ -56,7 +57,7 @@ def compile_case(target, cfg, mesh_spec, strategy, remat, batch, seq, overrides=
     ov = hlo.overlap_summary(hlo.overlap(text, plan.n_devices))
     comm = memory.comm_measured(compiled, plan.n_devices)
     return {"params": cfg.num_params(), "n_layers": cfg.n_layers, "mesh": mesh_spec, "strategy": strategy,
-            "remat": remat, "batch": batch, "seq": seq, "compiled_gib": m["total"] / GiB,
+            "remat": remat, "prefetch": plan.prefetch, "batch": batch, "seq": seq, "compiled_gib": m["total"] / GiB,
             "state_gib": m["argument"] / GiB, "temp_gib": m["temp"] / GiB, "estimate_gib": est.total / GiB,
             "comm_gib": comm["total"] / GiB, "contract_gib": memory.comm_formula(plan, "gpu")["contract"] / GiB,
             "exposed_gib": sum(v["exposed_bytes"] for v in ov.values()) / GiB,
@@ -75,7 +76,7 @@ def main(argv=None) -> int:
     one_b = models.get_config("llama-1b")
     out = {"date": datetime.date.today().isoformat(), "target": a.target, "jax": jax.__version__,
            "device": f"compiled for {a.target} (jfsdp.targets) on a CPU machine, no GPU",
-           "xla_options": targets.compiler_options()}
+           "xla_options": targets.compiler_options(), "xla_options_prefetch": targets.compiler_options(prefetch=True)}
 
     def show(title, rows, cols):
         print(f"\n{title}")
@@ -96,19 +97,23 @@ def main(argv=None) -> int:
          ["n_layers", "compiled_gib", "temp_gib", "state_gib", "estimate_gib"])
 
     off = {k: None for k in targets.GPU_FLAGS}
-    rows = [dict(compile_case(a.target, one_b, "1x8", "full_shard", "full", 8, 2048), options="jfsdp"),
-            dict(compile_case(a.target, one_b, "1x8", "full_shard", "full", 8, 2048, off), options="XLA defaults")]
+    rows = [dict(compile_case(a.target, one_b, "1x8", "full_shard", "full", 8, 2048), options="prefetch pipeline"),
+            dict(compile_case(a.target, one_b, "1x8", "full_shard", "full", 8, 2048, prefetch=False),
+                 options="plain scan + flags"),
+            dict(compile_case(a.target, one_b, "1x8", "full_shard", "full", 8, 2048, off, prefetch=False),
+                 options="XLA defaults")]
     out["overlap"] = rows
     show("overlap per step, llama-1b 1x8 full_shard", rows,
-         ["options", "exposed_gib", "hidden_gib", "compiled_gib", "temp_gib"])
+         ["options", "prefetch", "exposed_gib", "hidden_gib", "compiled_gib", "temp_gib"])
 
     if not a.skip_8b:
         eight_b = models.get_config("llama-8b")
-        rows = [compile_case(a.target, eight_b, "1x8", "full_shard", r, 16, 8192) for r in ("dots", "full")]
+        rows = [compile_case(a.target, eight_b, "1x8", "full_shard", r, 16, 8192, prefetch=p)
+                for r, p in (("dots", None), ("full", None), ("full", False))]
         out["torchtitan_8b"] = rows
         show("torchtitan Llama 3.1 8B: 8 GPUs, local batch 2, seq 8192 (FSDP2: 82.4 GiB, 77.0 with torch.compile)",
-             rows, ["remat", "compiled_gib", "estimate_gib", "exposed_gib", "hidden_gib", "remat_collectives",
-                    "compile_s"])
+             rows, ["remat", "prefetch", "compiled_gib", "estimate_gib", "exposed_gib", "hidden_gib",
+                    "remat_collectives", "compile_s"])
     out["wall_s"] = round(time.time() - t0, 1)
     print(f"\n(wall {out['wall_s']} s)")
     if a.json:

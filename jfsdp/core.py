@@ -7,13 +7,17 @@ reduce-scatter over `fsdp` in the reduce dtype, then a sum over the replica axes
 run under `lax.scan` over their stacked shards, each body wrapped in `jax.checkpoint` with a policy
 that decides whether the gathered unit is kept for the backward pass (ZeRO-2) or gathered again
 (ZeRO-3). A scan, not a Python loop: XLA cannot merge the gathers of different iterations, so only
-one unit is ever unsharded, however deep the model.
+one unit is ever unsharded, however deep the model. With `prefetch` (remat 'full', resharding
+strategies; the default on GPUs) a stage is instead an explicit software pipeline with its own VJP
+(`FSDP._pipelined_stage`): the next unit's gather in flight while this unit computes, a unit's
+reduce-scatter while the previous unit's backward computes; two gathered units at most.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import math
+import os
 from collections.abc import Mapping
 from typing import Any, Callable
 
@@ -256,7 +260,7 @@ class FSDP:
     `Staged`: {'root': tree, 'stages': [one such stacked tree per stage]}. `split`/`join` convert
     any tree in this layout to and from (root, [stacked tree per stage])."""
 
-    def __init__(self, model, mesh, example_inputs, strategy, mp_policy, remat):
+    def __init__(self, model, mesh, example_inputs, strategy, mp_policy, remat, prefetch=None):
         self.model, self.mesh, self.strategy, self.mp, self.remat = model, mesh, strategy, mp_policy, remat
         self._one = isinstance(model, Stacked)
         self.stage_sizes = tuple(s.n_units for s in model.stages)
@@ -271,6 +275,7 @@ class FSDP:
         # redoing it in the backward pass is free, while saving it would stack a second copy of
         # every unit's parameters (measured: DDP's peak held the weights twice).
         self.policy = checkpoint_policy(remat, strategy.reshard_after_forward or self.shards == 1)
+        self.prefetch = _resolve_prefetch(prefetch, strategy, remat, self.shards, mesh)
         self.example_inputs = jax.ShapeDtypeStruct(example_inputs.shape, example_inputs.dtype)
         self.h_shapes = self._trace_shapes()
         full = jax.eval_shape(self._init_full, jax.random.key(0), self.example_inputs)
@@ -481,6 +486,8 @@ class FSDP:
     def _stage(self, j, h, shards, layouts):
         """Stage j: its units under a scan, each gathered, computed, freed (or kept: policy)."""
         unit = self.model.stages[j].unit
+        if self.prefetch and self.stage_sizes[j] > 1:
+            return self._pipelined_stage(j, layouts)(h, shards)
 
         def body(h, shards):
             return unit.apply({"params": self._unshard(shards, layouts)}, h)
@@ -490,6 +497,95 @@ class FSDP:
         # one unit that changes the width: still a scan (of one), so that its gathered parameters
         # live in the loop's own scope like every other unit's
         return lax.scan(lambda c, p: (c, body(h, p)), None, shards)[1][0]
+
+    def _pipelined_stage(self, j, layouts):
+        """Stage j as an explicit software pipeline (prefetch; remat 'full', resharding strategies):
+        (h, stacked shards) -> h, with its own VJP.
+
+        Forward: unit i+1's all-gather is issued before unit i computes and carried into the next
+        iteration, so it is in flight during unit i's compute; only unit 0's gather waits. At most two
+        gathered units live (this one and the prefetched one). Saved for backward: the units' inputs.
+        Backward, in reverse: unit i-1's gather is issued before unit i is recomputed and
+        differentiated (`jax.vjp` of the unit); unit i's gradient is carried (unreduced, param_dtype)
+        and reduce-scattered in the next iteration, while unit i-1's backward computes. Only unit
+        n-1's gather and unit 0's reduce-scatter have nothing to hide behind. The first and last
+        units run outside the loop (peeled) so that nothing is gathered or reduced twice."""
+        unit, n, comm = self.model.stages[j].unit, self.stage_sizes[j], self.comm
+
+        def apply(params, h):
+            return unit.apply({"params": params}, h)
+
+        def at(stacked, i):
+            return jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, i, keepdims=False), stacked)
+
+        def gather(shards, i):
+            return self._unshard(at(shards, i), layouts)
+
+        def reduce(dg):
+            # unshard's backward: reduce dtype, reduce-scatter over fsdp, sum over replicas, scale
+            return jax.tree.map(lambda l, g: _unshard_bwd(l, comm, None, g)[0], layouts, dg, is_leaf=_is_layout)
+
+        def put(grads, shard, i):
+            return jax.tree.map(lambda a, x: lax.dynamic_update_index_in_dim(a, x, i, 0), grads, shard)
+
+        def forward(h, shards, keep):
+            hs = jnp.zeros((n, *h.shape), h.dtype) if keep else None
+
+            def body(carry, i):
+                h, g, hs = carry
+                nxt = gather(shards, i + 1)  # prefetch: in flight while unit i computes
+                if keep:
+                    hs = lax.dynamic_update_index_in_dim(hs, h, i, 0)
+                return (apply(g, h), nxt, hs), None
+            first = at(shards, 0)
+            if j > 0:
+                # a later stage's unit 0 is gathered when its input is ready, not hoisted to the top
+                # of the step (where XLA would combine it with the root's and keep it through the
+                # earlier stages). The first stage's goes with the root's: nothing runs before them,
+                # and tied to h it was combined with the head's gather instead, exposing that
+                # (measured on the 8B: 0.86 GiB more exposed per step).
+                first, h = lax.optimization_barrier((first, h))
+            (h, g, hs), _ = lax.scan(body, (h, self._unshard(first, layouts), hs), jnp.arange(n - 1))
+            if keep:
+                hs = lax.dynamic_update_index_in_dim(hs, h, n - 1, 0)
+            return apply(g, h), hs
+
+        def unit_vjp(g, h, dh):
+            return jax.vjp(apply, g, h)[1](dh)  # recompute the unit, then differentiate it
+
+        def backward(res, dh):
+            hs, shards = res
+            grads = jax.tree.map(jnp.zeros_like, shards)
+            # The barriers order what XLA would otherwise combine into one collective at the top of
+            # the step: unit n-1's gather waits for dh (not hoisted into the forward pass), unit
+            # n-2's for unit n-1's (so it is in flight during unit n-1's backward, not before it).
+            last, dh = lax.optimization_barrier((at(shards, n - 1), dh))
+            g = self._unshard(last, layouts)
+            g, prev = lax.optimization_barrier((g, at(shards, n - 2)))
+            nxt = self._unshard(prev, layouts)
+            pend, dh = unit_vjp(g, at(hs, n - 1), dh)
+
+            def body(carry, i):  # units n-2 .. 1
+                dh, g, pend, grads = carry
+                grads = put(grads, reduce(pend), i + 1)  # unit i+1's reduce-scatter, during unit i's backward
+                nxt = gather(shards, i - 1)              # prefetch, during unit i's backward
+                dg, dh = unit_vjp(g, at(hs, i), dh)
+                return (dh, nxt, dg, grads), None
+            (dh, g, pend, grads), _ = lax.scan(body, (dh, nxt, pend, grads), jnp.arange(n - 2, 0, -1))
+            one = reduce(pend)  # unit 1's reduce-scatter, during unit 0's backward ...
+            dg, dh = unit_vjp(g, at(hs, 0), dh)
+            dg, one = lax.optimization_barrier((dg, one))  # ... finished before unit 0's, not combined with it
+            return dh, put(put(grads, one, 1), reduce(dg), 0)
+
+        @jax.custom_vjp
+        def stage(h, shards):
+            return forward(h, shards, False)[0]
+
+        def stage_fwd(h, shards):
+            out, hs = forward(h, shards, True)
+            return out, (hs, shards)
+        stage.defvjp(stage_fwd, backward)
+        return stage
 
     def _forward(self, params, inputs):
         m = self.model
@@ -618,11 +714,49 @@ def _check_model(model):
             raise ConfigError(f"{what} must be an integer of at least 1, got {st.n_units!r}")
 
 
+def _prefetch_unsupported(strategy, remat, shards) -> str | None:
+    """Why the explicit prefetch pipeline cannot run this combination (None: it can)."""
+    if not strategy.sharded or shards == 1:
+        return "there is nothing to gather (no_shard, or one shard on an Rx1 mesh)"
+    if not strategy.reshard_after_forward:
+        return f"{strategy.value} keeps the gathered units from forward to backward (no second gather to prefetch)"
+    if remat != "full":
+        return f"it saves only each unit's input (remat 'full'), got remat '{remat}'"
+    return None
+
+
+def _resolve_prefetch(prefetch, strategy, remat, shards, mesh) -> bool:
+    """prefetch: True (the explicit pipeline, ConfigError where unsupported), False (the plain scan),
+    None: on where supported and the mesh's devices are GPUs (XLA:CPU runs collectives synchronously,
+    so prefetching there only costs the memory of a gathered unit); the environment variable
+    JFSDP_PREFETCH=1 / 0 turns that default on or off for every platform."""
+    if prefetch not in (None, True, False):
+        raise ConfigError(f"prefetch must be True, False or None (automatic), got {prefetch!r}")
+    why = _prefetch_unsupported(strategy, remat, shards)
+    if prefetch is True and why:
+        raise ConfigError(f"prefetch=True (the explicit prefetch pipeline) needs a resharding strategy with "
+                          f"remat 'full': {why}; use prefetch=None or False")
+    if prefetch is not None:
+        return prefetch
+    env = os.environ.get("JFSDP_PREFETCH", "").strip().lower()
+    if env not in ("", "0", "1", "true", "false"):
+        raise ConfigError(f"JFSDP_PREFETCH must be 1 or 0, got {env!r}")
+    on = env in ("1", "true") if env else mesh.devices.flat[0].platform == "gpu"
+    return on and why is None
+
+
 def fully_shard(model, mesh, example_inputs, *, strategy="full_shard", mp_policy=None,
-                remat="none", reshard_after_forward=None) -> FSDP:
+                remat="none", reshard_after_forward=None, prefetch=None) -> FSDP:
     """Apply FSDP to a model (`Stacked` or `Staged`) from outside. `example_inputs` (an array or
     ShapeDtypeStruct of the inputs' shape) fixes the parameter shapes. `reshard_after_forward=False`
-    turns FULL_SHARD into SHARD_GRAD_OP, as in FSDP2; a value that contradicts `strategy` is an error."""
+    turns FULL_SHARD into SHARD_GRAD_OP, as in FSDP2; a value that contradicts `strategy` is an error.
+
+    `prefetch`: run each stage as an explicit software pipeline (`FSDP._pipelined_stage`): unit i+1's
+    all-gather in flight while unit i computes, unit i's reduce-scatter while unit i-1's backward
+    computes, at the cost of one more gathered unit. Supported with FULL_SHARD / HYBRID_SHARD and
+    remat 'full' (True elsewhere is a ConfigError); None (default) turns it on there when the mesh is
+    made of GPUs (or JFSDP_PREFETCH=1); other combinations use the plain scan (with XLA's own
+    pipelining flags on GPU, `jfsdp.targets.GPU_FLAGS`)."""
     strategy = Strategy.parse(strategy)
     if reshard_after_forward is not None:
         if not strategy.sharded:
@@ -637,4 +771,4 @@ def fully_shard(model, mesh, example_inputs, *, strategy="full_shard", mp_policy
     if not hasattr(example_inputs, "shape") or not hasattr(example_inputs, "dtype"):
         raise ConfigError("example_inputs must be an array or jax.ShapeDtypeStruct of the inputs (batch['inputs']), "
                           f"got {type(example_inputs).__name__}")
-    return FSDP(model, mesh, example_inputs, strategy, mp_policy or MixedPrecision(), remat)
+    return FSDP(model, mesh, example_inputs, strategy, mp_policy or MixedPrecision(), remat, prefetch)

@@ -194,7 +194,8 @@ def report(a) -> dict:
                "target": a.target, "estimate": est_target.as_dict()}
         if gpu:
             rep["attention"] = attention
-            rep["xla_options"] = targets.compiler_options(dict(_option(o) for o in a.xla_option))
+            rep["xla_options"] = targets.compiler_options(dict(_option(o) for o in a.xla_option), plan.prefetch)
+            rep["prefetch"] = plan.prefetch
         if here != a.target:
             rep[f"estimate_{here}"] = memory.estimate(plan, opt, loss_fn, batch, prefetch=a.prefetch,
                                                       backend=here).as_dict()

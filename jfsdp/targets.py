@@ -178,16 +178,40 @@ GPU_FLAGS = {
     "xla_gpu_enable_pipelined_all_reduce": True,
 }
 
+# For a plan on jfsdp's own prefetch pipeline (`fully_shard(prefetch=...)`, on by default on GPUs with
+# remat 'full' and a resharding strategy), which issues each unit's gather and reduce-scatter where
+# it can overlap. Measured on llama-1b 1x8 compiled for H100 (README, "On GPUs"):
+PREFETCH_GPU_FLAGS = {
+    # Off: XLA's collective pipeliner, applied on top of jfsdp's pipeline, peels loop iterations
+    # whose gathers then run exposed (1.78 GiB exposed per step with it, 1.68 without).
+    "xla_gpu_enable_pipelined_all_gather": False,
+    "xla_gpu_enable_pipelined_reduce_scatter": False,
+    "xla_gpu_enable_pipelined_all_reduce": True,
+    # One all-gather and one reduce-scatter per unit, as FSDP's flat parameter: under the default
+    # thresholds XLA splits a unit's collectives (llama-1b: four gathers, three feed-forward
+    # matrices and the other leaves combined; 8B: four reduce-scatters), and the latency-hiding
+    # scheduler, which runs one collective at a time, leaves the last one of each unit with no
+    # compute to hide behind (measured: 17.5 MiB exposed per unit on llama-1b, 196 MiB on the 8B).
+    # 2 GiB / 4 GiB cover a unit of the 70B shape in bf16 (1.6 GiB) / fp32 (3.2 GiB).
+    "xla_gpu_all_gather_combine_threshold_bytes": 2 * 2**30,
+    "xla_gpu_reduce_scatter_combine_threshold_bytes": 4 * 2**30,
+}
+
+
+def flags_for(prefetch: bool = False) -> dict:
+    """The XLA:GPU flags jfsdp wants for a plan with (True) or without its prefetch pipeline."""
+    return PREFETCH_GPU_FLAGS if prefetch else GPU_FLAGS
+
 
 def _flags_in_env() -> set:
     return {f.split("=")[0].lstrip("-") for f in os.environ.get("XLA_FLAGS", "").split()}
 
 
-def compiler_options(overrides: dict | None = None) -> dict:
-    """The XLA:GPU options jfsdp compiles with: GPU_FLAGS, minus any flag the user set in XLA_FLAGS,
-    plus `overrides` (a value of None drops a flag). Pass to `Lowered.compile(compiler_options=...)`."""
+def compiler_options(overrides: dict | None = None, prefetch: bool = False) -> dict:
+    """The XLA:GPU options jfsdp compiles with: `flags_for(prefetch)`, minus any flag the user set in
+    XLA_FLAGS, plus `overrides` (a value of None drops a flag). Pass to `Lowered.compile(compiler_options=...)`."""
     env = _flags_in_env()
-    opts = {k: v for k, v in GPU_FLAGS.items() if k not in env}
+    opts = {k: v for k, v in flags_for(prefetch).items() if k not in env}
     for k, v in (overrides or {}).items():
         if v is None:
             opts.pop(k, None)
@@ -196,12 +220,13 @@ def compiler_options(overrides: dict | None = None) -> dict:
     return opts
 
 
-def gpu_xla_flags(existing: str | None = None) -> str:
+def gpu_xla_flags(existing: str | None = None, prefetch: bool = False) -> str:
     """XLA_FLAGS with jfsdp's GPU flags added (those already present win): for a process that runs
-    on real GPUs (train.py), to be set before jax initializes its backend."""
+    on real GPUs (train.py), to be set before jax initializes its backend. `prefetch`: whether the
+    plan will run jfsdp's prefetch pipeline (`flags_for`)."""
     existing = os.environ.get("XLA_FLAGS", "") if existing is None else existing
     have = {f.split("=")[0].lstrip("-") for f in existing.split()}
-    extra = [f"--{k}={str(v).lower()}" for k, v in GPU_FLAGS.items() if k not in have]
+    extra = [f"--{k}={str(v).lower()}" for k, v in flags_for(prefetch).items() if k not in have]
     return " ".join([existing.strip()] + extra).strip()
 
 
@@ -240,4 +265,5 @@ def compile_step(target: str, plan, optimizer, loss_fn, batch, grad_accum: int =
     XLA:GPU for `target` with jfsdp's GPU options (`compiler_options(overrides)`). Nothing runs."""
     from jfsdp import memory
     with tracing_for(target):
-        return memory.compile_step(plan, optimizer, loss_fn, batch, grad_accum, compiler_options(overrides))
+        return memory.compile_step(plan, optimizer, loss_fn, batch, grad_accum,
+                                   compiler_options(overrides, getattr(plan, "prefetch", False)))
