@@ -161,8 +161,8 @@ def activation_estimate(plan: FSDP, loss_fn: Callable, local_batch, backend: str
     for st, layouts in zip(m.stages, stage_layouts):
         unit_p = _cast(layouts, pdt)
         unit_fn = lambda x, p, unit=st.unit: unit.apply({"params": p}, x)
-        stages.append({"per_unit": _residual_bytes(jax.checkpoint(unit_fn, policy=base), h, unit_p) + _nbytes(h),
-                       "unit_working": _residual_bytes(unit_fn, h, unit_p) + _nbytes(h)})
+        stages.append({"per_unit": _residual_bytes(jax.checkpoint(unit_fn, policy=base), h, unit_p) + _tree_bytes(h),
+                       "unit_working": _residual_bytes(unit_fn, h, unit_p) + _tree_bytes(h)})
         h = jax.eval_shape(unit_fn, h, unit_p)
 
     def head_loss(x, r, batch):
