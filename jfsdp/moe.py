@@ -123,6 +123,12 @@ def find_site(unit, h, local_rows: int, total_rows: int, selector: MoE):
     return Site(path, n, shape, jnp.dtype(dtype))
 
 
+def expert_bytes(layouts, site: Site, dtype) -> int:
+    """Bytes of one unit's expert parameters (stored, padded shape) in `dtype`."""
+    return sum(math.prod(l.stored_shape) * jnp.dtype(dtype or l.dtype).itemsize
+               for l in jax.tree.leaves(expert_leaves(layouts, site), is_leaf=lambda x: hasattr(x, "stored_shape")))
+
+
 def expert_leaves(layouts, site: Site):
     """The unit's layouts under the experts module (a subtree)."""
     t = layouts
@@ -140,13 +146,14 @@ def _per_stage(value, n, name):
     return [value] * n
 
 
-def costs(plan, site: Site, layouts, n_units: int) -> dict:
+def costs(plan, site: Site, layouts, n_units: int, backend: str | None = None) -> dict:
     """The cost model (module docstring): bytes each device sends per step for the stage's expert
-    parameters in gather mode and for its tokens in expert-parallel mode."""
+    parameters in gather mode and for its tokens in expert-parallel mode, with the backend's wire
+    dtypes (XLA:CPU widens bf16 to f32: `memory._wire_dtype`)."""
     from jfsdp.memory import _wire_dtype
     S = plan.shards
     f = (S - 1) / S if S > 1 else 0.0
-    backend = getattr(plan, "_moe_backend", None) or jax.default_backend()
+    backend = backend or jax.default_backend()
     p = _wire_dtype(plan.mp.param_dtype or jnp.float32, backend).itemsize
     r = _wire_dtype(plan.mp.reduce_dtype or plan.mp.param_dtype or jnp.float32, backend).itemsize
     W = sum(math.prod(l.stored_shape) for l in jax.tree.leaves(expert_leaves(layouts, site),
