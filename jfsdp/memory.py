@@ -179,7 +179,7 @@ def activation_estimate(plan: FSDP, loss_fn: Callable, local_batch, backend: str
         head += 2 * sum(math.prod(x.shape) * 4 for x in jax.tree.leaves(out))
         chunk = getattr(loss_fn, "chunk", None)
         if chunk:   # jfsdp.ops.lm_loss: a few (chunk, vocabulary) fp32 buffers at a time
-            w = jax.tree.leaves(out)[-1]
+            w = max(jax.tree.leaves(out), key=lambda x: math.prod(x.shape))  # the head weight
             vocab = w.shape[0] if getattr(loss_fn, "vocab_major", False) else w.shape[-1]
             tokens = math.prod(inputs.shape)
             head += 2 * min(chunk, tokens) * vocab * 4
@@ -222,6 +222,10 @@ def estimate(plan: FSDP, optimizer, loss_fn: Callable, batch, *, prefetch: bool 
     gdt = _wire_dtype(pdt, backend)
     root_g, root_r = _stored_bytes(root_l, gdt), _stored_bytes(root_l, rdt)
     unit_g = [_stored_bytes(l, gdt) for l, _ in stages]   # one gathered unit of each stage
+    for j, m in enumerate(getattr(plan, "moe_stages", None) or []):
+        if m is not None and m.mode == "ep":   # its experts are not gathered: a cast local shard
+            from jfsdp import moe
+            unit_g[j] -= moe.expert_bytes(stages[j][0], m.site, gdt) * (S - 1) // S
     unit_r = [_stored_bytes(l, rdt) for l, _ in stages]
     all_r = sum(u * n for u, (_, n) in zip(unit_r, stages))
     if S > 1:

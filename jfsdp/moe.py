@@ -62,10 +62,13 @@ class MoE:
     mode: 'auto' (the cost model), 'gather' or 'ep', for every MoE stage; or a tuple with one entry per
       stage (None for stages without experts).
     chunks: 'auto' or k >= 1 (expert-parallel stages only), for all stages or one per stage.
-    experts: the class name (or class) of the model's experts module."""
+    experts: the class name (or class) of the model's experts module.
+    backend: whose wire dtypes the cost model counts ('gpu', 'cpu', ...; default: jax's backend here).
+      XLA:CPU widens bf16 collectives to f32, so a plan made on CPU for a GPU should say 'gpu'."""
     mode: Any = "auto"
     chunks: Any = "auto"
     experts: Any = "Experts"
+    backend: Any = None
 
     def matches(self, module) -> bool:
         e = self.experts
@@ -201,7 +204,7 @@ def resolve(plan, option: MoE | None) -> list:
         if not (k == "auto" or (isinstance(k, int) and not isinstance(k, bool) and k >= 1)):
             raise ConfigError(f"stage {j}: moe chunks must be 'auto' or an integer of at least 1, got {k!r}")
         layouts = plan.split(plan.layouts)[1][j]
-        cost = costs(plan, site, layouts, st.n_units)
+        cost = costs(plan, site, layouts, st.n_units, option.backend)
         S, E = plan.shards, site.n_experts
         ep_ok = plan.strategy.sharded and E % S == 0
         cheaper = "ep" if cost["ep"] < cost["gather"] else "gather"
