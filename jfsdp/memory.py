@@ -179,7 +179,7 @@ def activation_estimate(plan: FSDP, loss_fn: Callable, local_batch, backend: str
         head += 2 * sum(math.prod(x.shape) * 4 for x in jax.tree.leaves(out))
         chunk = getattr(loss_fn, "chunk", None)
         if chunk:   # jfsdp.ops.lm_loss: a few (chunk, vocabulary) fp32 buffers at a time
-            w = max(jax.tree.leaves(out), key=lambda x: math.prod(x.shape))  # the head weight
+            w = jax.tree.leaves(out)[-1]
             vocab = w.shape[0] if getattr(loss_fn, "vocab_major", False) else w.shape[-1]
             tokens = math.prod(inputs.shape)
             head += 2 * min(chunk, tokens) * vocab * 4

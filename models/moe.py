@@ -20,7 +20,7 @@ that hold the experts instead of gathering the weights); nothing here knows abou
 
 Auxiliary outputs travel with the hidden state: every unit maps (x, stats) -> (x, stats), stats of
 shape (B, 3) fp32 holding per sequence [sum over MoE layers of the aux loss, dropped choices, routed
-choices]. The head returns {'out': logits (or head features), 'stats': stats}; `loss(inner, coef)`
+choices]. The head returns {'out': logits (or head features), 'moe_stats': stats}; `loss(inner, coef)`
 adds coef x the mean aux loss to the language-model loss. Both are per-row means, so the loss stays
 a mean over rows (the loss contract of jfsdp and of any data-parallel trainer).
 """
@@ -204,20 +204,22 @@ class MoERoot(nn.Module):
     def embed(self, tokens):
         return self.lm.embed(tokens), jnp.zeros((tokens.shape[0], 3), jnp.float32)
 
+    # 'moe_stats' sorts before 'out': the head weight stays the last leaf of the outputs, where a
+    # planner looking at a fused head's outputs (jfsdp.memory) finds it
     def head(self, h):
         x, stats = h
-        return {"out": self.lm.head(x), "stats": stats}
+        return {"out": self.lm.head(x), "moe_stats": stats}
 
     def head_features(self, h):
         x, stats = h
-        return {"out": self.lm.head_features(x), "stats": stats}
+        return {"out": self.lm.head_features(x), "moe_stats": stats}
 
 
 def loss(inner, aux_coef: float):
     """The training loss of the MoE model: inner(outputs['out'], batch) (the language-model loss on
     logits or head features) + aux_coef x the mean over rows of the summed load-balancing losses."""
     def fn(outputs, batch):
-        return inner(outputs["out"], batch) + aux_coef * jnp.mean(outputs["stats"][:, AUX])
+        return inner(outputs["out"], batch) + aux_coef * jnp.mean(outputs["moe_stats"][:, AUX])
     fn.chunk = getattr(inner, "chunk", None)              # what jfsdp.memory reads of a fused loss
     fn.vocab_major = getattr(inner, "vocab_major", False)
     return fn
@@ -225,13 +227,13 @@ def loss(inner, aux_coef: float):
 
 def aux_loss(outputs, batch):
     """Metric: mean over rows of the load-balancing loss, summed over the MoE layers (as it enters the loss)."""
-    return jnp.mean(outputs["stats"][:, AUX])
+    return jnp.mean(outputs["moe_stats"][:, AUX])
 
 
 def dropped_fraction(outputs, batch):
     """Metric: the fraction of routed choices dropped for capacity (every row routes as many, so the
     mean over devices of this is the global fraction)."""
-    s = outputs["stats"]
+    s = outputs["moe_stats"]
     return jnp.sum(s[:, DROPPED]) / jnp.maximum(jnp.sum(s[:, ROUTED]), 1.0)
 
 

@@ -48,11 +48,11 @@ def reference():
 
 @pytest.mark.parametrize("mesh_spec,mode,chunks", CASES)
 def test_matches_plain_moe(reference, mesh_spec, mode, chunks):
-    """Loss within 1e-5 relative, first-step gradients within 1e-5 of each leaf's largest. Remat
-    alternates so that the all-to-alls are also recomputed in the backward pass. On 2x4 EP k=2 the
+    """Loss within 1e-5 relative, first-step gradients within 1e-5 of each leaf's largest. On 2x4 EP
+    k=2 with remat full, so that the all-to-alls are also recomputed in the backward pass. On 2x4 EP k=2 the
     metrics (moe.dropped_fraction: 0; moe.aux_loss: the reference's) through plan.loss."""
     batch, params, want_loss, want_grads = reference
-    remat = "full" if CASES.index((mesh_spec, mode, chunks)) % 2 else "none"
+    remat = "full" if (mesh_spec, mode, chunks) == ("2x4", "ep", 2) else "none"
     plan = _plan(CFG, mesh_spec, jax.ShapeDtypeStruct(batch["inputs"].shape, jnp.int32), remat=remat,
                  moe=jfsdp.MoE(mode=mode, chunks=chunks))
     assert [s and (s.mode, s.chunks) for s in plan.moe_stages] == [None, (mode, chunks)]
@@ -188,8 +188,6 @@ def test_config_errors():
         _plan(CFG, "1x8", x, moe=jfsdp.MoE(mode="gather", chunks=2))
     with pytest.raises(jfsdp.ConfigError, match="2 stages"):
         _plan(CFG, "1x8", x, moe=jfsdp.MoE(mode=("ep",)))
-    with pytest.raises(jfsdp.ConfigError, match="stage 0 has no experts"):
-        _plan(CFG, "1x8", x, moe=jfsdp.MoE(mode=("ep", "ep")))
     with pytest.raises(jfsdp.ConfigError, match="unknown moe mode"):
         _plan(CFG, "1x8", x, moe=jfsdp.MoE(mode="scatter"))
     with pytest.raises(jfsdp.ConfigError, match="no stage calls an experts module"):
