@@ -22,6 +22,9 @@ BATCH, SEQ = 16, 12
 # capacity_factor E/k: every expert can take all T tokens of a sequence, so nothing is dropped and
 # the dispatching model equals the dense reference exactly
 CFG = dataclasses.replace(models.get_config("moe-test"), capacity_factor=4.0)
+# the other cases without moe-test's dense first stage (compile time); the dense + MoE model runs on 2x4 EP k=2
+NO_DENSE = dataclasses.replace(CFG, n_dense_layers=0)
+FULL_CASE = ("2x4", "ep", 2)
 CASES = [(m, mode, k) for m in ("1x8", "2x4", "8x1") for mode, k in (("gather", 1), ("ep", 1), ("ep", 2))]
 
 
@@ -37,31 +40,40 @@ def _plan(cfg, mesh_spec, x, **kw):
 
 
 @pytest.fixture(scope="module")
-def reference():
-    batch = _batch()
-    root, stages = moe.parts(CFG)
-    with jax.default_device(jax.devices()[0]):
-        params = ref.init_staged(root, stages, batch["inputs"])
-        loss, grads = jax.jit(jax.value_and_grad(lambda p: mref.loss(CFG, p, batch)))(params)
-    return batch, jax.device_get(params), float(loss), jax.device_get(grads)
+def references():
+    cache = {}
+
+    def get(cfg):
+        if cfg not in cache:
+            batch = _batch()
+            root, stages = moe.parts(cfg)
+            with jax.default_device(jax.devices()[0]):
+                params = ref.init_staged(root, stages, batch["inputs"])
+                loss, grads = jax.jit(jax.value_and_grad(lambda p: mref.loss(cfg, p, batch)))(params)
+            cache[cfg] = batch, jax.device_get(params), float(loss), jax.device_get(grads)
+        return cache[cfg]
+    return get
 
 
 @pytest.mark.parametrize("mesh_spec,mode,chunks", CASES)
-def test_matches_plain_moe(reference, mesh_spec, mode, chunks):
+def test_matches_plain_moe(references, mesh_spec, mode, chunks):
     """Loss within 1e-5 relative, first-step gradients within 1e-5 of each leaf's largest. On 2x4 EP
-    k=2 with remat full, so that the all-to-alls are also recomputed in the backward pass. On 2x4 EP k=2 the
+    k=2 the whole moe-test (a dense stage, then MoE) with remat full, so that the all-to-alls are also recomputed in the backward pass. On 2x4 EP k=2 the
     metrics (moe.dropped_fraction: 0; moe.aux_loss: the reference's) through plan.loss."""
+    full = (mesh_spec, mode, chunks) == FULL_CASE
+    cfg = CFG if full else NO_DENSE
+    reference = references(cfg)
     batch, params, want_loss, want_grads = reference
-    remat = "full" if (mesh_spec, mode, chunks) == ("2x4", "ep", 2) else "none"
-    plan = _plan(CFG, mesh_spec, jax.ShapeDtypeStruct(batch["inputs"].shape, jnp.int32), remat=remat,
+    remat = "full" if full else "none"
+    plan = _plan(cfg, mesh_spec, jax.ShapeDtypeStruct(batch["inputs"].shape, jnp.int32), remat=remat,
                  moe=jfsdp.MoE(mode=mode, chunks=chunks))
-    assert [s and (s.mode, s.chunks) for s in plan.moe_stages] == [None, (mode, chunks)]
+    assert [s and (s.mode, s.chunks) for s in plan.moe_stages] == [None] * full + [(mode, chunks)]
     params, batch = plan.shard(params), plan.put_batch(batch)
-    loss, grads = jax.jit(plan.loss_and_grad(moe.loss(lm_loss, CFG.aux_coef)))(params, batch)
-    if (mesh_spec, mode, chunks) == ("2x4", "ep", 2):   # the metrics a trainer logs (one case: a compile each)
+    loss, grads = jax.jit(plan.loss_and_grad(moe.loss(lm_loss, cfg.aux_coef)))(params, batch)
+    if full:   # the metrics a trainer logs (one case: a compile each)
         assert float(jax.jit(plan.loss(moe.dropped_fraction))(params, batch)) == 0.0
         aux = float(jax.jit(plan.loss(moe.aux_loss))(params, batch))
-        assert aux == pytest.approx(float(jnp.mean(mref.forward(CFG, reference[1], reference[0]["inputs"])[1])), rel=1e-5)
+        assert aux == pytest.approx(float(jnp.mean(mref.forward(cfg, reference[1], reference[0]["inputs"])[1])), rel=1e-5)
     np.testing.assert_allclose(float(loss), want_loss, rtol=1e-5)
     ref.close(plan.gather(grads), want_grads, 1e-5, "grad")
 
