@@ -53,7 +53,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jfsdp.mesh import DATA, FSDP as FSDP_AXIS, ConfigError
+from jfsdp.mesh import FSDP as FSDP_AXIS, ConfigError
 
 MODES = ("auto", "gather", "ep")
 
