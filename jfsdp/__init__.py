@@ -9,6 +9,7 @@ import importlib
 _EXPORTS = {   # module -> the names it gives this package ("alias=name" where they differ)
     "core": ("FSDP", "Layout", "Stacked", "Stage", "Staged", "checkpoint_policy", "fully_shard", "stack_units",
              "unshard", "unstack_units"),
+    "moe": ("MoE",),
     "mesh": ("AXES", "DATA", "FSDP_AXIS=FSDP", "ConfigError", "make_mesh", "mesh_shape", "parse_mesh"),
     "policy": ("REMAT", "MixedPrecision", "Strategy"),
     "step": ("TrainState", "TrainStep", "abstract_state", "adamw", "init_state", "make_train_step", "matrices",
@@ -18,7 +19,7 @@ _WHERE = {alias: (module, name) for module, names in _EXPORTS.items()
           for alias, _, name in (n.partition("=") if "=" in n else (n, "", n) for n in names)}
 _SUBMODULES = ("core", "mesh", "ops", "policy", "step")   # attributes of the package before it was lazy
 
-__all__ = ["FSDP", "Layout", "Stacked", "Stage", "Staged", "fully_shard", "unshard", "stack_units", "unstack_units",
+__all__ = ["MoE", "FSDP", "Layout", "Stacked", "Stage", "Staged", "fully_shard", "unshard", "stack_units", "unstack_units",
            "AXES", "DATA", "FSDP_AXIS", "ConfigError", "make_mesh", "mesh_shape", "parse_mesh", "REMAT",
            "MixedPrecision", "Strategy", "checkpoint_policy", "TrainState", "TrainStep", "abstract_state",
            "state_shardings", "adamw", "init_state", "make_train_step", "matrices", "unit_view", "warmup_cosine"]

@@ -28,6 +28,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jfsdp import moe as _moe
 from jfsdp.mesh import AXES, DATA, FSDP as FSDP_AXIS, ConfigError, mesh_shape
 from jfsdp.policy import REMAT, MixedPrecision, Strategy
 
@@ -213,6 +214,15 @@ def _is_layout(x):
     return isinstance(x, Layout)
 
 
+def _shapes(h):
+    """The shape of h, or the tree of its leaves' shapes when h is a pytree."""
+    return h.shape if hasattr(h, "shape") else jax.tree.map(lambda a: tuple(a.shape), h)
+
+
+def _zeros(h):
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), h)
+
+
 def _paths(tree, is_leaf=None) -> dict:
     """{'['a']['b']': leaf} of a tree: how a message names a parameter."""
     return {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]}
@@ -260,7 +270,7 @@ class FSDP:
     `Staged`: {'root': tree, 'stages': [one such stacked tree per stage]}. `split`/`join` convert
     any tree in this layout to and from (root, [stacked tree per stage])."""
 
-    def __init__(self, model, mesh, example_inputs, strategy, mp_policy, remat, prefetch=None):
+    def __init__(self, model, mesh, example_inputs, strategy, mp_policy, remat, prefetch=None, moe=None):
         self.model, self.mesh, self.strategy, self.mp, self.remat = model, mesh, strategy, mp_policy, remat
         self._one = isinstance(model, Stacked)
         self.stage_sizes = tuple(s.n_units for s in model.stages)
@@ -289,6 +299,8 @@ class FSDP:
                                      [jax.tree.map(lambda _: P(None, row), l, is_leaf=_is_layout) for l in stage_l])
         self.param_shardings = jax.tree.map(lambda p: NamedSharding(mesh, p), self.param_specs)
         self.batch_sharding = NamedSharding(mesh, P(AXES))
+        # MoE stages (jfsdp/moe.py): per stage None (dense, or gathered like any unit) or its mode
+        self.moe, self.moe_stages = moe, _moe.resolve(self, moe)
 
     # ---- the layout
     def split(self, tree):
@@ -307,17 +319,18 @@ class FSDP:
 
     def _trace_shapes(self):
         """Shapes of h: the embedding's output and each stage's output (traced, nothing computed).
-        A stage of several units must keep h's shape (it runs under a scan)."""
+        A stage of several units must keep h's shape (it runs under a scan). h may be a pytree of
+        arrays (e.g. hidden states and per-row statistics that a model carries to its head)."""
         m, x = self.model, self.example_inputs
         k = jax.random.key(0)
         emb = jax.eval_shape(lambda k, x: m.root.init(k, x, method=m.embed_method)["params"], k, x)
         h = jax.eval_shape(lambda p, x: m.root.apply({"params": p}, x, method=m.embed_method), emb, x)
         shapes = [h]
         for i, st in enumerate(m.stages):
-            p = jax.eval_shape(lambda k: st.unit.init(k, jnp.zeros(h.shape, h.dtype))["params"], k)
+            p = jax.eval_shape(lambda k: st.unit.init(k, _zeros(h))["params"], k)
             out = jax.eval_shape(lambda p, h: st.unit.apply({"params": p}, h), p, h)
-            if out.shape != h.shape and st.n_units > 1:
-                raise ConfigError(f"stage {i}: its unit maps h of shape {h.shape} to {out.shape}, but a unit repeated "
+            if _shapes(out) != _shapes(h) and st.n_units > 1:
+                raise ConfigError(f"stage {i}: its unit maps h of shape {_shapes(h)} to {_shapes(out)}, but a unit repeated "
                                   f"{st.n_units} times must keep the shape of h; put the change of width in a "
                                   "stage of its own with one unit")
             h = out
@@ -330,13 +343,13 @@ class FSDP:
         `Staged`, stage j's keys are split(split(split(rng)[1], n_stages)[j], n_j)."""
         m = self.model
         root_key, unit_key = jax.random.split(rng)
-        h_last = jnp.zeros(self.h_shapes[-1].shape, self.h_shapes[-1].dtype)
+        h_last = _zeros(self.h_shapes[-1])
         both = lambda mod, x, h: (getattr(mod, m.embed_method)(x), getattr(mod, m.head_method)(h))
         root = m.root.init(root_key, inputs, h_last, method=both)["params"]
         stage_keys = [unit_key] if self._one else jax.random.split(unit_key, len(m.stages))
         stages = []
         for st, key, h in zip(m.stages, stage_keys, self.h_shapes):
-            h = jnp.zeros(h.shape, h.dtype)
+            h = _zeros(h)
             stages.append(jax.vmap(lambda k: st.unit.init(k, h)["params"])(jax.random.split(key, st.n_units)))
         return self.join(root, stages)
 
@@ -485,14 +498,20 @@ class FSDP:
 
     def _stage(self, j, h, shards, layouts):
         """Stage j: its units under a scan, each gathered, computed, freed (or kept: policy)."""
-        unit = self.model.stages[j].unit
-        if self.prefetch and self.stage_sizes[j] > 1:
+        unit, moe = self.model.stages[j].unit, self.moe_stages[j]
+        if self.prefetch and self.stage_sizes[j] > 1 and (moe is None or moe.mode != "ep"):
+            # (an expert-parallel stage keeps the plain scan: its experts are not gathered)
             return self._pipelined_stage(j, layouts)(h, shards)
 
         def body(h, shards):
+            if moe is not None and moe.mode == "ep":   # experts stay local; tokens go to them
+                unshard_one = lambda x, l: unshard(x, l, self.comm)
+                params = _moe.place_params(unshard_one, shards, layouts, moe.site, self.comm)
+                with nn.intercept_methods(_moe.interceptor(moe, self.moe, self.shards)):
+                    return unit.apply({"params": params}, h)
             return unit.apply({"params": self._unshard(shards, layouts)}, h)
         body = jax.checkpoint(body, policy=self.policy, prevent_cse=False)
-        if self.h_shapes[j].shape[1:] == self.h_shapes[j + 1].shape[1:]:
+        if _shapes(self.h_shapes[j]) == _shapes(self.h_shapes[j + 1]):
             return lax.scan(lambda c, p: (body(c, p), None), h, shards)[0]
         # one unit that changes the width: still a scan (of one), so that its gathered parameters
         # live in the loop's own scope like every other unit's
@@ -529,13 +548,13 @@ class FSDP:
             return jax.tree.map(lambda a, x: lax.dynamic_update_index_in_dim(a, x, i, 0), grads, shard)
 
         def forward(h, shards, keep):
-            hs = jnp.zeros((n, *h.shape), h.dtype) if keep else None
+            hs = jax.tree.map(lambda a: jnp.zeros((n, *a.shape), a.dtype), h) if keep else None
 
             def body(carry, i):
                 h, g, hs = carry
                 nxt = gather(shards, i + 1)  # prefetch: in flight while unit i computes
                 if keep:
-                    hs = lax.dynamic_update_index_in_dim(hs, h, i, 0)
+                    hs = jax.tree.map(lambda a, x: lax.dynamic_update_index_in_dim(a, x, i, 0), hs, h)
                 return (apply(g, h), nxt, hs), None
             first = at(shards, 0)
             if j > 0:
@@ -547,7 +566,7 @@ class FSDP:
                 first, h = lax.optimization_barrier((first, h))
             (h, g, hs), _ = lax.scan(body, (h, self._unshard(first, layouts), hs), jnp.arange(n - 1))
             if keep:
-                hs = lax.dynamic_update_index_in_dim(hs, h, n - 1, 0)
+                hs = jax.tree.map(lambda a, x: lax.dynamic_update_index_in_dim(a, x, n - 1, 0), hs, h)
             return apply(g, h), hs
 
         def unit_vjp(g, h, dh):
@@ -746,7 +765,7 @@ def _resolve_prefetch(prefetch, strategy, remat, shards, mesh) -> bool:
 
 
 def fully_shard(model, mesh, example_inputs, *, strategy="full_shard", mp_policy=None,
-                remat="none", reshard_after_forward=None, prefetch=None) -> FSDP:
+                remat="none", reshard_after_forward=None, prefetch=None, moe=None) -> FSDP:
     """Apply FSDP to a model (`Stacked` or `Staged`) from outside. `example_inputs` (an array or
     ShapeDtypeStruct of the inputs' shape) fixes the parameter shapes. `reshard_after_forward=False`
     turns FULL_SHARD into SHARD_GRAD_OP, as in FSDP2; a value that contradicts `strategy` is an error.
@@ -756,7 +775,11 @@ def fully_shard(model, mesh, example_inputs, *, strategy="full_shard", mp_policy
     computes, at the cost of one more gathered unit. Supported with FULL_SHARD / HYBRID_SHARD and
     remat 'full' (True elsewhere is a ConfigError); None (default) turns it on there when the mesh is
     made of GPUs (or JFSDP_PREFETCH=1); other combinations use the plain scan (with XLA's own
-    pipelining flags on GPU, `jfsdp.targets.GPU_FLAGS`)."""
+    pipelining flags on GPU, `jfsdp.targets.GPU_FLAGS`). An expert-parallel MoE stage always uses
+    the plain scan.
+
+    `moe=jfsdp.MoE(mode, chunks)`: how units that call an experts module run (jfsdp/moe.py: gather
+    the experts' weights, or send the tokens to them, per stage by a cost model or as set)."""
     strategy = Strategy.parse(strategy)
     if reshard_after_forward is not None:
         if not strategy.sharded:
@@ -771,4 +794,4 @@ def fully_shard(model, mesh, example_inputs, *, strategy="full_shard", mp_policy
     if not hasattr(example_inputs, "shape") or not hasattr(example_inputs, "dtype"):
         raise ConfigError("example_inputs must be an array or jax.ShapeDtypeStruct of the inputs (batch['inputs']), "
                           f"got {type(example_inputs).__name__}")
-    return FSDP(model, mesh, example_inputs, strategy, mp_policy or MixedPrecision(), remat, prefetch)
+    return FSDP(model, mesh, example_inputs, strategy, mp_policy or MixedPrecision(), remat, prefetch, moe)

@@ -189,6 +189,8 @@ class Collective:
             return b * (g - 1)
         if self.kind == "all-reduce":
             return 2 * b * (g - 1) / g
+        if self.kind == "all-to-all":   # each device keeps its own 1/g of the buffer
+            return b * (g - 1) / g
         return float(b)
 
 

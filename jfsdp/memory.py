@@ -161,8 +161,8 @@ def activation_estimate(plan: FSDP, loss_fn: Callable, local_batch, backend: str
     for st, layouts in zip(m.stages, stage_layouts):
         unit_p = _cast(layouts, pdt)
         unit_fn = lambda x, p, unit=st.unit: unit.apply({"params": p}, x)
-        stages.append({"per_unit": _residual_bytes(jax.checkpoint(unit_fn, policy=base), h, unit_p) + _nbytes(h),
-                       "unit_working": _residual_bytes(unit_fn, h, unit_p) + _nbytes(h)})
+        stages.append({"per_unit": _residual_bytes(jax.checkpoint(unit_fn, policy=base), h, unit_p) + _tree_bytes(h),
+                       "unit_working": _residual_bytes(unit_fn, h, unit_p) + _tree_bytes(h)})
         h = jax.eval_shape(unit_fn, h, unit_p)
 
     def head_loss(x, r, batch):
@@ -222,6 +222,10 @@ def estimate(plan: FSDP, optimizer, loss_fn: Callable, batch, *, prefetch: bool 
     gdt = _wire_dtype(pdt, backend)
     root_g, root_r = _stored_bytes(root_l, gdt), _stored_bytes(root_l, rdt)
     unit_g = [_stored_bytes(l, gdt) for l, _ in stages]   # one gathered unit of each stage
+    for j, m in enumerate(getattr(plan, "moe_stages", None) or []):
+        if m is not None and m.mode == "ep":   # its experts are not gathered: a cast local shard
+            from jfsdp import moe
+            unit_g[j] -= moe.expert_bytes(stages[j][0], m.site, gdt) * (S - 1) // S
     unit_r = [_stored_bytes(l, rdt) for l, _ in stages]
     all_r = sum(u * n for u, (_, n) in zip(unit_r, stages))
     if S > 1:
@@ -279,13 +283,25 @@ def comm_formula(plan: FSDP, backend: str | None = None) -> dict:
     # the headline formula uses the policy's dtypes, not the backend's
     pb = jnp.dtype(plan.mp.param_dtype or jnp.float32).itemsize
     rb = jnp.dtype(plan.mp.reduce_dtype or plan.mp.param_dtype or jnp.float32).itemsize
-    out = {"all-gather": 0.0, "reduce-scatter": 0.0, "all-reduce": 0.0}
+    out = {"all-gather": 0.0, "reduce-scatter": 0.0, "all-reduce": 0.0, "all-to-all": 0.0}
+    # expert-parallel MoE stages (jfsdp/moe.py): their experts are neither gathered nor
+    # reduce-scattered; their tokens travel by all-to-all instead (the cost model's 'ep' figure)
+    from jfsdp import moe
+    a2a = ep_grads = 0.0
+    for (layouts, n), m in zip(_stages(plan), getattr(plan, "moe_stages", None) or []):
+        if m is not None and m.mode == "ep":
+            unit_p -= n * moe.expert_bytes(layouts, m.site, pdt)
+            ep_grads += n * moe.expert_bytes(layouts, m.site, rdt)
+            a2a += moe.costs(plan, m.site, layouts, n, backend)["ep"]
+    grads -= ep_grads
     if plan.strategy.sharded:
         gathers = 2 if plan.strategy.reshard_after_forward else 1
         f = (S - 1) / S
         out["all-gather"] = (root_p + gathers * unit_p) * f
         out["reduce-scatter"] = grads * f
         out["all-reduce"] = 2 * (grads / S) * (R - 1) / R  # the shard, summed over replicas
+        out["all-reduce"] += 2 * (ep_grads / S) * (R - 1) / R  # local experts' gradients, over replicas
+        out["all-to-all"] = a2a
         contract = (gathers * psi * pb + psi * rb) * f + 2 * psi * rb / S * (R - 1) / R
     else:
         out["all-reduce"] = 2 * grads * (N - 1) / N
@@ -299,6 +315,6 @@ def comm_measured(compiled, n_devices: int) -> dict:
     """Bytes each device sends per step, by kind, read from the compiled HLO (loops unrolled by
     their trip counts). Scalars (the loss, the gradient norm) are included; they are a few bytes."""
     per = hlo.per_step(compiled.as_text(), n_devices)
-    out = {k: per.get(k, {}).get("wire_bytes", 0.0) for k in ("all-gather", "reduce-scatter", "all-reduce")}
+    out = {k: per.get(k, {}).get("wire_bytes", 0.0) for k in ("all-gather", "reduce-scatter", "all-reduce", "all-to-all")}
     out["total"] = sum(v["wire_bytes"] for v in per.values())
     return out

@@ -77,6 +77,10 @@ def _args(argv):
                    "a100, b200): compiled by XLA:GPU for it, without one")
     p.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
                    help="with a named GPU: override one of jfsdp's XLA:GPU options (VALUE none drops it)")
+    p.add_argument("--moe", default="auto", choices=("auto", "gather", "ep"),
+                   help="MoE models: gather the experts' weights, send tokens to them (ep), or let the cost model "
+                   "choose per stage (auto; see jfsdp/moe.py)")
+    p.add_argument("--moe-chunks", default="auto", help="MoE expert-parallel stages: chunks k (or auto)")
     p.add_argument("--prefetch", action="store_true", help="count two gathered units (prefetching the next)")
     p.add_argument("--no-compile", action="store_true", help="estimate only (skip the compiled measurement)")
     p.add_argument("--json", default=None, help="also write the report as JSON to this file")
@@ -107,7 +111,7 @@ def largest_batch(fits, start: int = 1, limit: int = 1 << 20) -> int:
 
 
 def build(model_name, mesh_spec, strategy, precision, remat, batch_size, seq_len, devices=None, attention=None,
-          loss="fused"):
+          loss="fused", moe="auto", moe_chunks="auto", backend=None):
     """(cfg, plan, optimizer, loss_fn, batch shapes) for a named model; nothing allocated.
     `devices`: the mesh's devices (default: all local ones); `attention`: override the config's."""
     import dataclasses
@@ -127,8 +131,9 @@ def build(model_name, mesh_spec, strategy, precision, remat, batch_size, seq_len
         cfg = models.get_config(model_name)
     except ValueError as e:
         raise _Error(str(e)) from None
-    if not isinstance(cfg, models.LlamaConfig):
-        raise _Error(f"model '{model_name}' is not a language model; the planner takes the llama-* configs")
+    is_moe = isinstance(cfg, models.MoEConfig)
+    if not isinstance(cfg, models.LlamaConfig) and not is_moe:
+        raise _Error(f"model '{model_name}' is not a language model; the planner takes the llama-* and MoE configs")
     if attention:
         cfg = dataclasses.replace(cfg, attention=attention)
     mesh = jfsdp.make_mesh(mesh_spec, devices)
@@ -137,13 +142,26 @@ def build(model_name, mesh_spec, strategy, precision, remat, batch_size, seq_len
     if batch_size < 1 or seq_len < 1:
         raise _Error("batch size and sequence length must be at least 1")
     x = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
-    root, unit, n_units = models.parts(cfg)
     fused = loss == "fused"   # as train.py: the head hands (hidden, weight) to a chunked cross-entropy
-    plan = jfsdp.fully_shard(jfsdp.Stacked(root, unit, n_units, head_method="head_features" if fused else "head"),
-                             mesh, x, strategy=strategy, mp_policy=jfsdp.MixedPrecision.parse(precision), remat=remat)
+    head = "head_features" if fused else "head"
+    if is_moe:
+        if moe_chunks != "auto":
+            try:
+                moe_chunks = int(moe_chunks)
+            except ValueError:
+                raise _Error(f"--moe-chunks '{moe_chunks}' must be an integer or auto") from None
+        root, stages = models.moe.parts(cfg)
+        model, moe_opt = jfsdp.Staged(root, stages, head_method=head), jfsdp.MoE(mode=moe, chunks=moe_chunks, backend=backend)
+    else:
+        root, unit, n_units = models.parts(cfg)
+        model, moe_opt = jfsdp.Stacked(root, unit, n_units, head_method=head), None
     if batch_size % n:
         raise _Error(f"batch size {batch_size} does not divide over the {n} devices of the mesh")
+    plan = jfsdp.fully_shard(model, mesh, x, strategy=strategy, mp_policy=jfsdp.MixedPrecision.parse(precision),
+                             remat=remat, moe=moe_opt)
     loss_fn = jfsdp.ops.lm_loss(vocab_major=cfg.tie_embeddings) if fused else models.loss_fn(cfg)
+    if is_moe and fused:
+        loss_fn = models.moe.loss(loss_fn, cfg.aux_coef)
     return cfg, plan, jfsdp.adamw(1e-4), loss_fn, {"inputs": x, "targets": x}
 
 
@@ -180,10 +198,12 @@ def report(a) -> dict:
     ctx = targets.tracing_for(a.target) if gpu else contextlib.nullcontext()
     with ctx:
         cfg, plan, opt, loss_fn, batch = build(a.model, a.mesh, a.strategy, a.precision, a.remat, a.batch_size,
-                                               a.seq_len, devices, attention, a.loss)
+                                               a.seq_len, devices, attention, a.loss, a.moe, a.moe_chunks,
+                                               est_backend)
         if gpu:
             import models.llama
-            attention = models.llama.attention_impl(cfg, plan.mp.param_dtype or jnp.float32, a.seq_len)
+            attention = models.llama.attention_impl(cfg.llama() if hasattr(cfg, "llama") else cfg,
+                                                    plan.mp.param_dtype or jnp.float32, a.seq_len)
         budget = parse_bytes(a.device_memory) if a.device_memory else (
             targets.get(a.target).memory_bytes if gpu else parse_bytes("80GiB"))
         here = a.target if gpu else jax.default_backend()
@@ -200,6 +220,9 @@ def report(a) -> dict:
             rep[f"estimate_{here}"] = memory.estimate(plan, opt, loss_fn, batch, prefetch=a.prefetch,
                                                       backend=here).as_dict()
         rep["comm_formula"] = memory.comm_formula(plan, backend=est_backend)
+        from jfsdp import moe
+        if any(plan.moe_stages):
+            rep["moe"] = moe.describe(plan)
         if not a.no_compile:
             t = time.time()
             if gpu:
@@ -264,9 +287,14 @@ def render(r: dict) -> str:
     lines += ["", f"communication per step, bytes sent per device ({tgt} formula"
               + ((" and compiled HLO" if same else f"; {here} formula and compiled HLO") if c else "") + ")"]
     f, fh, m = r["comm_formula"], r.get(f"comm_formula_{here}", r["comm_formula"]), r.get("comm_compiled")
-    for k in ("all-gather", "reduce-scatter", "all-reduce", "total"):
+    for k in ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "total"):
+        if k == "all-to-all" and not f.get(k) and not (m or {}).get(k):
+            continue
         lines.append(f"  {k:26}{_gib(f[k]):>20}" + (f"{mid(fh[k])}{_gib(m[k]):>20}" if m else ""))
     lines.append(f"  contract (3Ψ·b·(S−1)/S or 2Ψ·b·(N−1)/N){_gib(f['contract']):>14}")
+    if r.get("moe"):
+        lines += ["", "MoE stages (mode per stage; gather = all-gather + reduce-scatter of the experts' weights, "
+                  "ep = all-to-all of the tokens; jfsdp/moe.py)"] + [f"  {x}" for x in r["moe"]]
     if r.get("overlap"):
         lines += ["", f"overlap in the scheduled {here} program (per step; hidden = a matmul or loop runs while "
                   "it is in flight)", r["overlap_table"]]

@@ -1,0 +1,321 @@
+"""Mixture-of-Experts units: one sharded layout of the experts, two ways to run them (TUTEL's switchable
+parallelism), chosen per stage.
+
+The experts' weights are ordinary unit parameters with the expert axis first, (E, d, f), so jfsdp's
+Shard(0) layout already splits them along experts: the shard of device s on the `fsdp` axis holds
+experts s*E/S .. (s+1)*E/S - 1 (when S divides E). From that one layout:
+
+- gather mode: the experts are parameters like any other. The unit gathers them (in param_dtype),
+  computes every expert on its own tokens, and reduce-scatters their gradients: FSDP, nothing new.
+- expert-parallel mode ('ep'): the weights stay where they are. The model calls its experts through
+  one module (by default any flax module whose class is named `Experts`) on buckets of shape
+  (E, slots, d), row e holding the tokens sent to expert e. From outside (`flax.linen.intercept_methods`
+  inside the sharded forward) jfsdp replaces that call by: all-to-all of the buckets over `fsdp`
+  (each device receives, from every device, the rows of its own E/S experts), the experts module
+  applied with the LOCAL weights (a clone of the module with `n_experts` = E/S), all-to-all back.
+  Expert gradients stay local (each device's experts saw every token routed to them); on a hybrid
+  mesh they are summed over `data`, as every shard is.
+
+The contract on the experts module: a field `n_experts`, every parameter with the expert axis first,
+and row e of its output depending only on row e of its input and on expert e's weights.
+
+Adaptive pipelining: in 'ep' mode the slots are split into k chunks, each dispatched, computed and
+combined on its own, so that the all-to-all of one chunk can run while another chunk computes.
+
+The cost model (per MoE unit, bytes each device sends per step, ring/pairwise cost of each collective,
+`f` = (S-1)/S, W = the unit's expert parameters (elements), X = elements of the buckets one device
+holds (E x slots x d), p and r the bytes of param_dtype and reduce_dtype on the wire):
+
+    gather = W * (g * p + r) * f        g = 2 gathers with reshard_after_forward (ZeRO-3), else 1
+    ep     = a * X * p * f              a = 4 all-to-alls (dispatch and combine, forward and backward),
+                                            6 when remat recomputes the forward's two in the backward
+
+(the `data`-axis all-reduce of expert gradients on hybrid meshes is the same in both modes and left
+out of the comparison). 'auto' takes the cheaper; a tie goes to gather. Gathering wins when the
+tokens outweigh the experts (many tokens, small experts), sending tokens when the experts outweigh
+them. 'ep' also needs S to divide E.
+
+The chunk count k ('auto') is 1. Measured on the H100 compile-only target (benchmarks/moe.py,
+2026-11-22): with k = 4 XLA:GPU's scheduler issues the 4 dispatch all-to-alls back to back and runs
+the experts after them, so 131 MiB of a 210 MiB step's all-to-all bytes had no matmul in flight
+against 87.5 MiB with k = 1. Until a schedule that interleaves the chunks is shown, splitting only
+adds messages; k stays an override (`MoE(chunks=k)`), exact in value for any k.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jfsdp.mesh import FSDP as FSDP_AXIS, ConfigError
+
+MODES = ("auto", "gather", "ep")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoE:
+    """The `moe=` option of `fully_shard`: how MoE units run.
+
+    mode: 'auto' (the cost model), 'gather' or 'ep', for every MoE stage; or a tuple with one entry per
+      stage (None for stages without experts).
+    chunks: 'auto' or k >= 1 (expert-parallel stages only), for all stages or one per stage.
+    experts: the class name (or class) of the model's experts module.
+    backend: whose wire dtypes the cost model counts ('gpu', 'cpu', ...; default: jax's backend here).
+      XLA:CPU widens bf16 collectives to f32, so a plan made on CPU for a GPU should say 'gpu'."""
+    mode: Any = "auto"
+    chunks: Any = "auto"
+    experts: Any = "Experts"
+    backend: Any = None
+
+    def matches(self, module) -> bool:
+        e = self.experts
+        return type(module) is e if isinstance(e, type) else type(module).__name__ == e
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """The experts module of one stage's unit, as traced: where its parameters are in the unit's tree,
+    how many experts, and the shape of the buckets it is called on (per device, local batch)."""
+    path: tuple
+    n_experts: int
+    buckets: tuple          # (E, slots, d) on one device
+    dtype: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class StageMoE:
+    """What jfsdp does with one MoE stage: mode, chunks, and the cost model's figures behind it."""
+    site: Site
+    mode: str
+    chunks: int
+    costs: dict             # bytes per device per step of the whole stage: {'gather': .., 'ep': ..}
+    why: str
+
+
+def _path_keys(path) -> tuple:
+    return tuple(getattr(k, "key", getattr(k, "name", k)) for k in path)
+
+
+def find_site(unit, h, local_rows: int, total_rows: int, selector: MoE):
+    """Trace `unit` on h (global shapes) and return the Site of its experts module, or None. Bucket
+    shapes are traced on one device's rows: `local_rows` of the `total_rows` of the batch."""
+    found = []
+
+    def spy(next_fun, args, kwargs, context):
+        if context.method_name == "__call__" and selector.matches(context.module):
+            n = getattr(context.module, "n_experts", None)
+            found.append((tuple(context.module.path), n, tuple(args[0].shape), args[0].dtype))
+        return next_fun(*args, **kwargs)
+
+    local = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] * local_rows // total_rows, *a.shape[1:]), a.dtype), h)
+    with nn.intercept_methods(spy):
+        p = jax.eval_shape(lambda k: unit.init(k, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), local))["params"],
+                           jax.random.key(0))
+    if not found:
+        return None
+    paths = {f[0] for f in found}
+    if len(paths) > 1:
+        raise ConfigError(f"a unit calls {len(paths)} experts modules ({sorted(paths)}); jfsdp's MoE modes take one per unit")
+    path, n, shape, dtype = found[-1]
+    if not isinstance(n, int) or len(shape) != 3 or shape[0] != n:
+        raise ConfigError(f"the experts module at {'/'.join(path)} must have an integer field n_experts and be called "
+                          f"on buckets (n_experts, slots, d); got n_experts={n!r}, buckets {shape}")
+    return Site(path, n, shape, jnp.dtype(dtype))
+
+
+def expert_bytes(layouts, site: Site, dtype) -> int:
+    """Bytes of one unit's expert parameters (stored, padded shape) in `dtype`."""
+    return sum(math.prod(l.stored_shape) * jnp.dtype(dtype or l.dtype).itemsize
+               for l in jax.tree.leaves(expert_leaves(layouts, site), is_leaf=lambda x: hasattr(x, "stored_shape")))
+
+
+def expert_leaves(layouts, site: Site):
+    """The unit's layouts under the experts module (a subtree)."""
+    t = layouts
+    for k in site.path:
+        t = t[k]
+    return t
+
+
+def _per_stage(value, n, name):
+    if isinstance(value, (tuple, list)):
+        if len(value) != n:
+            raise ConfigError(f"moe {name} has {len(value)} entries, the model has {n} stages (one per stage, None for "
+                              "stages without experts)")
+        return list(value)
+    return [value] * n
+
+
+def costs(plan, site: Site, layouts, n_units: int, backend: str | None = None) -> dict:
+    """The cost model (module docstring): bytes each device sends per step for the stage's expert
+    parameters in gather mode and for its tokens in expert-parallel mode, with the backend's wire
+    dtypes (XLA:CPU widens bf16 to f32: `memory._wire_dtype`)."""
+    from jfsdp.memory import _wire_dtype
+    S = plan.shards
+    f = (S - 1) / S if S > 1 else 0.0
+    backend = backend or jax.default_backend()
+    p = _wire_dtype(plan.mp.param_dtype or jnp.float32, backend).itemsize
+    r = _wire_dtype(plan.mp.reduce_dtype or plan.mp.param_dtype or jnp.float32, backend).itemsize
+    W = sum(math.prod(l.stored_shape) for l in jax.tree.leaves(expert_leaves(layouts, site),
+                                                                 is_leaf=lambda x: hasattr(x, "stored_shape")))
+    g = 2 if (plan.strategy.reshard_after_forward or S == 1) else 1
+    X = math.prod(site.buckets)
+    xb = _wire_dtype(plan.mp.param_dtype or site.dtype, backend).itemsize
+    a = 4 if plan.remat == "none" else 6
+    return {"gather": n_units * W * (g * p + r) * f, "ep": n_units * a * X * xb * f,
+            "weights": n_units * W, "tokens": n_units * X, "all_to_alls": a, "gathers": g, "units": n_units,
+            "a2a_bytes": X * xb * f}
+
+
+def auto_chunks(plan, site: Site, cost: dict) -> int:
+    """k for 'auto': 1 (see the module docstring for the measurement behind it)."""
+    return 1
+
+
+def resolve(plan, option: MoE | None) -> list:
+    """Per stage: None (no experts, or no `moe=` option: gather as FSDP does) or a StageMoE."""
+    n = len(plan.model.stages)
+    if option is None:
+        return [None] * n
+    if not isinstance(option, MoE):
+        raise ConfigError(f"moe must be a jfsdp.MoE(mode=..., chunks=...), got {type(option).__name__}")
+    modes, chunks = _per_stage(option.mode, n, "mode"), _per_stage(option.chunks, n, "chunks")
+    rows = plan.example_inputs.shape[0]
+    local_rows = rows // plan.n_devices if rows % plan.n_devices == 0 else rows
+    out = []
+    for j, (st, h, mode, k) in enumerate(zip(plan.model.stages, plan.h_shapes, modes, chunks)):
+        site = find_site(st.unit, h, local_rows, rows, option)
+        if site is None:
+            if isinstance(option.mode, (tuple, list)) and mode is not None:
+                raise ConfigError(f"stage {j} has no experts module ({option.experts}): its moe mode must be None")
+            out.append(None)
+            continue
+        if mode not in MODES:
+            raise ConfigError(f"stage {j}: unknown moe mode {mode!r}; choose from {', '.join(MODES)}")
+        if not (k == "auto" or (isinstance(k, int) and not isinstance(k, bool) and k >= 1)):
+            raise ConfigError(f"stage {j}: moe chunks must be 'auto' or an integer of at least 1, got {k!r}")
+        layouts = plan.split(plan.layouts)[1][j]
+        cost = costs(plan, site, layouts, st.n_units, option.backend)
+        S, E = plan.shards, site.n_experts
+        ep_ok = plan.strategy.sharded and E % S == 0
+        cheaper = "ep" if cost["ep"] < cost["gather"] else "gather"
+        figures = f"gather {cost['gather'] / 2**20:.2f} MiB vs all-to-all {cost['ep'] / 2**20:.2f} MiB per step"
+        if mode == "auto":
+            mode = cheaper if ep_ok else "gather"
+            why = f"cost model: {figures}" + ("" if ep_ok or cheaper == "gather" else
+                                              f" (ep not possible: {E} experts over {S} shards)")
+        else:
+            why = f"set by moe=; cost model would pick {cheaper}: {figures}"
+        if mode == "ep":
+            if not plan.strategy.sharded:
+                raise ConfigError(f"stage {j}: expert parallelism needs the experts sharded over fsdp; strategy "
+                                  f"{plan.strategy.value} keeps them whole (use gather mode or a sharded strategy)")
+            if E % S:
+                raise ConfigError(f"stage {j}: expert parallelism needs the {E} experts to divide over the {S} fsdp "
+                                  f"shards (each device holds E/S whole experts); use gather mode or a mesh whose fsdp "
+                                  f"size divides {E}")
+            if k != "auto" and k > site.buckets[1]:
+                raise ConfigError(f"stage {j}: {k} chunks for {site.buckets[1]} slots per device; use at most that many")
+            k = auto_chunks(plan, site, cost) if k == "auto" else k
+        else:
+            if k not in ("auto", 1):
+                raise ConfigError(f"stage {j}: chunks={k} applies to expert-parallel mode, not gather")
+            k = 1
+        out.append(StageMoE(site, mode, k, cost, why))
+    if all(o is None for o in out):
+        raise ConfigError(f"moe= was given but no stage calls an experts module ({option.experts})")
+    return out
+
+
+# ---------------------------------------------------------------- inside the sharded forward
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def local_shard(shard, comm, dtype):
+    """An expert shard used where it lives: cast to param_dtype, no gather. Its gradient is summed
+    over the replica axes (the `data` axis of a hybrid mesh) only, and scaled like every gradient;
+    `dtype` is the shard's own (master) dtype."""
+    return shard.astype(comm.param_dtype or shard.dtype)
+
+
+def _local_fwd(shard, comm, dtype):
+    return local_shard(shard, comm, dtype), None
+
+
+def _local_bwd(comm, dtype, _, g):
+    g = g.astype(comm.reduce_dtype or g.dtype)
+    if comm.reduce_axes:
+        g = lax.psum(g, comm.reduce_axes)
+    return ((g * comm.scale).astype(dtype),)
+
+
+local_shard.defvjp(_local_fwd, _local_bwd)
+
+
+def place_params(unshard_fn, shards, layouts, site: Site, comm):
+    """The unit's parameters for an expert-parallel unit: everything gathered, except the experts'
+    leaves, which are the local shards (cast)."""
+    def one(path, l, x):
+        if _path_keys(path)[: len(site.path)] == site.path:
+            return local_shard(x, comm, jnp.dtype(x.dtype))
+        return unshard_fn(x, l)
+    return jax.tree_util.tree_map_with_path(one, layouts, shards, is_leaf=lambda x: hasattr(x, "stored_shape"))
+
+
+def _chunks(n: int, k: int) -> list:
+    bounds = [round(i * n / k) for i in range(k + 1)]
+    return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+def expert_parallel(buckets, compute, shards: int, chunks: int):
+    """buckets (E, n, d) on every device -> (E, n, d): each chunk of slots all-to-all'ed over `fsdp`
+    to the devices holding its experts ((E/S, S*c, d) there), computed with the local experts, sent back."""
+    outs = []
+    for a, b in _chunks(buckets.shape[1], chunks):
+        x = buckets[:, a:b]
+        if shards > 1:
+            x = lax.all_to_all(x, FSDP_AXIS, 0, 1, tiled=True)
+        y = compute(x)
+        if shards > 1:
+            y = lax.all_to_all(y, FSDP_AXIS, 1, 0, tiled=True)
+        outs.append(y)
+    return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
+
+
+def interceptor(stage: StageMoE, selector: MoE, shards: int):
+    """The flax method interceptor that runs the experts module expert-parallel."""
+    local_n = stage.site.n_experts // shards
+    inside = []   # the local experts' own call passes through (it is the same module class)
+
+    def hook(next_fun, args, kwargs, context):
+        mod = context.module
+        if inside or context.method_name != "__call__" or not selector.matches(mod):
+            return next_fun(*args, **kwargs)
+        local = mod.variables["params"]
+        clone = mod.clone(parent=None, n_experts=local_n)
+
+        def compute(x):
+            inside.append(True)
+            try:
+                return clone.apply({"params": local}, x)
+            finally:
+                inside.pop()
+        return expert_parallel(args[0], compute, shards, stage.chunks)
+    return hook
+
+
+def describe(plan) -> list:
+    """Lines for the planner: each MoE stage's mode, chunks and why."""
+    lines = []
+    for j, s in enumerate(getattr(plan, "moe_stages", None) or []):
+        if s is None:
+            continue
+        lines.append(f"stage {j} ({plan.stage_sizes[j]} MoE units, {s.site.n_experts} experts, buckets "
+                     f"{'x'.join(map(str, s.site.buckets))} per device): {s.mode}"
+                     + (f", {s.chunks} chunk(s)" if s.mode == "ep" else "") + f" -- {s.why}")
+    return lines
