@@ -34,6 +34,8 @@ class TrainConfig:
     precision: str = "fp32"
     remat: str = "none"
     loss: str = "fused"
+    moe: str = "auto"               # MoE models: gather / ep / auto per stage (jfsdp/moe.py)
+    moe_chunks: str = "auto"
     # optimization
     steps: int = 300
     batch_size: int = 16            # global, in sequences
@@ -94,7 +96,7 @@ def parse_args(argv=None) -> TrainConfig:
     g.add_argument("--strategy", default=d.strategy, help="full_shard (ZeRO-3), shard_grad_op (ZeRO-2), no_shard "
                    "(DDP), hybrid_shard, hybrid_shard_zero2")
     g.add_argument("--model", default=d.model, help="named model config from models/__init__.py: llama-test, "
-                   "llama-tiny, llama-small, llama-1b, llama-8b, llama-70b")
+                   "llama-tiny, llama-small, llama-1b, llama-8b, llama-70b, moe-test, mixtral-8x7b")
     g.add_argument("--precision", default=d.precision, choices=("fp32", "bf16"),
                    help="fp32, or bf16 mixed precision (bf16 gathers and compute, fp32 master weights, "
                    "optimizer state and gradient reduction)")
@@ -104,6 +106,11 @@ def parse_args(argv=None) -> TrainConfig:
     g.add_argument("--loss", default=d.loss, choices=("fused", "plain"),
                    help="fused: output head and cross-entropy in chunks of tokens (jfsdp.ops.linear_cross_entropy), "
                    "the logits of the batch never exist; plain: logits, then log_softmax")
+    g.add_argument("--moe", default=d.moe, choices=("auto", "gather", "ep"),
+                   help="MoE models: gather the experts' weights (FSDP) or send the tokens to them (expert "
+                   "parallel, all-to-all); auto: per stage by jfsdp's cost model (jfsdp/moe.py)")
+    g.add_argument("--moe-chunks", default=d.moe_chunks,
+                   help="MoE expert-parallel stages: split the tokens into k chunks (an integer, or auto)")
     g = p.add_argument_group("optimization")
     g.add_argument("--steps", type=int, default=d.steps, help="optimizer steps")
     g.add_argument("--batch-size", type=int, default=d.batch_size,
@@ -225,6 +232,15 @@ def check_flags(c: TrainConfig) -> int | None:
     return n // procs
 
 
+def _prefetches(c: TrainConfig) -> bool:
+    """Whether the plan will run jfsdp's prefetch pipeline on GPUs (the rule of jfsdp.core's
+    `_resolve_prefetch`, read before jax starts so that XLA gets the pipeline's flags)."""
+    env = os.environ.get("JFSDP_PREFETCH", "").strip().lower()
+    shards = c.mesh.lower().partition("x")[2]
+    return (env not in ("0", "false") and c.remat == "full" and c.strategy in ("full_shard", "hybrid_shard")
+            and shards.isdigit() and int(shards) > 1)
+
+
 def setup_devices(c: TrainConfig, n_needed: int | None) -> None:
     """Before jax is imported: on a machine without an accelerator, fake the mesh's devices on the CPU.
     An explicit JAX_PLATFORMS wins; NVIDIA GPUs (and TPUs) are detected without importing jax."""
@@ -235,7 +251,7 @@ def setup_devices(c: TrainConfig, n_needed: int | None) -> None:
         if c.cpu_devices:
             fail("--cpu-devices only applies on a machine without an accelerator (or with JAX_PLATFORMS=cpu)")
         from jfsdp.targets import gpu_xla_flags  # FSDP prefetch on GPUs; XLA reads the flags when jax starts
-        os.environ["XLA_FLAGS"] = gpu_xla_flags()
+        os.environ["XLA_FLAGS"] = gpu_xla_flags(prefetch=_prefetches(c))
         return
     if n_needed is None and not c.cpu_devices:
         return  # a malformed mesh: jfsdp.parse_mesh reports it once jax is imported; nothing to fake

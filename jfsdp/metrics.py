@@ -42,6 +42,19 @@ def llama_flops_per_token(cfg, seq_len: int) -> float:
     return 6.0 * n_matmul + 6.0 * L * d * seq_len
 
 
+def moe_flops_per_token(cfg, seq_len: int) -> float:
+    """`llama_flops_per_token` for a Mixture-of-Experts decoder: the active matmul weights only (the
+    router, and top_k of the n_experts SwiGLU experts of each MoE layer; the dense layers as Llama's).
+    `cfg` needs dim, n_layers (MoE), n_dense_layers, n_heads, n_kv_heads, ffn_dim, expert_dim,
+    n_experts, top_k, vocab_size (duck-typed)."""
+    d, v = cfg.dim, cfg.vocab_size
+    kv = cfg.n_kv_heads * (d // cfg.n_heads)
+    L = cfg.n_layers + cfg.n_dense_layers
+    attn = 2 * d * d + 2 * d * kv
+    n_matmul = (L * attn + cfg.n_dense_layers * 3 * d * cfg.ffn_dim
+                + cfg.n_layers * (d * cfg.n_experts + cfg.top_k * 3 * d * cfg.expert_dim) + d * v)
+    return 6.0 * n_matmul + 6.0 * L * d * seq_len
+
 def peak_flops(device, precision: str = "bf16") -> float | None:
     """The device's dense peak FLOP/s for the precision, or None when unknown (e.g. CPU)."""
     if device.platform == "cpu":

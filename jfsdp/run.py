@@ -74,9 +74,10 @@ class Run:
                 self.model_name = f"{c.init_from} (Hugging Face)"
             else:
                 mcfg, self.model_name = models.get_config(c.model), c.model
-            if not isinstance(mcfg, models.LlamaConfig):
+            self.is_moe = isinstance(mcfg, models.MoEConfig)
+            if not isinstance(mcfg, models.LlamaConfig) and not self.is_moe:
                 raise jfsdp.ConfigError(f"model '{c.model}' is not a language model; train.py trains the llama-* "
-                                        "models")
+                                        "and MoE models")
             if c.seq_len > mcfg.max_seq_len:
                 raise jfsdp.ConfigError(f"--seq-len {c.seq_len} exceeds the model's max_seq_len {mcfg.max_seq_len}")
             tokenizer = jhf.tokenizer_path(c.init_from) if c.init_from else None
@@ -95,14 +96,23 @@ class Run:
             if len(devices) > r * s:
                 note(f"using {r * s} of the {len(devices)} {devices[0].platform} devices")
             self.mesh = mesh = distributed.make_mesh(c.mesh, devices=devices[: r * s])
-            root, unit, self.n_units = models.parts(mcfg)
-            shard = lambda head: jfsdp.fully_shard(jfsdp.Stacked(root, unit, self.n_units, head_method=head), mesh,
-                                                   jax.ShapeDtypeStruct((1, c.seq_len), jnp.int32),
-                                                   strategy=strategy, mp_policy=mp, remat=c.remat)
+            from jfsdp.plan import language_model
+            # an MoE plan's cost model reads the tokens per device from the example: one micro-batch
+            rows = max(1, c.batch_size // c.grad_accum) if self.is_moe else 1
+            example = jax.ShapeDtypeStruct((rows, c.seq_len), jnp.int32)
+
+            def shard(head):
+                model, moe, self.loss_fn = language_model(models, mcfg, c.loss, c.moe, c.moe_chunks, head=head)
+                return jfsdp.fully_shard(model, mesh, example, strategy=strategy, mp_policy=mp, remat=c.remat,
+                                         moe=moe)
             # the fused loss takes (hidden, head weight) from the root; sampling needs logits: a second
             # plan over the same parameters with the plain head (nothing is compiled until it is used)
             self.logits_plan = shard("head")
-            self.plan = plan = shard("head_features") if c.loss == "fused" else self.logits_plan
+            self.plan = plan = shard(None) if c.loss == "fused" else self.logits_plan
+            self.n_units = sum(plan.stage_sizes)
+            # a model's own metrics, measured at each logged step on that step's batch (a forward pass)
+            self.model_metrics = ({"moe_aux_loss": models.moe.aux_loss, "moe_dropped": models.moe.dropped_fraction}
+                                  if self.is_moe else {})
             rows = jdata.process_rows(plan.batch_sharding, c.batch_size, c.seq_len)
             self.loader = jdata.Loader(self.corpus, c.batch_size, c.seq_len, seed=c.seed, rows=rows)
             self.ckpt, self.resume_step = None, None
@@ -133,10 +143,8 @@ class Run:
         self.c, self.mcfg, self.r, self.s = c, mcfg, r, s
         self.n_dev = r * s
         self.platform = devices[0].platform
-        self.loss_fn = (jfsdp.ops.lm_loss(vocab_major=mcfg.tie_embeddings) if c.loss == "fused"
-                        else models.loss_fn(mcfg))
         self.tokens_per_step = c.batch_size * c.seq_len
-        self.flops_per_token = jm.llama_flops_per_token(mcfg, c.seq_len)
+        self.flops_per_token = (jm.moe_flops_per_token if self.is_moe else jm.llama_flops_per_token)(mcfg, c.seq_len)
         self.peak = jm.peak_flops(devices[0], c.precision)
 
     def put(self, batch):
@@ -189,6 +197,7 @@ class Run:
         except OSError as e:
             fail(f"{e.filename}: {e.strerror}")
         self.eval_loss = jax.jit(plan.loss(self.loss_fn))
+        self.model_metrics = {k: jax.jit(plan.loss(f)) for k, f in self.model_metrics.items()}
         self.val_set = [self.put(b) for b in loader.val_batches(c.eval_iters)]
         self.mem, self.mem_src = jm.device_memory(self.mesh.local_devices, self.compiled)
         self.compile_s = time.perf_counter() - t0
@@ -293,7 +302,9 @@ class Run:
                     if platform != "cpu":
                         self.mem, _ = jm.device_memory(self.mesh.local_devices)
                     rec = {"step": done, "loss": float(losses.mean()), "lr": float(self.schedule(done - 1)),
-                           "grad_norm": float(m["grad_norm"]), **extra_metrics(got), **self.throughput(tps),
+                           "grad_norm": float(m["grad_norm"]), **extra_metrics(got),
+                           **{k: float(f(self.state.params, batch)) for k, f in self.model_metrics.items()},
+                           **self.throughput(tps),
                            "memory_bytes": self.mem, "epoch": round(loader.epoch(), 4),
                            "time_s": round(now - self.t_launch, 3)}
                     out.write(**rec)
@@ -398,7 +409,10 @@ def sample(plan, params, corpus, c: TrainConfig) -> None:
         prompt = head[: breaks[-1] + 1] if len(breaks) and breaks[-1] > 8 else head
     tokens = [int(t) for t in prompt][-(T - 1):] or [corpus.eos if corpus.eos is not None else 0]
     replicated = jax.sharding.NamedSharding(plan.mesh, jax.sharding.PartitionSpec())   # readable by every process
-    fwd = jax.jit(lambda p, x, i: jax.lax.dynamic_index_in_dim(plan.apply(p, x)[0], i, keepdims=False),
+    def logits(p, x):   # a head that returns a dict (MoE: with its statistics) has the logits under 'out'
+        out = plan.apply(p, x)
+        return out["out"] if isinstance(out, dict) else out
+    fwd = jax.jit(lambda p, x, i: jax.lax.dynamic_index_in_dim(logits(p, x)[0], i, keepdims=False),
                   out_shardings=replicated)
     rng = np.random.default_rng(c.seed)
     buf = np.full((plan.n_devices, T), jdata.PAD if corpus.is_bytes else 0, np.int32)
