@@ -246,10 +246,10 @@ def estimate(plan: FSDP, optimizer, loss_fn: Callable, batch, *, prefetch: bool 
         # One shard (NO_SHARD, or any strategy on an Rx1 mesh): unshard is at most a cast, which the
         # backward pass redoes rather than keeps (core.FSDP), so a param_dtype copy exists for the
         # root and one unit at a time, and only where compute runs in another dtype than the master.
-        # With N > 1 devices the gradient all-reduce writes a second full gradient (measured: 1x1
-        # and 16x1 differ by that much beyond their activations).
+        # The gradient all-reduce runs in place (an earlier "second full gradient" measured with N > 1
+        # devices was the optimizer's clipped copy of the gradients, gone since jfsdp.step's clipping).
         gathered = 0 if gdt == jnp.dtype(jnp.float32) else root_g + max(unit_g)
-        grad_buffers = root_r + all_r if N > 1 else 0
+        grad_buffers = 0
 
     local = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // N, *a.shape[1:]), a.dtype), batch)
     act = activation_estimate(plan, loss_fn, local, backend)
