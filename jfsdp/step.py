@@ -161,19 +161,6 @@ def _donated(state) -> bool:
     return any(deleted(x) for x in jax.tree.leaves(state))
 
 
-# XLA:CPU's default scheduler optimizes for concurrency (instructions in breadth-first order): every
-# buffer with nothing to wait for, such as the zeros that the backward scan's stacked gradient outputs
-# start from, is created at the start of the step and lives through the head's backward. Its
-# memory-minimizing scheduler creates them where they are needed (measured, llama-1b on one device:
-# 19.53 -> 19.39 GiB; SHARD_GRAD_OP on 8: 8.57 -> 8.10). GPUs schedule with their own scheduler.
-CPU_OPTIONS = {"xla_cpu_enable_concurrency_optimized_scheduler": False}
-
-
-def compiler_options(plan: FSDP) -> dict | None:
-    """XLA options of the train step: CPU_OPTIONS where the plan's devices are CPUs."""
-    return dict(CPU_OPTIONS) if plan.mesh.devices.flat[0].platform == "cpu" else None
-
-
 def make_train_step(plan: FSDP, optimizer: optax.GradientTransformation, loss_fn: Callable,
                     grad_accum: int = 1, donate: bool = True) -> TrainStep:
     """(state, batch) -> (state, {'loss', 'grad_norm'}), jitted (see `TrainStep`).
@@ -191,5 +178,5 @@ def make_train_step(plan: FSDP, optimizer: optax.GradientTransformation, loss_fn
 
     shardings = state_shardings(plan, optimizer)
     jitted = jax.jit(step, in_shardings=(shardings, plan.batch_sharding), out_shardings=(shardings, shardings.step),
-                     donate_argnums=(0,) if donate else (), compiler_options=compiler_options(plan))
+                     donate_argnums=(0,) if donate else ())
     return TrainStep(jitted, plan, grad_accum, donate)
