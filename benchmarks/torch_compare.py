@@ -58,6 +58,8 @@ else:
                                f" --xla_dump_to={DUMP_DIR} --xla_dump_hlo_module_re=jit_step"
                                " --xla_backend_optimization_level=0").strip()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from jfsdp.step import cpu_xla_flags  # jax reads XLA_FLAGS when its backend starts
+    os.environ["XLA_FLAGS"] = cpu_xla_flags()   # XLA:CPU's memory-minimizing scheduler (jfsdp.step.CPU_FLAGS)
 
 import dataclasses  # noqa: E402
 import glob  # noqa: E402
