@@ -170,8 +170,24 @@ def main(argv=None):
     p.add_argument("--json", required=True)
     p.add_argument("--png", default=None, help="plot (default: the --json path with .png)")
     p.add_argument("--only", choices=("devices", "depth", "largest"), default=None)
+    p.add_argument("--reestimate", action="store_true",
+                   help="recompute estimate_gib of every row of an existing --json with the current estimate (no compiles)")
     a = p.parse_args(argv)
     log = lambda r: print(json.dumps(r), flush=True)
+    if a.reestimate:
+        with open(a.json) as f:
+            result = json.load(f)
+        base = models.get_config("llama-1b")
+        for part in ("vs_devices", "vs_depth", "largest_models"):
+            for r in result.get(part, []):
+                if "mesh" not in r:
+                    continue
+                cfg = FAMILIES[r["family"]] if part == "largest_models" else base
+                plan, opt, loss, batch = setup(dataclasses.replace(cfg, n_layers=r["n_layers"]), r["mesh"], r["strategy"], r["remat"])
+                r["estimate_gib"] = memory.estimate(plan, opt, loss, batch).total / GiB
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=2)
+        return
     t = time.time()
     result = {"device": f"CPU, {jax.device_count()} fake XLA devices", "seq_len": SEQ, "precision": "fp32",
               "optimizer": "AdamW", "per_device_batch": 1, "budget_gib": BUDGET / GiB}
