@@ -3,7 +3,8 @@
     python benchmarks/memory.py --json benchmarks/results/memory.json [--png benchmarks/results/memory.png]
 
 Every number is XLA's buffer assignment (`compiled.memory_analysis()`, argument + output + temp −
-alias) of jfsdp's real train step (AdamW, fp32, donated state), lowered from abstract inputs on 64
+alias) of jfsdp's real train step (AdamW, fp32, donated state, the fused head + cross-entropy of
+train.py), lowered from abstract inputs on 64
 fake CPU devices: nothing is allocated. fp32 because XLA's CPU backend widens bf16 to f32 anyway
 (jfsdp.memory._wire_dtype), so an fp32 plan is what this machine can measure faithfully.
 
@@ -22,6 +23,9 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # `models` is the repository's own package, imported from the repository root (pip installs only jfsdp)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from jfsdp.step import cpu_xla_flags  # noqa: E402  (jax reads XLA_FLAGS when its backend starts)
+
+os.environ["XLA_FLAGS"] = cpu_xla_flags()   # XLA:CPU's memory-minimizing scheduler, as jfsdp trains on CPU
 
 import dataclasses  # noqa: E402
 import json  # noqa: E402
@@ -46,9 +50,10 @@ def setup(cfg, mesh_spec, strategy, remat="full", per_device_batch=1):
     mesh = jfsdp.make_mesh(mesh_spec, jax.devices()[: r * s])
     x = jax.ShapeDtypeStruct((per_device_batch * r * s, SEQ), jnp.int32)
     root, unit, n = models.parts(cfg)
-    plan = jfsdp.fully_shard(jfsdp.Stacked(root, unit, n), mesh, x, strategy=strategy, remat=remat,
-                             mp_policy=jfsdp.MixedPrecision.parse("fp32"))
-    return plan, jfsdp.adamw(1e-4), models.loss_fn(cfg), {"inputs": x, "targets": x}
+    # as train.py and the planner run it: the fused, chunked head + cross-entropy (no full logits)
+    plan = jfsdp.fully_shard(jfsdp.Stacked(root, unit, n, head_method="head_features"), mesh, x, strategy=strategy,
+                             remat=remat, mp_policy=jfsdp.MixedPrecision.parse("fp32"))
+    return plan, jfsdp.adamw(1e-4), jfsdp.ops.lm_loss(vocab_major=cfg.tie_embeddings), {"inputs": x, "targets": x}
 
 
 def measure(cfg, mesh_spec, strategy, remat="full") -> dict:
@@ -165,20 +170,40 @@ def main(argv=None):
     p.add_argument("--json", required=True)
     p.add_argument("--png", default=None, help="plot (default: the --json path with .png)")
     p.add_argument("--only", choices=("devices", "depth", "largest"), default=None)
+    p.add_argument("--reestimate", action="store_true",
+                   help="recompute estimate_gib of every row of an existing --json with the current estimate (no compiles)")
     a = p.parse_args(argv)
     log = lambda r: print(json.dumps(r), flush=True)
+    if a.reestimate:
+        with open(a.json) as f:
+            result = json.load(f)
+        base = models.get_config("llama-1b")
+        for part in ("vs_devices", "vs_depth", "largest_models"):
+            for r in result.get(part, []):
+                if "mesh" not in r:
+                    continue
+                cfg = FAMILIES[r["family"]] if part == "largest_models" else base
+                plan, opt, loss, batch = setup(dataclasses.replace(cfg, n_layers=r["n_layers"]), r["mesh"], r["strategy"], r["remat"])
+                r["estimate_gib"] = memory.estimate(plan, opt, loss, batch).total / GiB
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=2)
+        return
     t = time.time()
     result = {"device": f"CPU, {jax.device_count()} fake XLA devices", "seq_len": SEQ, "precision": "fp32",
               "optimizer": "AdamW", "per_device_batch": 1, "budget_gib": BUDGET / GiB}
+    def save():   # after every part: a long run interrupted keeps what it measured
+        result["wall_s"] = round(time.time() - t, 1)
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=2)
     if a.only in (None, "devices"):
         result["vs_devices"] = vs_devices(log)
+        save()
     if a.only in (None, "depth"):
         result["vs_depth"] = vs_depth(log)
+        save()
     if a.only in (None, "largest"):
         result["largest_models"] = largest_models(log)
-    result["wall_s"] = round(time.time() - t, 1)
-    with open(a.json, "w") as f:
-        json.dump(result, f, indent=2)
+    save()
     if a.only is None:
         plot(result, a.png or os.path.splitext(a.json)[0] + ".png")
     print(f"done in {result['wall_s']} s")

@@ -20,9 +20,12 @@ rank, AdamW, clipping, decay on matrices:
   and collectives to f32, so the fair bf16 figure is a GPU compile: `--jfsdp-target` selects where
   jfsdp compiles (only `cpu` until the compile-only GPU targets land, see `_target_devices`).
 
-The default grid moves one dimension at a time (16 cells): W = 1..64 (FULL_SHARD, fp32, remat full,
+The default grid moves one dimension at a time (24 cells): W = 1..64 (FULL_SHARD, fp32, remat full,
 seq 2048); every strategy at W = 8 (HYBRID on a 2x4 mesh); bf16, remat none and seq 8192 at W = 8
-and 64. `--grid full` is the cross product (W x strategy x precision x remat x seq).
+and 64; and the memory goal's cells (W = 1, FULL_SHARD at 8 and 64, SHARD_GRAD_OP at 8) in fp32 and
+bf16 at 2048 and 8192 tokens. `--grid full` is the cross product (W x strategy x precision x remat x
+seq). `--torch-from JSON` takes FSDP2's figures from an earlier run and measures only the cells
+that run lacks.
 
 Speed on this machine: tokens/s of one model and global batch, jfsdp on W fake CPU devices against
 FSDP2 on W gloo processes, W = 1 and 4 (W = 1 isolates compute from communication). On a GPU host,
@@ -55,6 +58,8 @@ else:
                                f" --xla_dump_to={DUMP_DIR} --xla_dump_hlo_module_re=jit_step"
                                " --xla_backend_optimization_level=0").strip()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from jfsdp.step import cpu_xla_flags  # jax reads XLA_FLAGS when its backend starts
+    os.environ["XLA_FLAGS"] = cpu_xla_flags()   # XLA:CPU's memory-minimizing scheduler (jfsdp.step.CPU_FLAGS)
 
 import dataclasses  # noqa: E402
 import glob  # noqa: E402
@@ -113,6 +118,10 @@ def grid(kind: str) -> list[Cell]:
         cells += [Cell(8, s) for s in ("shard_grad_op", "no_shard", "hybrid_shard")]
         for w in (8, 64):
             cells += [Cell(w, precision="bf16"), Cell(w, remat="none"), Cell(w, seq=8192)]
+        # the goal's cells (one rank, 8 and 64 ranks FULL_SHARD, 8 ranks SHARD_GRAD_OP) at 8192 tokens
+        # and in bf16 as well
+        for c in (Cell(1), Cell(8), Cell(64), Cell(8, "shard_grad_op")):
+            cells += [dataclasses.replace(c, precision=p, seq=t) for p in ("fp32", "bf16") for t in (2048, 8192)]
     return list(dict.fromkeys(cells))
 
 
@@ -296,7 +305,12 @@ def run_memory(args, log) -> list[dict]:
     hf_config = hf.to_hf_config(dataclasses.asdict(cfg))
     cells = [c for c in grid(args.grid) if re.search(args.match, c.key)][: args.cells or None]
     work = tempfile.mkdtemp(prefix="torch_compare_")
-    proc, out_path = (None, None) if args.no_torch or args.torch_from else start_torch(cells, hf_config, work)
+    earlier = {}
+    if args.torch_from:   # FSDP2's figures of an earlier run (the torch side does not change with jfsdp)
+        with open(args.torch_from) as f:
+            earlier = {r["cell"]["key"]: r["torch"] for r in json.load(f)["memory"] if "peak" in r["torch"]}
+    missing = [c for c in cells if c.key not in earlier]   # measured now, beside the jfsdp compiles
+    proc, out_path = (None, None) if args.no_torch or not missing else start_torch(missing, hf_config, work)
     rows = []
     for c in cells:
         target = args.jfsdp_target
@@ -311,10 +325,7 @@ def run_memory(args, log) -> list[dict]:
             tail = f.read()[-2000:]
         if proc.returncode:
             log(f"FSDP2 memory subprocess exited {proc.returncode}:\n{tail}")
-    torch_rows = read_torch(out_path) if out_path else {}
-    if args.torch_from:   # FSDP2's figures of an earlier run (the torch side does not change with jfsdp)
-        with open(args.torch_from) as f:
-            torch_rows = {r["cell"]["key"]: r["torch"] for r in json.load(f)["memory"]}
+    torch_rows = earlier | (read_torch(out_path) if out_path else {})
     for row in rows:
         t = torch_rows.get(row["cell"]["key"], {"error": "not measured"})
         row["torch"] = t

@@ -257,7 +257,8 @@ def setup_devices(c: TrainConfig, n_needed: int | None) -> None:
         return  # a malformed mesh: jfsdp.parse_mesh reports it once jax is imported; nothing to fake
     n = c.cpu_devices or n_needed
     flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", ""))
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+    from jfsdp.step import cpu_xla_flags   # XLA:CPU's memory-minimizing scheduler (jfsdp.step.CPU_FLAGS)
+    os.environ["XLA_FLAGS"] = cpu_xla_flags(f"{flags} --xla_force_host_platform_device_count={n}".strip())
     os.environ.setdefault("JAX_PLATFORMS", "cpu")   # don't probe for GPU/TPU plugins
     why = "JAX_PLATFORMS=cpu" if requested else "no accelerator found"
     note(f"{why}: faking {n} CPU devices" + ("" if c.cpu_devices else f" for mesh {c.mesh} (--cpu-devices N overrides)"))

@@ -606,18 +606,52 @@ class FSDP:
         stage.defvjp(stage_fwd, backward)
         return stage
 
+    @functools.cached_property
+    def root_use(self) -> tuple:
+        """(indices of the root's leaves that `embed` reads, those that `head` reads), in the order
+        of jax.tree.leaves(root layouts); read from the traced methods."""
+        m = self.model
+        layouts, treedef = jax.tree.flatten(self.split(self.layouts)[0], is_leaf=_is_layout)
+        abstract = [jax.ShapeDtypeStruct(l.shape, l.dtype) for l in layouts]
+
+        def reads(method, arg):
+            f = lambda leaves, a: m.root.apply({"params": jax.tree.unflatten(treedef, leaves)}, a, method=method)
+            jaxpr = jax.make_jaxpr(f)(abstract, arg).jaxpr
+            refs = {id(v) for e in jaxpr.eqns for v in e.invars} | {id(v) for v in jaxpr.outvars}
+            return frozenset(i for i, v in enumerate(jaxpr.invars[:len(layouts)]) if id(v) in refs)
+        return reads(m.embed_method, self.example_inputs), reads(m.head_method, self.h_shapes[-1])
+
     def _forward(self, params, inputs):
         m = self.model
-        # The root is gathered once for both ends of the model: it holds the embedding and the head,
-        # which may share a tied weight, and is needed again as soon as the backward pass starts
-        # (FSDP2 likewise keeps the root unsharded through the step).
+        # The root is gathered where it is used: a leaf that only the embedding reads (an untied
+        # embedding table) when the step starts, for the lookup alone (its backward pass needs no
+        # weights); a leaf that only the head reads after the last unit, kept for the head's
+        # backward. A leaf both read (a tied embedding) is, as FSDP does with a shared parameter,
+        # gathered once for both uses and kept from the embedding to the head's backward, with one
+        # gradient reduced for it.
         root_l, stage_l = self.split(self.layouts)
         root_p, stage_p = self.split(params)
-        root = self._unshard(root_p, root_l)
-        h = m.root.apply({"params": root}, inputs, method=m.embed_method)
-        for j, (shards, layouts) in enumerate(zip(stage_p, stage_l)):
-            h = self._stage(j, h, shards, layouts)
-        out = m.root.apply({"params": root}, h, method=m.head_method)
+        layouts, treedef = jax.tree.flatten(root_l, is_leaf=_is_layout)
+        shards = treedef.flatten_up_to(root_p)
+        embed_reads, head_reads = self.root_use
+        gathered = {}
+
+        def root(reads):   # leaves this method does not read are placeholders that XLA drops
+            for i in sorted(reads - set(gathered)):
+                gathered[i] = unshard(shards[i], layouts[i], self.comm)
+            return jax.tree.unflatten(treedef, [gathered[i] if i in reads else
+                                                jnp.zeros(l.shape, self.comm.param_dtype or l.dtype)
+                                                for i, l in enumerate(layouts)])
+        h = m.root.apply({"params": root(embed_reads)}, inputs, method=m.embed_method)
+        for j, (shards_j, layouts_j) in enumerate(zip(stage_p, stage_l)):
+            h = self._stage(j, h, shards_j, layouts_j)
+        late = sorted(head_reads - set(gathered))
+        if late:   # gathered once h exists, not hoisted to the start of the step by XLA's scheduler
+            h, held = lax.optimization_barrier((h, [shards[i] for i in late]))
+            shards = list(shards)
+            for i, x in zip(late, held):
+                shards[i] = x
+        out = m.root.apply({"params": root(head_reads)}, h, method=m.head_method)
         # output_dtype applies to a head that returns an array (logits); a head that returns a
         # pytree (e.g. hidden states and a weight for a fused loss) hands its precision to the loss
         if self.mp.output_dtype and isinstance(out, jax.Array):

@@ -174,12 +174,13 @@ def activation_estimate(plan: FSDP, loss_fn: Callable, local_batch, backend: str
     head = _residual_bytes(head_loss, h, root_p, local_batch)
     if isinstance(out, jax.ShapeDtypeStruct):   # logits: + the output's cotangent in fp32
         head += 2 * _nbytes(out)
-    else:   # a fused head + loss (hidden, weight): per leaf, its backward's fp32 accumulator and the
-        # gradient that accumulator is added into (e.g. a tied embedding's, from the embedding lookup)
-        head += 2 * sum(math.prod(x.shape) * 4 for x in jax.tree.leaves(out))
+    else:   # a fused head + loss (hidden, weight): the weight's gradient (one buffer of its dtype,
+        # written block by block), and the hidden states' fp32 gradient accumulator and the
+        # product added into it
+        *hs, w = jax.tree.leaves(out)
+        head += _nbytes(w) + 2 * sum(math.prod(x.shape) * 4 for x in hs)
         chunk = getattr(loss_fn, "chunk", None)
         if chunk:   # jfsdp.ops.lm_loss: a few (chunk, vocabulary) fp32 buffers at a time
-            w = jax.tree.leaves(out)[-1]
             vocab = w.shape[0] if getattr(loss_fn, "vocab_major", False) else w.shape[-1]
             tokens = math.prod(inputs.shape)
             head += 2 * min(chunk, tokens) * vocab * 4
@@ -220,14 +221,17 @@ def estimate(plan: FSDP, optimizer, loss_fn: Callable, batch, *, prefetch: bool 
     pdt = plan.mp.param_dtype or jnp.float32
     rdt = plan.mp.reduce_dtype or pdt
     gdt = _wire_dtype(pdt, backend)
-    root_g, root_r = _stored_bytes(root_l, gdt), _stored_bytes(root_l, rdt)
+    # the root leaves the head reads stay gathered to its backward (the peak); those only the
+    # embedding reads are gathered and freed at the start (FSDP.root_use)
+    leaves = jax.tree.leaves(root_l, is_leaf=_is_layout)
+    head_root = [leaves[i] for i in sorted(plan.root_use[1])]
+    root_g = _stored_bytes(head_root, gdt)
     unit_g = [_stored_bytes(l, gdt) for l, _ in stages]   # one gathered unit of each stage
     for j, m in enumerate(getattr(plan, "moe_stages", None) or []):
         if m is not None and m.mode == "ep":   # its experts are not gathered: a cast local shard
             from jfsdp import moe
             unit_g[j] -= moe.expert_bytes(stages[j][0], m.site, gdt) * (S - 1) // S
     unit_r = [_stored_bytes(l, rdt) for l, _ in stages]
-    all_r = sum(u * n for u, (_, n) in zip(unit_r, stages))
     if S > 1:
         # ZeRO-3 keeps one gathered unit at a time (two with prefetch): the largest of any stage. Its
         # unsharded gradient needs no room of its own: each leaf's gradient is reduce-scattered as
@@ -250,17 +254,35 @@ def estimate(plan: FSDP, optimizer, loss_fn: Callable, batch, *, prefetch: bool 
         # One shard (NO_SHARD, or any strategy on an Rx1 mesh): unshard is at most a cast, which the
         # backward pass redoes rather than keeps (core.FSDP), so a param_dtype copy exists for the
         # root and one unit at a time, and only where compute runs in another dtype than the master.
-        # With N > 1 devices the gradient all-reduce writes a second full gradient (measured: 1x1
-        # and 16x1 differ by that much beyond their activations).
+        # The gradient all-reduce runs in place (an earlier "second full gradient" measured with N > 1
+        # devices was the optimizer's clipped copy of the gradients, gone since jfsdp.step's clipping).
         gathered = 0 if gdt == jnp.dtype(jnp.float32) else root_g + max(unit_g)
-        grad_buffers = root_r + all_r if N > 1 else 0
+        grad_buffers = 0
 
     local = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // N, *a.shape[1:]), a.dtype), batch)
     act = activation_estimate(plan, loss_fn, local, backend)
     recompute = max(s["unit_working"] - s["per_unit"] for s in act["stages"])
-    activations = sum(n * s["per_unit"] for s, (_, n) in zip(act["stages"], stages)) + max(act["head"], recompute)
-    return Breakdown(params=params, grads=params, optimizer=optimizer_b, padding=pad_state + pad_grads,
-                     persistent_padding=pad_state, gathered=gathered, grad_buffers=grad_buffers,
+    saved = sum(n * s["per_unit"] for s, (_, n) in zip(act["stages"], stages))
+    # Three candidates for the peak; the largest is the estimate.
+    # (a) the head's backward: the gathered root and the head's working set; no gradient shard
+    #     exists yet (XLA:CPU's memory-minimizing scheduler makes the units' stacked gradient buffers
+    #     just before the backward scan: jfsdp.step.CPU_FLAGS).
+    # (b) the units' backward: every unit's gradient shard (one stacked buffer per stage), the
+    #     unsharded gradient of a root weight the embedding also reads (a tied weight: reduced once,
+    #     after the embedding's backward), the gathered unit(s) and what remat recomputes.
+    # (c) the update: the state and every gradient shard.
+    unit_grads = sum(n * _stored_bytes(l) for l, n in stages) // S
+    shared = [leaves[i] for i in sorted(plan.root_use[0] & plan.root_use[1])]
+    units_gathered = gathered - (root_g if S > 1 or gathered else 0)
+    points = {
+        "head": (0, gathered, saved + act["head"], 0),
+        "units": (unit_grads + _stored_bytes(shared, gdt), units_gathered, saved + recompute, 0),
+        "update": (params, 0, 0, pad_grads),
+    }
+    name = max(points, key=lambda k: sum(points[k]) + (grad_buffers if k != "update" else 0))
+    grads, gath, activations, pad_g = points[name]
+    return Breakdown(params=params, grads=grads, optimizer=optimizer_b, padding=pad_state + pad_g,
+                     persistent_padding=pad_state, gathered=gath, grad_buffers=grad_buffers if name != "update" else 0,
                      activations=activations, batch=_tree_bytes(local))
 
 

@@ -6,8 +6,10 @@ vocabulary, one fp32 copy of the logits is 1 GiB, and the plain `log_softmax` pa
 (logits, their exponentials, the gradient of the logits, a transposed copy for the weight gradient).
 `linear_cross_entropy` never forms the logits of all tokens: it walks over chunks of tokens, and for
 each chunk computes the logits, their log-sum-exp and the loss; the backward pass recomputes each
-chunk's logits and turns them at once into the gradients of the hidden states and of the head
-weight. Only one chunk's logits and the per-token log-sum-exp (4 bytes a token) are ever live.
+block of the vocabulary's logits for all tokens and turns them at once into that block's rows of the
+head weight's gradient and a contribution to the hidden states' gradient. Only one chunk's (or
+block's) logits and the per-token log-sum-exp (4 bytes a token) are ever live, and the weight
+gradient is one weight-sized buffer written block by block.
 """
 from __future__ import annotations
 
@@ -63,30 +65,56 @@ def _lce_fwd(h, w, targets_weights, chunk, vocab_major):
     return total, (h, w, targets_weights, lse)
 
 
+def _vocab_block(chunk: int, tokens: int, vocab: int) -> int:
+    """Vocabulary entries per block of the backward pass: as many logits (tokens x block) as a
+    forward chunk holds (chunk x vocab)."""
+    return max(1, min(vocab, (chunk * vocab) // max(tokens, 1)))
+
+
 def _lce_bwd(chunk, vocab_major, res, g):
+    """The backward pass walks over blocks of the vocabulary, not chunks of tokens: block j's
+    logits for all tokens (recomputed, then turned into softmax - onehot with the saved lse) give
+    that block's rows of the weight gradient complete, written in place into one weight-sized
+    buffer, and a contribution to dh (tokens x d, small). A token-chunked backward instead adds a
+    whole weight-sized partial product per chunk, and XLA:CPU held three weight-sized buffers for it
+    (accumulator, partial product, sum: measured, llama-1b's 128256 x 2048 head, 3 GiB).
+    The last block is shifted back to end at the vocabulary's end (no padded copy of the weight);
+    the columns it shares with the block before are rewritten with the same values in the weight
+    gradient and masked out of dh."""
     h, w, (targets, weights), lse = res
-    hc, tc, wc, n = _prepare(h, targets, weights, chunk)
+    d = h.shape[-1]
+    hf, t = h.reshape(-1, d), targets.reshape(-1)
+    n = t.shape[0]
+    wt = jnp.ones((n,), jnp.float32) if weights is None else weights.reshape(-1).astype(jnp.float32)
+    scale = (wt * g)[:, None]
+    lse = lse.reshape(-1)[:n, None]
     vocab = w.shape[0] if vocab_major else w.shape[1]
+    vb = _vocab_block(chunk, n, vocab)
+    axis = 0 if vocab_major else 1
 
-    def body(dw, xs):
-        hi, ti, wi, li = xs
-        logits = _logits(hi, w, vocab_major)
-        # d(lse - logit[t]) / d logits = softmax - onehot, per token scaled by its weight and g
-        dlogits = (jnp.exp(logits - li[:, None]) - jax.nn.one_hot(ti, vocab, dtype=jnp.float32)) * (wi * g)[:, None]
-        dl = dlogits.astype(h.dtype)
-        if vocab_major:   # w (V, d): dh = dl @ w, dw = dl^T @ h
-            dh = lax.dot_general(dl, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-            dwi = lax.dot_general(dl, hi, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-        else:             # w (d, V): dh = dl @ w^T, dw = h^T @ dl
-            dh = lax.dot_general(dl, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-            dwi = lax.dot_general(hi, dl, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-        return dw + dwi, dh.astype(h.dtype)
+    def body(carry, j):
+        dh, dw = carry
+        start = jnp.minimum(j * vb, vocab - vb)
+        wj = lax.dynamic_slice_in_dim(w, start, vb, axis)
+        cols = start + jnp.arange(vb)
+        logits = _logits(hf, wj, vocab_major)                       # (n, vb) fp32
+        dl = ((jnp.exp(logits - lse) - (t[:, None] == cols[None, :])) * scale).astype(h.dtype)
+        if vocab_major:   # wj (vb, d): dw_j = dl^T @ h, dh += dl @ wj
+            dwj = lax.dot_general(dl, hf, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+            w_dims = (((1,), (0,)), ((), ()))
+        else:             # wj (d, vb): dw_j = h^T @ dl, dh += dl @ wj^T
+            dwj = lax.dot_general(hf, dl, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+            w_dims = (((1,), (1,)), ((), ()))
+        dw = lax.dynamic_update_slice_in_dim(dw, dwj.astype(dw.dtype), start, axis)
+        fresh = jnp.where((cols >= j * vb)[None, :], dl, jnp.zeros((), dl.dtype))
+        dh = dh + lax.dot_general(fresh, wj, w_dims, preferred_element_type=jnp.float32)
+        return (dh, dw), None
 
-    dw, dh = lax.scan(body, jnp.zeros(w.shape, jnp.float32), (hc, tc, wc, lse))
-    dh = dh.reshape(-1, h.shape[-1])[:n].reshape(h.shape)
+    init = (jnp.zeros((n, d), jnp.float32), jnp.zeros(w.shape, w.dtype))
+    (dh, dw), _ = lax.scan(body, init, jnp.arange(-(-vocab // vb)))
     zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jax.dtypes.float0) if jnp.issubdtype(x.dtype, jnp.integer)
                          else jnp.zeros_like(x), (targets, weights))
-    return dh, dw.astype(w.dtype), zeros
+    return dh.astype(h.dtype).reshape(h.shape), dw, zeros
 
 
 _lce.defvjp(_lce_fwd, _lce_bwd)
