@@ -49,6 +49,23 @@ def test_tiny_run_end_to_end(tmp_path):
     assert "summary" in r.stdout and "MFU n/a on CPU" in r.stdout and "== sample" in r.stdout
 
 
+def test_moe_model_trains_and_logs_its_router(tmp_path):
+    """train.py --model moe-test in expert-parallel mode: the loss falls, and the metrics carry the
+    load-balancing loss and the dropped fraction (measured by the model's own statistics)."""
+    metrics = tmp_path / "metrics.jsonl"
+    r = run_train("--mesh", "1x4", "--model", "moe-test", "--moe", "ep", "--batch-size", "8", "--seq-len", "32",
+                  "--steps", "8", "--log-every", "4", "--eval-every", "8", "--gen-tokens", "4",
+                  "--metrics-out", str(metrics))
+    assert r.returncode == 0, r.stderr
+    train = [x for x in map(json.loads, metrics.read_text().splitlines()) if "loss" in x]
+    assert [x["step"] for x in train] == [4, 8]
+    for x in train:
+        assert np.isfinite(x["moe_aux_loss"]) and x["moe_aux_loss"] > 0
+        assert 0.0 <= x["moe_dropped"] <= 1.0
+    assert train[-1]["loss"] < train[0]["loss"]
+    assert "moe_aux_loss" in r.stdout and "== sample" in r.stdout
+
+
 BAD = {
     "mesh-missing-size": (["--mesh", "2x"], "mesh"),
     "mesh-zero": (["--mesh", "0x8"], "mesh"),
@@ -57,6 +74,7 @@ BAD = {
     "unknown-model": (["--model", "llama-nope"], "unknown model"),
     "not-a-language-model": (["--model", "resmlp-test"], "not a language model"),
     "unknown-strategy": (["--strategy", "zero9"], "unknown strategy"),
+    "moe-chunks-not-a-number": (["--model", "moe-test", "--moe-chunks", "two"], "must be an integer"),
     "missing-data": (["--data", "/nonexistent/corpus.txt"], "does not exist"),
     "zero-steps": (["--steps", "0"], "--steps must be positive"),
     "negative-steps": (["--steps", "-3"], "--steps must be positive"),
