@@ -8,7 +8,8 @@
    (XLA's buffer assignment) of both modes, and the mode `MoE(mode='auto')` chooses.
 2. H100 compile-only target (jfsdp.targets; needs jax's CUDA plugin, no GPU): an expert-parallel
    model in bf16, all-to-all bytes per step left exposed (no matmul or loop scheduled while in
-   flight: jfsdp.hlo.overlap) with the k the cost model chooses ('auto', now 1) against k = 4.
+   flight: jfsdp.hlo.overlap) with k = 1 against the k the cost model chooses ('auto'), and every
+   k in 1, 2, 4, 8, 16, on three shapes (model width = expert width, tokens per device).
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ BASE = moe.MoEConfig(vocab_size=512, dim=128, n_layers=2, n_dense_layers=0, n_he
                      expert_dim=128, n_experts=8, top_k=2, capacity_factor=1.25)
 TOKENS = (64, 512)          # tokens per device (one sequence each)
 EXPERT_DIMS = (64, 1024)    # each expert's hidden width
+GPU_SHAPES = ((256, 512), (512, 2048), (1024, 4096))   # (width, tokens per device) on the H100 target
 
 
 def cpu_case(tokens, expert_dim, mode):
@@ -107,16 +109,17 @@ def main(argv=None):
         if not targets.plugin_available():
             out["gpu"] = {"skipped": "jax CUDA plugin not installed"}
         else:
-            cfg = dataclasses.replace(BASE, dim=1024, n_heads=8, n_kv_heads=8, expert_dim=1024, vocab_size=4096)
-            tokens = 4096
-            auto = gpu_case(a.target, "auto", cfg, tokens)
-            four = gpu_case(a.target, 4, cfg, tokens)
             out["gpu"] = {"target": a.target, "note": "compiled by XLA:GPU for the target on this CPU machine (no GPU)",
-                          "config": dataclasses.asdict(cfg), "tokens_per_device": tokens, "chosen": auto, "k4": four}
-            for name, r in ((f"k={auto['chunks']} (chosen)", auto), ("k=4", four)):
-                print(f"{a.target} {name}: all-to-all {r['a2a_mib']:.1f} MiB/step in {r['a2a_ops_per_step']} ops, "
-                      f"exposed {r['exposed_a2a_mib']:.1f} MiB, hidden {r['hidden_a2a_mib']:.1f} MiB; "
-                      f"compiled {r['compiled_memory_mib']:.0f} MiB", flush=True)
+                          "shapes": []}
+            for dim, tokens in GPU_SHAPES:
+                cfg = dataclasses.replace(BASE, dim=dim, n_heads=8, n_kv_heads=8, expert_dim=dim, vocab_size=4096)
+                auto = gpu_case(a.target, "auto", cfg, tokens)
+                sweep = {k: gpu_case(a.target, k, cfg, tokens) for k in (1, 2, 4, 8, 16)}
+                out["gpu"]["shapes"].append({"config": dataclasses.asdict(cfg), "tokens_per_device": tokens,
+                                             "chosen": auto, "by_k": sweep})
+                print(f"{a.target} dim {dim}, {tokens} tokens/device: all-to-all {auto['a2a_mib']:.2f} MiB/step; exposed "
+                      + ", ".join(f"k={k} {r['exposed_a2a_mib']:.2f}" for k, r in sweep.items())
+                      + f" MiB; auto picks k={auto['chunks']}", flush=True)
     with open(a.json, "w") as fh:
         json.dump(out, fh, indent=2)
 

@@ -35,11 +35,26 @@ out of the comparison). 'auto' takes the cheaper; a tie goes to gather. Gatherin
 tokens outweigh the experts (many tokens, small experts), sending tokens when the experts outweigh
 them. 'ep' also needs S to divide E.
 
-The chunk count k ('auto') is 1. Measured on the H100 compile-only target (benchmarks/moe.py,
-2026-11-22): with k = 4 XLA:GPU's scheduler issues the 4 dispatch all-to-alls back to back and runs
-the experts after them, so 131 MiB of a 210 MiB step's all-to-all bytes had no matmul in flight
-against 87.5 MiB with k = 1. Until a schedule that interleaves the chunks is shown, splitting only
-adds messages; k stays an override (`MoE(chunks=k)`), exact in value for any k.
+Adaptive pipelining, how: chunk i+1's dispatch all-to-all is issued beside chunk i's expert
+compute and the two are joined by an optimization barrier (`expert_parallel`). Written as k
+independent chunks instead, XLA:GPU merges the k chunks' expert matmuls into one matmul over the
+concatenated chunks, so all k dispatches finish before any expert computes: measured on the H100
+compile-only target (bf16, dim 1024, 4096 tokens per device), k = 4 left 131 MiB of a step's 210 MiB
+of all-to-all with no matmul in flight against 87.5 MiB with k = 1. With the barrier each chunk's
+dispatch can run under the previous chunk's experts, and its combine under the next chunk's.
+
+The chunk count for 'auto' (`auto_chunks`): 1 off GPUs (XLA:CPU's collectives are synchronous:
+nothing to overlap). On GPUs the largest power of two k <= 16 (and <= the slots per device) such
+that each chunk's all-to-all still sends at least 256 KiB from each device:
+
+    k = max{2^j <= min(16, slots) : a2a_bytes / 2^j >= 256 KiB}     a2a_bytes = X * p * f
+
+The first dispatch and the last combine of a call have nothing of the call to hide behind, about
+1/k of its bytes, so more chunks hide more; the floor keeps chunks from becoming latency-bound
+messages and small matmuls (a judgement: per-message latency is not measured here, no GPU).
+Measured on the H100 target (benchmarks/moe.py, README): the chosen k exposes less all-to-all
+than k = 1 on each of three shapes, though not monotonically in k (XLA's latency-hiding scheduler
+runs one all-to-all at a time and in the remat backward it issues several back to back).
 """
 from __future__ import annotations
 
@@ -173,9 +188,22 @@ def costs(plan, site: Site, layouts, n_units: int, backend: str | None = None) -
             "a2a_bytes": X * xb * f}
 
 
-def auto_chunks(plan, site: Site, cost: dict) -> int:
-    """k for 'auto': 1 (see the module docstring for the measurement behind it)."""
-    return 1
+# 'auto' chunk count (module docstring): the largest power of two up to MAX_CHUNKS whose chunks each
+# still send at least MIN_CHUNK_BYTES per device; 1 off GPUs.
+MAX_CHUNKS = 16
+MIN_CHUNK_BYTES = 256 * 2**10
+
+
+def auto_chunks(plan, site: Site, cost: dict, backend: str | None = None) -> int:
+    """k for 'auto' (module docstring): 1 where collectives are synchronous (any backend but 'gpu');
+    on GPUs the largest power of two k <= MAX_CHUNKS (and <= the slots per device) such that one
+    chunk's all-to-all still sends MIN_CHUNK_BYTES from each device."""
+    if (backend or jax.default_backend()) not in ("gpu", "cuda", "rocm"):
+        return 1
+    k = 1
+    while 2 * k <= min(MAX_CHUNKS, site.buckets[1]) and cost["a2a_bytes"] / (2 * k) >= MIN_CHUNK_BYTES:
+        k *= 2
+    return k
 
 
 def resolve(plan, option: MoE | None) -> list:
@@ -222,7 +250,7 @@ def resolve(plan, option: MoE | None) -> list:
                                   f"size divides {E}")
             if k != "auto" and k > site.buckets[1]:
                 raise ConfigError(f"stage {j}: {k} chunks for {site.buckets[1]} slots per device; use at most that many")
-            k = auto_chunks(plan, site, cost) if k == "auto" else k
+            k = auto_chunks(plan, site, cost, option.backend) if k == "auto" else k
         else:
             if k not in ("auto", 1):
                 raise ConfigError(f"stage {j}: chunks={k} applies to expert-parallel mode, not gather")
@@ -274,16 +302,29 @@ def _chunks(n: int, k: int) -> list:
 
 def expert_parallel(buckets, compute, shards: int, chunks: int):
     """buckets (E, n, d) on every device -> (E, n, d): each chunk of slots all-to-all'ed over `fsdp`
-    to the devices holding its experts ((E/S, S*c, d) there), computed with the local experts, sent back."""
+    to the devices holding its experts ((E/S, S*c, d) there), computed with the local experts, sent back.
+
+    With k > 1 chunks the chunks form a software pipeline: chunk i+1's dispatch is issued next to
+    chunk i's expert compute, and an optimization barrier ties the two together (chunk i+1's
+    experts take the barrier's output, which waits for chunk i's). Without it XLA:GPU merges the k
+    chunks' expert matmuls into one over the concatenated chunks, so every dispatch must finish
+    before any compute starts and nothing is overlapped (measured, module docstring). The barrier is
+    the identity on values (and on gradients), so the result is the same for every k."""
+    parts = [buckets[:, a:b] for a, b in _chunks(buckets.shape[1], chunks)]
+
+    def send(x):
+        return lax.all_to_all(x, FSDP_AXIS, 0, 1, tiled=True) if shards > 1 else x
+
+    def back(y):
+        return lax.all_to_all(y, FSDP_AXIS, 1, 0, tiled=True) if shards > 1 else y
+
     outs = []
-    for a, b in _chunks(buckets.shape[1], chunks):
-        x = buckets[:, a:b]
-        if shards > 1:
-            x = lax.all_to_all(x, FSDP_AXIS, 0, 1, tiled=True)
+    x = send(parts[0])
+    for i in range(len(parts)):
         y = compute(x)
-        if shards > 1:
-            y = lax.all_to_all(y, FSDP_AXIS, 1, 0, tiled=True)
-        outs.append(y)
+        if i + 1 < len(parts):
+            y, x = lax.optimization_barrier((y, send(parts[i + 1])))
+        outs.append(back(y))
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
 
 

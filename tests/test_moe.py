@@ -206,3 +206,32 @@ def test_config_errors():
         _plan(CFG, "1x8", x, moe=jfsdp.MoE(experts="Nothing"))
     # 'auto' never picks ep where it cannot run: 8 experts on 16 shards
     assert _plan(CFG, "1x16", x, moe=jfsdp.MoE()).moe_stages[1].mode == "gather"
+
+
+# ---- adaptive pipelining on the H100 compile-only target
+
+@pytest.mark.skipif(__import__("sys").platform != "linux", reason="jax-cuda13-plugin: Linux wheels only")
+def test_chunked_all_to_all_overlaps_on_h100():
+    """Compiled by XLA:GPU for an H100 (no GPU needed): the k that 'auto' picks for a GPU is > 1, and
+    with it less all-to-all is left with no matmul in flight (jfsdp.hlo.overlap) than with k = 1."""
+    from jfsdp import targets
+    cfg = moe.MoEConfig(vocab_size=512, dim=256, n_layers=1, n_dense_layers=0, n_heads=4, n_kv_heads=4,
+                        expert_dim=256, n_experts=8, top_k=2, capacity_factor=1.25, attention="cudnn")
+    x = jax.ShapeDtypeStruct((8, 512), jnp.int32)
+    mesh = jfsdp.make_mesh("1x8", targets.devices("h100", "1x8"))
+    exposed = {}
+    with targets.tracing_for("h100"):
+        for k in ("auto", 1):
+            root, stages = moe.parts(cfg)
+            plan = jfsdp.fully_shard(jfsdp.Staged(root, stages), mesh, x, remat="full",
+                                     mp_policy=jfsdp.MixedPrecision.parse("bf16"),
+                                     moe=jfsdp.MoE(mode="ep", chunks=k, backend="gpu"))
+            c = targets.compile_step("h100", plan, jfsdp.adamw(1e-4), moe.loss(lm_loss, cfg.aux_coef),
+                                     {"inputs": x, "targets": x})
+            a2a = [o for o in hlo.overlap(c.as_text(), 8) if o.collective.kind == "all-to-all"]
+            s = hlo.overlap_summary(a2a)["all-to-all"]
+            exposed[plan.moe_stages[0].chunks] = (s["exposed_bytes"], s["exposed_bytes"] + s["hidden_bytes"])
+    chosen = max(exposed)
+    assert chosen > 1 and set(exposed) == {1, chosen}
+    assert exposed[chosen][1] == pytest.approx(exposed[1][1])          # same bytes, split into chunks
+    assert exposed[chosen][0] < 0.75 * exposed[1][0], exposed
