@@ -75,6 +75,7 @@ import numpy as np  # noqa: E402
 
 import jfsdp  # noqa: E402
 import models  # noqa: E402
+from jfsdp.plan import language_model  # noqa: E402
 from jfsdp import hf, memory  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -145,14 +146,13 @@ def jfsdp_cell(cfg, cell: Cell, target: str = "cpu", loss: str = "fused") -> dic
         cfg = dataclasses.replace(cfg, attention="cudnn")
     mesh = jfsdp.make_mesh(cell.mesh, _target_devices(target, cell.mesh))
     x = jax.ShapeDtypeStruct((r * s, cell.seq), jnp.int32)  # 1 x seq per device
-    root, unit, n = models.parts(cfg)
-    fused = loss == "fused"   # train.py's default: chunked head + cross-entropy, no full logits
-    plan = jfsdp.fully_shard(jfsdp.Stacked(root, unit, n, head_method="head_features" if fused else "head"), mesh, x,
-                             strategy=cell.strategy, remat=cell.remat, mp_policy=jfsdp.MixedPrecision.parse(cell.precision))
+    # train.py's model, head and loss (fused by default: chunked head + cross-entropy, no full logits)
+    model, _, loss_fn = language_model(models, cfg, loss)
+    plan = jfsdp.fully_shard(model, mesh, x, strategy=cell.strategy, remat=cell.remat,
+                             mp_policy=jfsdp.MixedPrecision.parse(cell.precision))
     opt = jfsdp.adamw(1e-4, mask=plan.decay_mask())
     for f in glob.glob(os.path.join(DUMP_DIR, "*")):  # one cell's dump at a time
         shutil.rmtree(f) if os.path.isdir(f) else os.remove(f)
-    loss_fn = jfsdp.ops.lm_loss(vocab_major=cfg.tie_embeddings) if fused else models.loss_fn(cfg)
     if gpu:
         from jfsdp import targets
         with targets.tracing_for(target):
