@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from models.llama import Attention, LlamaBlock, LlamaRoot, RMSNorm
 from tests import reference as ref
@@ -56,18 +55,4 @@ def loss(cfg, params, batch):
 
 def train(cfg, params, batches):
     """AdamW steps (tests/reference.py's optimizer) -> (losses, final params, first-step gradients)."""
-    opt = ref.staged_optimizer()
-    state = opt.init(params)
-
-    @jax.jit
-    def step(params, state, batch):
-        l, g = jax.value_and_grad(lambda p: loss(cfg, p, batch))(params)
-        u, state = opt.update(g, state, params)
-        return optax.apply_updates(params, u), state, l, g
-
-    losses, first = [], None
-    for b in batches:
-        params, state, l, g = step(params, state, b)
-        losses.append(float(l))
-        first = g if first is None else first
-    return losses, params, first
+    return ref.run_steps(ref.staged_optimizer(), lambda p, batch: loss(cfg, p, batch), params, batches)

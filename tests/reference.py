@@ -45,23 +45,29 @@ def forward(root, unit, params, inputs, param_dtype=None, output_dtype=None):
     return out.astype(output_dtype) if output_dtype else out
 
 
-def train(root, unit, loss_fn, params, batches, param_dtype=None, output_dtype=None):
-    """Steps of AdamW on one device; returns (losses, final params)."""
-    opt = optimizer()
+def run_steps(opt, loss, params, batches):
+    """Optimizer steps on one device, `loss(params, batch)` -> scalar; returns (losses, final params,
+    first-step gradients). The one training loop of the references."""
     state = opt.init(params)
 
     @jax.jit
     def step(params, state, batch):
-        f = lambda p: loss_fn(forward(root, unit, p, batch["inputs"], param_dtype, output_dtype), batch)
-        loss, grads = jax.value_and_grad(f)(params)
+        value, grads = jax.value_and_grad(loss)(params, batch)
         updates, state = opt.update(grads, state, params)
-        return optax.apply_updates(params, updates), state, loss
+        return optax.apply_updates(params, updates), state, value, grads
 
-    losses = []
+    losses, first = [], None
     for batch in batches:
-        params, state, loss = step(params, state, batch)
-        losses.append(float(loss))
-    return losses, params
+        params, state, value, grads = step(params, state, batch)
+        losses.append(float(value))
+        first = grads if first is None else first
+    return losses, params, first
+
+
+def train(root, unit, loss_fn, params, batches, param_dtype=None, output_dtype=None):
+    """Steps of AdamW on one device; returns (losses, final params)."""
+    loss = lambda p, batch: loss_fn(forward(root, unit, p, batch["inputs"], param_dtype, output_dtype), batch)
+    return run_steps(optimizer(), loss, params, batches)[:2]
 
 
 # ---- models of several stages: {'root': ..., 'stages': [units of stage j stacked on axis 0, ...]}
@@ -106,22 +112,8 @@ def forward_staged(root, units, params, inputs, param_dtype=None, output_dtype=N
 def train_staged(root, units, loss_fn, params, batches, param_dtype=None, output_dtype=None):
     """Steps of AdamW on one device for a staged model; returns (losses, final params, first-step
     gradients)."""
-    opt = staged_optimizer()
-    state = opt.init(params)
-
-    @jax.jit
-    def step(params, state, batch):
-        f = lambda p: loss_fn(forward_staged(root, units, p, batch["inputs"], param_dtype, output_dtype), batch)
-        loss, grads = jax.value_and_grad(f)(params)
-        updates, state = opt.update(grads, state, params)
-        return optax.apply_updates(params, updates), state, loss, grads
-
-    losses, first = [], None
-    for batch in batches:
-        params, state, loss, grads = step(params, state, batch)
-        losses.append(float(loss))
-        first = grads if first is None else first
-    return losses, params, first
+    loss = lambda p, batch: loss_fn(forward_staged(root, units, p, batch["inputs"], param_dtype, output_dtype), batch)
+    return run_steps(staged_optimizer(), loss, params, batches)
 
 
 def keep_gradients():
