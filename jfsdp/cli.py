@@ -233,12 +233,16 @@ def check_flags(c: TrainConfig) -> int | None:
 
 
 def _prefetches(c: TrainConfig) -> bool:
-    """Whether the plan will run jfsdp's prefetch pipeline on GPUs (the rule of jfsdp.core's
-    `_resolve_prefetch`, read before jax starts so that XLA gets the pipeline's flags)."""
-    env = os.environ.get("JFSDP_PREFETCH", "").strip().lower()
-    shards = c.mesh.lower().partition("x")[2]
-    return (env not in ("0", "false") and c.remat == "full" and c.strategy in ("full_shard", "hybrid_shard")
-            and shards.isdigit() and int(shards) > 1)
+    """Whether the plan will run jfsdp's prefetch pipeline on these GPUs (jfsdp.core's rule; jax is
+    imported but its backend not yet started). Bad input here is reported once the run starts."""
+    from jfsdp.core import prefetch_by_default
+    from jfsdp.mesh import ConfigError
+    from jfsdp.policy import Strategy
+    try:
+        return prefetch_by_default(Strategy.parse(c.strategy), c.remat, int(c.mesh.lower().partition("x")[2]),
+                                   on_gpu=True)
+    except (ConfigError, ValueError):
+        return False
 
 
 def setup_devices(c: TrainConfig, n_needed: int | None) -> None:

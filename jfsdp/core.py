@@ -791,11 +791,18 @@ def _resolve_prefetch(prefetch, strategy, remat, shards, mesh) -> bool:
                           f"remat 'full': {why}; use prefetch=None or False")
     if prefetch is not None:
         return prefetch
+    return prefetch_by_default(strategy, remat, shards, on_gpu=mesh.devices.flat[0].platform == "gpu")
+
+
+def prefetch_by_default(strategy, remat, shards, on_gpu: bool) -> bool:
+    """`fully_shard(prefetch=None)`'s choice: the pipeline where it is supported and the devices are
+    GPUs, or as JFSDP_PREFETCH=1 / 0 says on every platform. Also read by train.py before jax
+    starts its backend, so that XLA gets the pipeline's flags."""
     env = os.environ.get("JFSDP_PREFETCH", "").strip().lower()
     if env not in ("", "0", "1", "true", "false"):
         raise ConfigError(f"JFSDP_PREFETCH must be 1 or 0, got {env!r}")
-    on = env in ("1", "true") if env else mesh.devices.flat[0].platform == "gpu"
-    return on and why is None
+    on = env in ("1", "true") if env else on_gpu
+    return on and _prefetch_unsupported(strategy, remat, shards) is None
 
 
 def fully_shard(model, mesh, example_inputs, *, strategy="full_shard", mp_policy=None,
