@@ -45,6 +45,7 @@ class TrainConfig:
     warmup: int = 30
     weight_decay: float = 0.1
     clip: float = 1.0               # global gradient norm; 0 turns clipping off
+    update_in_backward: bool = False  # optimizer per unit inside the backward pass (jfsdp/backward_update.py)
     seed: int = 0
     # data
     data: str | None = None         # None: the Python standard library (see jfsdp/data.py)
@@ -123,6 +124,11 @@ def parse_args(argv=None) -> TrainConfig:
                    help="linear warmup steps, then cosine decay to lr/10 at --steps")
     g.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW weight decay (matrices only)")
     g.add_argument("--clip", type=float, default=d.clip, help="clip the global gradient norm to this; 0 = off")
+    g.add_argument("--update-in-backward", action="store_true",
+                   help="apply AdamW to each unit inside the backward pass, as soon as its gradient is reduced: "
+                   "no whole gradient is held (lower peak where the units' gradient shard is large: few devices); "
+                   "same result; needs --remat full, --grad-accum 1, full_shard or hybrid_shard; with --clip the "
+                   "units' backward runs twice (norm, then updates)")
     g.add_argument("--seed", type=int, default=d.seed, help="seed of the initialization and the data order")
     g = p.add_argument_group("data")
     g.add_argument("--data", default=d.data, help="a text file, a folder of text files, a .jsonl file (field "
@@ -226,6 +232,9 @@ def check_flags(c: TrainConfig) -> int | None:
         fail(f"--batch-size {c.batch_size} does not divide over the {n} devices of mesh {c.mesh}")
     if (c.batch_size // n) % c.grad_accum:
         fail(f"per-device batch {c.batch_size // n} does not divide into --grad-accum {c.grad_accum} micro-batches")
+    if c.update_in_backward and (c.remat != "full" or c.grad_accum != 1):
+        fail("--update-in-backward needs --remat full and --grad-accum 1 (each unit is recomputed and updated "
+             f"in the backward pass), got --remat {c.remat} --grad-accum {c.grad_accum}")
     procs = c.num_processes or 1
     if procs > 1 and n % procs:
         fail(f"mesh {c.mesh} has {n} devices, which do not divide over {procs} processes")
@@ -255,7 +264,7 @@ def setup_devices(c: TrainConfig, n_needed: int | None) -> None:
         if c.cpu_devices:
             fail("--cpu-devices only applies on a machine without an accelerator (or with JAX_PLATFORMS=cpu)")
         from jfsdp.targets import gpu_xla_flags  # FSDP prefetch on GPUs; XLA reads the flags when jax starts
-        os.environ["XLA_FLAGS"] = gpu_xla_flags(prefetch=_prefetches(c))
+        os.environ["XLA_FLAGS"] = gpu_xla_flags(prefetch=_prefetches(c) or c.update_in_backward)
         return
     if n_needed is None and not c.cpu_devices:
         return  # a malformed mesh: jfsdp.parse_mesh reports it once jax is imported; nothing to fake

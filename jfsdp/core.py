@@ -210,6 +210,24 @@ def checkpoint_policy(remat: str, reshard_after_forward: bool):
     return policy
 
 
+def _at(stacked, i):
+    """Row i of every leaf of a stacked tree (a traced index)."""
+    return jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, i, keepdims=False), stacked)
+
+
+def _tie(a, b, on_cpu: bool):
+    """(a, b) such that nothing computed from the returned `a` starts before `b` exists (and, on GPUs,
+    the other way round too): an optimization barrier. XLA:CPU removes barriers before it schedules,
+    so there `a` instead passes through a conditional's branch whose predicate reads `b` (always
+    true: a square is not negative, NaN included), which no scheduler can hoist above `b`."""
+    if not on_cpu:
+        return lax.optimization_barrier((a, b))
+    x = jax.tree.leaves(b)[0]
+    witness = jnp.square(x.reshape(-1)[0].astype(jnp.float32))
+    a = lax.cond(jnp.logical_not(witness < 0), lambda t: t, lambda t: jax.tree.map(jnp.zeros_like, t), a)
+    return a, b
+
+
 def _is_layout(x):
     return isinstance(x, Layout)
 
@@ -519,82 +537,15 @@ class FSDP:
 
     def _pipelined_stage(self, j, layouts):
         """Stage j as an explicit software pipeline (prefetch; remat 'full', resharding strategies):
-        (h, stacked shards) -> h, with its own VJP.
+        (h, stacked shards) -> h, with its own VJP (`_stage_passes`)."""
+        forward, backward = self._stage_passes(j, layouts)
 
-        Forward: unit i+1's all-gather is issued before unit i computes and carried into the next
-        iteration, so it is in flight during unit i's compute; only unit 0's gather waits. At most two
-        gathered units live (this one and the prefetched one). Saved for backward: the units' inputs.
-        Backward, in reverse: unit i-1's gather is issued before unit i is recomputed and
-        differentiated (`jax.vjp` of the unit); unit i's gradient is carried (unreduced, param_dtype)
-        and reduce-scattered in the next iteration, while unit i-1's backward computes. Only unit
-        n-1's gather and unit 0's reduce-scatter have nothing to hide behind. The first and last
-        units run outside the loop (peeled) so that nothing is gathered or reduced twice."""
-        unit, n, comm = self.model.stages[j].unit, self.stage_sizes[j], self.comm
+        def read(acc, i):
+            return _at(acc[0], i)
 
-        def apply(params, h):
-            return unit.apply({"params": params}, h)
-
-        def at(stacked, i):
-            return jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, i, keepdims=False), stacked)
-
-        def gather(shards, i):
-            return self._unshard(at(shards, i), layouts)
-
-        def reduce(dg):
-            # unshard's backward: reduce dtype, reduce-scatter over fsdp, sum over replicas, scale
-            return jax.tree.map(lambda l, g: _unshard_bwd(l, comm, None, g)[0], layouts, dg, is_leaf=_is_layout)
-
-        def put(grads, shard, i):
-            return jax.tree.map(lambda a, x: lax.dynamic_update_index_in_dim(a, x, i, 0), grads, shard)
-
-        def forward(h, shards, keep):
-            hs = jax.tree.map(lambda a: jnp.zeros((n, *a.shape), a.dtype), h) if keep else None
-
-            def body(carry, i):
-                h, g, hs = carry
-                nxt = gather(shards, i + 1)  # prefetch: in flight while unit i computes
-                if keep:
-                    hs = jax.tree.map(lambda a, x: lax.dynamic_update_index_in_dim(a, x, i, 0), hs, h)
-                return (apply(g, h), nxt, hs), None
-            first = at(shards, 0)
-            if j > 0:
-                # a later stage's unit 0 is gathered when its input is ready, not hoisted to the top
-                # of the step (where XLA would combine it with the root's and keep it through the
-                # earlier stages). The first stage's goes with the root's: nothing runs before them,
-                # and tied to h it was combined with the head's gather instead, exposing that
-                # (measured on the 8B: 0.86 GiB more exposed per step).
-                first, h = lax.optimization_barrier((first, h))
-            (h, g, hs), _ = lax.scan(body, (h, self._unshard(first, layouts), hs), jnp.arange(n - 1))
-            if keep:
-                hs = jax.tree.map(lambda a, x: lax.dynamic_update_index_in_dim(a, x, n - 1, 0), hs, h)
-            return apply(g, h), hs
-
-        def unit_vjp(g, h, dh):
-            return jax.vjp(apply, g, h)[1](dh)  # recompute the unit, then differentiate it
-
-        def backward(res, dh):
-            hs, shards = res
-            grads = jax.tree.map(jnp.zeros_like, shards)
-            # The barriers order what XLA would otherwise combine into one collective at the top of
-            # the step: unit n-1's gather waits for dh (not hoisted into the forward pass), unit
-            # n-2's for unit n-1's (so it is in flight during unit n-1's backward, not before it).
-            last, dh = lax.optimization_barrier((at(shards, n - 1), dh))
-            g = self._unshard(last, layouts)
-            g, prev = lax.optimization_barrier((g, at(shards, n - 2)))
-            nxt = self._unshard(prev, layouts)
-            pend, dh = unit_vjp(g, at(hs, n - 1), dh)
-
-            def body(carry, i):  # units n-2 .. 1
-                dh, g, pend, grads = carry
-                grads = put(grads, reduce(pend), i + 1)  # unit i+1's reduce-scatter, during unit i's backward
-                nxt = gather(shards, i - 1)              # prefetch, during unit i's backward
-                dg, dh = unit_vjp(g, at(hs, i), dh)
-                return (dh, nxt, dg, grads), None
-            (dh, g, pend, grads), _ = lax.scan(body, (dh, nxt, pend, grads), jnp.arange(n - 2, 0, -1))
-            one = reduce(pend)  # unit 1's reduce-scatter, during unit 0's backward ...
-            dg, dh = unit_vjp(g, at(hs, 0), dh)
-            dg, one = lax.optimization_barrier((dg, one))  # ... finished before unit 0's, not combined with it
-            return dh, put(put(grads, one, 1), reduce(dg), 0)
+        def put(acc, i, shard):
+            shards, grads = acc
+            return shards, jax.tree.map(lambda a, x: lax.dynamic_update_index_in_dim(a, x, i, 0), grads, shard)
 
         @jax.custom_vjp
         def stage(h, shards):
@@ -603,8 +554,101 @@ class FSDP:
         def stage_fwd(h, shards):
             out, hs = forward(h, shards, True)
             return out, (hs, shards)
-        stage.defvjp(stage_fwd, backward)
+
+        def stage_bwd(res, dh):
+            hs, shards = res
+            dh, (_, grads) = backward(hs, dh, (shards, jax.tree.map(jnp.zeros_like, shards)), read, put)
+            return dh, grads
+        stage.defvjp(stage_fwd, stage_bwd)
         return stage
+
+    def _stage_passes(self, j, layouts):
+        """Stage j's forward and backward passes as an explicit software pipeline (remat 'full'):
+        `forward(h, shards, keep) -> (h, saved inputs or None)` and
+        `backward(saved, dh, acc, read, consume) -> (dh into the stage, acc)`.
+
+        Forward: unit i+1's all-gather is issued before unit i computes and carried into the next
+        iteration, so it is in flight during unit i's compute; only unit 0's gather waits. At most two
+        gathered units live (this one and the prefetched one). Saved for backward: the units' inputs.
+        Backward, in reverse: unit i-1's gather is issued before unit i is recomputed and
+        differentiated (`jax.vjp` of the unit); unit i's gradient is carried (unreduced, param_dtype)
+        and reduce-scattered in the next iteration, while unit i-1's backward computes. Only unit
+        n-1's gather and unit 0's reduce-scatter have nothing to hide behind. The first and last
+        units run outside the loop (peeled) so that nothing is gathered or reduced twice.
+
+        What happens to each reduced gradient shard is the caller's: the backward loop carries `acc`,
+        reads unit i's shards with `read(acc, i)` (so that a caller may carry the parameters and
+        update them in place) and hands unit i's gradient shard to `consume(acc, i, shard) -> acc`
+        (stack it as the gradient; or apply the optimizer to unit i then and there; or add up its
+        squared norm), in the order n-1, ..., 0."""
+        unit, n = self.model.stages[j].unit, self.stage_sizes[j]
+        on_cpu = self.mesh.devices.flat[0].platform == "cpu"
+
+        def apply(params, h):
+            return unit.apply({"params": params}, h)
+
+        def gather(shards, i):
+            return self._unshard(_at(shards, i), layouts)
+
+        def reduce(dg):
+            # unshard's backward: reduce dtype, reduce-scatter over fsdp, sum over replicas, scale
+            return jax.tree.map(lambda l, g: _unshard_bwd(l, self.comm, None, g)[0], layouts, dg, is_leaf=_is_layout)
+
+        def save(hs, h, i):
+            return jax.tree.map(lambda a, x: lax.dynamic_update_index_in_dim(a, x, i, 0), hs, h)
+
+        def forward(h, shards, keep):
+            hs = jax.tree.map(lambda a: jnp.zeros((n, *a.shape), a.dtype), h) if keep else None
+            first = _at(shards, 0)
+            if j > 0:
+                # a later stage's unit 0 is gathered when its input is ready, not hoisted to the top
+                # of the step (where XLA would combine it with the root's and keep it through the
+                # earlier stages). The first stage's goes with the root's: nothing runs before them,
+                # and tied to h it was combined with the head's gather instead, exposing that
+                # (measured on the 8B: 0.86 GiB more exposed per step).
+                first, h = _tie(first, h, on_cpu)
+            if n == 1:
+                return apply(self._unshard(first, layouts), h), (save(hs, h, 0) if keep else None)
+
+            def body(carry, i):
+                h, g, hs = carry
+                nxt = gather(shards, i + 1)  # prefetch: in flight while unit i computes
+                if keep:
+                    hs = save(hs, h, i)
+                return (apply(g, h), nxt, hs), None
+            (h, g, hs), _ = lax.scan(body, (h, self._unshard(first, layouts), hs), jnp.arange(n - 1))
+            if keep:
+                hs = save(hs, h, n - 1)
+            return apply(g, h), hs
+
+        def unit_vjp(g, h, dh):
+            return jax.vjp(apply, g, h)[1](dh)  # recompute the unit, then differentiate it
+
+        def backward(hs, dh, acc, read, consume):
+            # The barriers order what XLA would otherwise combine into one collective at the top of
+            # the step: unit n-1's gather waits for dh (not hoisted into the forward pass), unit
+            # n-2's for unit n-1's (so it is in flight during unit n-1's backward, not before it).
+            last, dh = _tie(read(acc, n - 1), dh, on_cpu)
+            g = self._unshard(last, layouts)
+            if n == 1:
+                dg, dh = unit_vjp(g, _at(hs, 0), dh)
+                return dh, consume(acc, 0, reduce(dg))
+            prev, g = _tie(read(acc, n - 2), g, on_cpu)
+            nxt = self._unshard(prev, layouts)
+            pend, dh = unit_vjp(g, _at(hs, n - 1), dh)
+
+            def body(carry, i):  # units n-2 .. 1
+                dh, g, pend, acc = carry
+                acc = consume(acc, i + 1, reduce(pend))  # unit i+1's reduce-scatter, during unit i's backward
+                nxt = self._unshard(read(acc, i - 1), layouts)  # prefetch, during unit i's backward
+                dg, dh = unit_vjp(g, _at(hs, i), dh)
+                return (dh, nxt, dg, acc), None
+            (dh, g, pend, acc), _ = lax.scan(body, (dh, nxt, pend, acc), jnp.arange(n - 2, 0, -1))
+            one = reduce(pend)  # unit 1's reduce-scatter, during unit 0's backward ...
+            dg, dh = unit_vjp(g, _at(hs, 0), dh)
+            dg, one = lax.optimization_barrier((dg, one))  # ... finished before unit 0's, not combined with it
+            return dh, consume(consume(acc, 1, one), 0, reduce(dg))
+        return forward, backward
 
     @functools.cached_property
     def root_use(self) -> tuple:
@@ -651,7 +695,10 @@ class FSDP:
             shards = list(shards)
             for i, x in zip(late, held):
                 shards[i] = x
-        out = m.root.apply({"params": root(head_reads)}, h, method=m.head_method)
+        return self._head(root(head_reads), h)
+
+    def _head(self, root, h):
+        out = self.model.root.apply({"params": root}, h, method=self.model.head_method)
         # output_dtype applies to a head that returns an array (logits); a head that returns a
         # pytree (e.g. hidden states and a weight for a fused loss) hands its precision to the loss
         if self.mp.output_dtype and isinstance(out, jax.Array):
@@ -689,7 +736,10 @@ class FSDP:
         return jax.shard_map(f, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
     def _loss(self, loss_fn, params, batch):
-        loss = loss_fn(self._forward(params, batch["inputs"]), batch)
+        return self._scalar_loss(loss_fn(self._forward(params, batch["inputs"]), batch))
+
+    @staticmethod
+    def _scalar_loss(loss):
         if jnp.shape(loss) != ():
             raise ConfigError(f"loss_fn must return a scalar (the mean loss over its batch), got shape {jnp.shape(loss)}")
         return loss.astype(jnp.float32)

@@ -44,10 +44,10 @@ def abstract_batch(plan: FSDP, batch):
 
 
 def compile_step(plan: FSDP, optimizer, loss_fn: Callable, batch, grad_accum: int = 1,
-                 compiler_options: dict | None = None):
+                 compiler_options: dict | None = None, update_in_backward: bool = False):
     """The real train step (jfsdp.make_train_step, donated state), compiled from abstract inputs.
     `compiler_options`: XLA options for this compilation (e.g. jfsdp.targets.compiler_options())."""
-    step = make_train_step(plan, optimizer, loss_fn, grad_accum)
+    step = make_train_step(plan, optimizer, loss_fn, grad_accum, update_in_backward=update_in_backward)
     lowered = step.lower(abstract_state(plan, optimizer), abstract_batch(plan, batch))
     return lowered.compile(compiler_options=compiler_options) if compiler_options else lowered.compile()
 

@@ -189,7 +189,8 @@ class Run:
                 self.state = jfsdp.init_state(plan, opt, params=jhf.load_params(plan, c.init_from))
             else:
                 self.state = jfsdp.init_state(plan, opt, jax.random.key(c.seed))
-            train_step = jfsdp.make_train_step(plan, opt, self.loss_fn, grad_accum=c.grad_accum)
+            train_step = jfsdp.make_train_step(plan, opt, self.loss_fn, grad_accum=c.grad_accum,
+                                               update_in_backward=c.update_in_backward)
             batch = self.put(loader.batch(loader.step))
             self.compiled = train_step.lower(self.state, batch).compile()
         except jfsdp.ConfigError as e:

@@ -10,6 +10,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jfsdp import backward_update
 from jfsdp.core import FSDP, ROOT, STAGES, UNITS
 from jfsdp.mesh import ConfigError
 
@@ -56,7 +57,7 @@ def adamw(learning_rate, *, weight_decay: float = 0.1, b1: float = 0.9, b2: floa
         user = mask
         mask = lambda params: user(unit_view(params))
     tx = optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=mask)
-    return optax.chain(clip_by_global_norm(clip_norm), tx) if clip_norm else tx
+    return backward_update.clipped(clip_by_global_norm(clip_norm), tx, clip_norm) if clip_norm else tx
 
 
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
@@ -181,21 +182,39 @@ def cpu_xla_flags(existing: str | None = None) -> str:
 
 
 def make_train_step(plan: FSDP, optimizer: optax.GradientTransformation, loss_fn: Callable,
-                    grad_accum: int = 1, donate: bool = True) -> TrainStep:
+                    grad_accum: int = 1, donate: bool = True, update_in_backward: bool = False) -> TrainStep:
     """(state, batch) -> (state, {'loss', 'grad_norm'}), jitted (see `TrainStep`).
 
     `loss_fn(outputs, batch)` is the loss contract (see `FSDP.loss_and_grad`): the head's outputs
     and the same rows of the batch dict, on one device's (micro-)batch, -> the mean loss, a scalar.
-    `batch['inputs']` is what the root's embed method receives."""
-    loss_and_grad = plan.loss_and_grad(loss_fn, grad_accum)
+    `batch['inputs']` is what the root's embed method receives.
 
-    def step(state: TrainState, batch):
-        loss, grads = loss_and_grad(state.params, batch)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        return TrainState(state.step + 1, params, opt_state), {"loss": loss, "grad_norm": optax.tree.norm(grads)}
-
+    `update_in_backward=True` applies the optimizer to each unit inside the backward pass as soon as
+    its gradient shard is reduced (jfsdp/backward_update.py): no whole gradient is ever held, which
+    lowers the peak by about one gradient shard of the units. Same result as the usual step; needs
+    remat 'full', grad_accum 1, a resharding strategy (or one shard) and an elementwise optimizer
+    (`jfsdp.adamw`, optax's adam/sgd family); with clipping the units' backward runs twice (norm,
+    then updates)."""
+    if update_in_backward:
+        why = backward_update.unsupported(plan, grad_accum)
+        if why:
+            raise ConfigError(f"update_in_backward: {why}")
     shardings = state_shardings(plan, optimizer)
+    if update_in_backward:
+        fused = backward_update.make_step(plan, optimizer, loss_fn, jax.tree.map(lambda s: s.spec, shardings.opt_state))
+
+        def step(state: TrainState, batch):
+            params, opt_state, loss, norm = fused(state.params, state.opt_state, batch)
+            return TrainState(state.step + 1, params, opt_state), {"loss": loss, "grad_norm": norm}
+    else:
+        loss_and_grad = plan.loss_and_grad(loss_fn, grad_accum)
+
+        def step(state: TrainState, batch):
+            loss, grads = loss_and_grad(state.params, batch)
+            updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
+            return TrainState(state.step + 1, params, opt_state), {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+
     jitted = jax.jit(step, in_shardings=(shardings, plan.batch_sharding), out_shardings=(shardings, shardings.step),
                      donate_argnums=(0,) if donate else ())
     return TrainStep(jitted, plan, grad_accum, donate)

@@ -260,10 +260,12 @@ def tracing_for(target: str):
 _CUDNN = (9, 8)
 
 
-def compile_step(target: str, plan, optimizer, loss_fn, batch, grad_accum: int = 1, overrides: dict | None = None):
+def compile_step(target: str, plan, optimizer, loss_fn, batch, grad_accum: int = 1, overrides: dict | None = None,
+                 update_in_backward: bool = False):
     """jfsdp's real train step for `plan` (whose mesh is made of `devices(target, ...)`), compiled by
     XLA:GPU for `target` with jfsdp's GPU options (`compiler_options(overrides)`). Nothing runs."""
     from jfsdp import memory
     with tracing_for(target):
         return memory.compile_step(plan, optimizer, loss_fn, batch, grad_accum,
-                                   compiler_options(overrides, getattr(plan, "prefetch", False)))
+                                   compiler_options(overrides, getattr(plan, "prefetch", False) or update_in_backward),
+                                   update_in_backward=update_in_backward)
