@@ -37,6 +37,9 @@ def _args(argv):
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--warmup", type=int, default=2, help="steps run before the timed window")
     p.add_argument("--steps", type=int, default=5, help="timed steps")
+    p.add_argument("--update-in-backward", default="0", choices=("0", "1", "both"),
+                   help="make_train_step(update_in_backward=...): 1 = the optimizer inside the backward pass "
+                        "(needs --remat full), both = one row each way")
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
 
@@ -58,7 +61,7 @@ def torchtitan_flops_per_token(cfg, seq_len: int) -> float:
     return 6.0 * (cfg.num_params() - cfg.vocab_size * cfg.dim) + 12.0 * cfg.n_layers * cfg.dim * seq_len
 
 
-def run_one(model: str, strategy: str, a) -> dict:
+def run_one(model: str, strategy: str, a, update_in_backward: bool = False) -> dict:
     import time
 
     import jax
@@ -83,7 +86,7 @@ def run_one(model: str, strategy: str, a) -> dict:
     state = jfsdp.init_state(plan, opt, jax.random.key(0))
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (a.batch_size, a.seq_len + 1), dtype=np.int32)
     batch = jax.device_put({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}, plan.batch_sharding)
-    step = jfsdp.make_train_step(plan, opt, loss_fn)
+    step = jfsdp.make_train_step(plan, opt, loss_fn, update_in_backward=update_in_backward)
     t = time.perf_counter()
     compiled = step.lower(state, batch).compile()
     compile_s = time.perf_counter() - t
@@ -109,7 +112,8 @@ def run_one(model: str, strategy: str, a) -> dict:
             "step_s": step_s, "step_s_min": float(np.min(times)), "tokens_per_sec": tps,
             "flops_per_token": fpt, "flops_per_token_torchtitan": torchtitan_flops_per_token(cfg, a.seq_len),
             "tflops_per_device": tflops, "mfu": tflops * 1e12 / peak if peak else None,
-            "peak_memory_bytes": mem, "memory_source": mem_src, "loss": float(m["loss"])}
+            "peak_memory_bytes": mem, "memory_source": mem_src, "loss": float(m["loss"]),
+            "update_in_backward": update_in_backward}
 
 
 def main(argv=None) -> int:
@@ -129,12 +133,13 @@ def main(argv=None) -> int:
     try:
         for model in a.models.split(","):
             for strategy in a.strategies.split(","):
-                rows.append(run_one(model.strip(), strategy.strip(), a))
-                r = rows[-1]
-                mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
-                print(f"{r['model']:12} {r['strategy']:14} {r['tokens_per_sec']:>10,.0f} tok/s  "
-                      f"{r['step_s'] * 1e3:8.1f} ms/step  {r['tflops_per_device']:.4f} TFLOP/s/dev  MFU {mfu:>6}  "
-                      f"{r['peak_memory_bytes'] / 2**20:8.1f} MiB/dev ({r['memory_source']})", flush=True)
+                for ib in {"0": [False], "1": [True], "both": [False, True]}[a.update_in_backward]:
+                    rows.append(run_one(model.strip(), strategy.strip(), a, ib))
+                    r = rows[-1]
+                    mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
+                    print(f"{r['model']:12} {r['strategy']:14}{' ib' if ib else '   '} {r['tokens_per_sec']:>10,.0f} tok/s  "
+                          f"{r['step_s'] * 1e3:8.1f} ms/step  {r['tflops_per_device']:.4f} TFLOP/s/dev  MFU {mfu:>6}  "
+                          f"{r['peak_memory_bytes'] / 2**20:8.1f} MiB/dev ({r['memory_source']})", flush=True)
     except (jfsdp.ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -73,10 +73,12 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+# `models` is the repository's own package, imported from the repository root (pip installs only jfsdp)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jfsdp  # noqa: E402
 import models  # noqa: E402
 from jfsdp.plan import language_model  # noqa: E402
-from jfsdp import hf, memory  # noqa: E402
+from jfsdp import backward_update, hf, memory  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch_fsdp  # noqa: E402
@@ -138,7 +140,7 @@ def _target_devices(target: str, mesh: str):
     return targets.devices(target, mesh)
 
 
-def jfsdp_cell(cfg, cell: Cell, target: str = "cpu", loss: str = "fused") -> dict:
+def jfsdp_cell(cfg, cell: Cell, target: str = "cpu", loss: str = "fused", update_in_backward: bool = False) -> dict:
     t = time.time()
     r, s = jfsdp.parse_mesh(cell.mesh)
     gpu = target != "cpu"
@@ -151,20 +153,24 @@ def jfsdp_cell(cfg, cell: Cell, target: str = "cpu", loss: str = "fused") -> dic
     plan = jfsdp.fully_shard(model, mesh, x, strategy=cell.strategy, remat=cell.remat,
                              mp_policy=jfsdp.MixedPrecision.parse(cell.precision))
     opt = jfsdp.adamw(1e-4, mask=plan.decay_mask())
+    if update_in_backward and backward_update.unsupported(plan, 1):
+        update_in_backward = False   # (shard_grad_op, remat none/dots): the usual step, and the row says so
     for f in glob.glob(os.path.join(DUMP_DIR, "*")):  # one cell's dump at a time
         shutil.rmtree(f) if os.path.isdir(f) else os.remove(f)
     if gpu:
         from jfsdp import targets
         with targets.tracing_for(target):
             compiled = memory.compile_step(plan, opt, loss_fn, {"inputs": x, "targets": x},
-                                           compiler_options=targets.compiler_options())
+                                           compiler_options=targets.compiler_options(None, update_in_backward),
+                                           update_in_backward=update_in_backward)
     else:
-        compiled = memory.compile_step(plan, opt, loss_fn, {"inputs": x, "targets": x})
+        compiled = memory.compile_step(plan, opt, loss_fn, {"inputs": x, "targets": x},
+                                       update_in_backward=update_in_backward)
     m = memory.measure(compiled)
     out = {"peak": m["total"], "argument": m["argument"], "temp": m["temp"], "output": m["output"],
            "alias": m["alias"], "compile_s": round(time.time() - t, 1),
            "backend": f"xla:{target}" + (" (bf16 widened to f32)" if target == "cpu" and cell.precision == "bf16" else ""),
-           "loss": loss}
+           "loss": loss, "update_in_backward": update_in_backward}
     try:
         out["peak_buffers"] = peak_buffers(compiled.as_text(), cfg, cell)
     except Exception as e:  # the analysis is an aid; the measurement stands without it
@@ -316,7 +322,7 @@ def run_memory(args, log) -> list[dict]:
         target = args.jfsdp_target
         if args.bf16_target and c.precision == "bf16":
             target = args.bf16_target   # XLA:CPU widens bf16 to f32: compile bf16 cells for a GPU instead
-        j = jfsdp_cell(cfg, c, target, args.jfsdp_loss)
+        j = jfsdp_cell(cfg, c, target, args.jfsdp_loss, args.update_in_backward)
         rows.append({"cell": dataclasses.asdict(c) | {"mesh": c.mesh, "key": c.key}, "jfsdp": j})
         log(f"jfsdp {c.key}: {j['peak'] / GiB:.2f} GiB (compile {j['compile_s']} s)")
     if proc is not None:
@@ -488,6 +494,10 @@ def main(argv=None):
                    help="take FSDP2's memory figures from an earlier run's --json instead of measuring them again")
     p.add_argument("--jfsdp-loss", choices=("fused", "plain"), default="fused",
                    help="jfsdp's head + loss: fused (train.py's default) or plain logits")
+    p.add_argument("--update-in-backward", action="store_true",
+                   help="compile jfsdp's step with the optimizer inside the backward pass "
+                        "(make_train_step(update_in_backward=True)) where the cell allows it (remat full, "
+                        "full_shard/hybrid); other cells use the usual step (each row records which)")
     p.add_argument("--bf16-target", default=None, metavar="GPU",
                    help="compile jfsdp's bf16 cells for this compile-only GPU target (e.g. h100): XLA:CPU widens bf16")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="speed: where both sides run")
