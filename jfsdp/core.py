@@ -216,16 +216,17 @@ def _at(stacked, i):
 
 
 def _tie(a, b, on_cpu: bool):
-    """(a, b) such that nothing computed from the returned `a` starts before `b` exists (and, on GPUs,
-    the other way round too): an optimization barrier. XLA:CPU removes barriers before it schedules,
-    so there `a` instead passes through a conditional's branch whose predicate reads `b` (always
-    true: a square is not negative, NaN included), which no scheduler can hoist above `b`."""
+    """(a, b) such that nothing computed from the returned `a` starts before every leaf of `b` exists
+    (and, on GPUs, the other way round too): an optimization barrier. XLA:CPU removes barriers before
+    it schedules, so there `a` gets 0 * (one element of each leaf of b) added: a data dependency no
+    scheduler can hoist above `b` (a conditional's branch was turned into a select and its predicate
+    folded; measured). Semantics differ only where b holds inf or NaN, when the step's result is
+    NaN either way."""
     if not on_cpu:
         return lax.optimization_barrier((a, b))
-    x = jax.tree.leaves(b)[0]
-    witness = jnp.square(x.reshape(-1)[0].astype(jnp.float32))
-    a = lax.cond(jnp.logical_not(witness < 0), lambda t: t, lambda t: jax.tree.map(jnp.zeros_like, t), a)
-    return a, b
+    # one element of every leaf of b, times 0: XLA does not fold 0 * x for floats (x may be inf or NaN)
+    zero = 0 * sum(x.reshape(-1)[0].astype(jnp.float32) for x in jax.tree.leaves(b))
+    return jax.tree.map(lambda t: t + zero.astype(t.dtype), a), b
 
 
 def _is_layout(x):

@@ -128,3 +128,20 @@ def test_peak_below_the_usual_step_by_most_of_a_gradient():
     assert out.returncode == 0, out.stderr[-2000:]
     m = json.loads(out.stdout.strip().splitlines()[-1])
     assert m["usual"] - m["in_backward"] >= 0.5 * m["unit_grads"], m
+
+
+def test_prefetch_pipeline_matches_single_device():
+    """The prefetch pipeline's own VJP (the usual step over `_stage_passes`, which the in-backward
+    step shares; on by default on GPUs only) on CPU devices: hybrid 2x4, the reference's losses and
+    parameters."""
+    case = te.get_case("llama")
+    mesh = jfsdp.make_mesh("2x4", devices=jax.devices()[:8])
+    plan = jfsdp.fully_shard(jfsdp.Stacked(case["root"], case["unit"], case["n"]), mesh, case["batches"][0]["inputs"],
+                             strategy="full_shard", remat="full", prefetch=True)
+    assert plan.prefetch
+    opt = jfsdp.adamw(ref.LR, b1=ref.B1, b2=ref.B2, eps=ref.EPS, weight_decay=ref.WD, clip_norm=ref.CLIP,
+                      mask=plan.decay_mask())
+    state, losses, _ = _steps(plan, opt, models.loss_fn(case["cfg"]), plan.shard(case["init"]), case["batches"],
+                              [False] * len(case["batches"]))
+    np.testing.assert_allclose(losses, case["ref_losses"], rtol=1e-5)
+    te.assert_params_close(plan.gather(state.params), case["ref_final"], case["init"], 1e-4)
