@@ -75,8 +75,10 @@ class Breakdown:
     """Bytes per device. `params`, `grads`, `optimizer` count real elements only; `padding` is the
     padding rows of all three. `gathered`: unsharded copies in param_dtype (root + one unit, two
     with prefetch; every unit for SHARD_GRAD_OP). `grad_buffers`: unsharded gradients before they
-    are reduce-scattered (one unit + the root). `activations`: what the remat policy keeps for all
-    units, the head's saved values, and the working set of one unit's backward."""
+    are reduce-scattered (a ZeRO-2 unit's; root weights' whose reduce-scatter waits: a tied weight's,
+    an untied embedding table's in its backward, on CPU an untied head's). `activations`: what the
+    remat policy keeps for all units, the head's saved values, and the working set of one unit's
+    backward."""
     params: int
     grads: int
     optimizer: int
@@ -142,15 +144,19 @@ def _residual_bytes(f, *args, skip_args=True) -> int:
     return total
 
 
-def activation_estimate(plan: FSDP, loss_fn: Callable, local_batch, backend: str | None = None) -> dict:
+def activation_estimate(plan: FSDP, loss_fn: Callable, local_batch, backend: str | None = None,
+                        widen: bool = True) -> dict:
     """Activation bytes per device, from the traced model on one device's batch, per stage:
     `per_unit`: saved by a unit's checkpoint policy (plus the unit's input, which the scan keeps);
     `unit_working`: everything one unit's backward needs at once (its activations with nothing
     recomputed away); and `head`: values the embedding, head and loss keep for backward.
     `stages` lists {'per_unit', 'unit_working'} of each stage; the top-level `per_unit` and
-    `unit_working` are the first stage's (the whole answer for a one-stage model)."""
+    `unit_working` are the first stage's (the whole answer for a one-stage model).
+    `widen=False`: in param_dtype as the program writes it, not as the backend computes it
+    (`_wire_dtype`): what XLA:CPU stores from the forward pass (see `estimate`)."""
     m, mp = plan.model, plan.mp
-    pdt = _wire_dtype(mp.param_dtype or jnp.float32, backend or jax.default_backend())
+    pdt = jnp.dtype(mp.param_dtype or jnp.float32)
+    pdt = _wire_dtype(pdt, backend or jax.default_backend()) if widen else pdt
     root_layouts, stage_layouts = plan.split(plan.layouts)
     root_p = _cast(root_layouts, pdt)
     inputs = local_batch["inputs"]
@@ -201,10 +207,11 @@ def _wire_dtype(dtype, backend: str):
 def estimate(plan: FSDP, optimizer, loss_fn: Callable, batch, *, prefetch: bool = False,
              backend: str | None = None) -> Breakdown:
     """Analytic per-device bytes at the peak of one train step of `plan` on the global `batch`
-    (a tree of shapes). The peak is the start of the backward pass: the state, the sharded gradient
-    being filled, the gathered root and its unsharded gradient, every unit's saved activations, and
-    then the larger of the head's backward and one unit's backward (its gathered parameters, their
-    unsharded gradient, and what remat recomputes)."""
+    (a tree of shapes): the state plus the largest of what is live at four points of the step, the
+    head's backward, the units' backward, the embedding's backward and the update (see the
+    comments below). `backend`: whose dtypes ('cpu' widens bf16 compute to f32: `_wire_dtype`) and
+    whose scheduling the figure is for; the compiled CPU figure assumes XLA:CPU's memory-minimizing
+    scheduler (jfsdp.step.CPU_FLAGS, as train.py and the planner compile)."""
     backend = backend or jax.default_backend()
     S, N = plan.shards, plan.n_devices
     root_l = plan.split(plan.layouts)[0]
@@ -263,26 +270,53 @@ def estimate(plan: FSDP, optimizer, loss_fn: Callable, batch, *, prefetch: bool 
     act = activation_estimate(plan, loss_fn, local, backend)
     recompute = max(s["unit_working"] - s["per_unit"] for s in act["stages"])
     saved = sum(n * s["per_unit"] for s, (_, n) in zip(act["stages"], stages))
-    # Three candidates for the peak; the largest is the estimate.
+    # Until the backward scan starts, the saved activations are held in the dtype the forward wrote:
+    # XLA:CPU widens a bf16 plan's arithmetic, not the forward scan's stacked outputs; it converts
+    # the whole stack to f32 just before the backward scan (measured, llama-70b bf16 on 1x64: 2.50
+    # GiB of bf16 unit inputs through the head's backward, 5.00 GiB of f32 in the units' backward).
+    saved_fwd = saved
+    if gdt != jnp.dtype(pdt):
+        act_fwd = activation_estimate(plan, loss_fn, local, backend, widen=False)
+        saved_fwd = sum(n * s["per_unit"] for s, (_, n) in zip(act_fwd["stages"], stages))
+    # Four candidates for the peak; the largest is the estimate.
     # (a) the head's backward: the gathered root and the head's working set; no gradient shard
     #     exists yet (XLA:CPU's memory-minimizing scheduler makes the units' stacked gradient buffers
     #     just before the backward scan: jfsdp.step.CPU_FLAGS).
     # (b) the units' backward: every unit's gradient shard (one stacked buffer per stage), the
     #     unsharded gradient of a root weight the embedding also reads (a tied weight: reduced once,
-    #     after the embedding's backward), the gathered unit(s) and what remat recomputes.
-    # (c) the update: the state and every gradient shard.
+    #     after the embedding's backward), the gathered unit(s) and what remat recomputes. On CPU
+    #     also the unsharded gradient of the root leaves only the head reads (an untied output
+    #     weight, in param_dtype as the head writes it): XLA:CPU's scheduler reduce-scatters it after
+    #     the backward scan, XLA:GPU right after the head's backward (measured, llama-70b on 1x64:
+    #     1.96 GiB of bf16 held through the units' backward on CPU, not on the H100 target).
+    # (c) the embedding's backward, once the units' are done: every unit's gradient shard, the
+    #     unsharded gradient of the root leaves only the embedding reads (an untied table: the
+    #     lookup's gradient is a scatter-add into a whole table, in param_dtype, and its cast to
+    #     reduce_dtype for the reduce-scatter) and one gathered unit (XLA:GPU overlaps the last
+    #     unit's backward with it and reduces both in one combined reduce-scatter; measured on the
+    #     H100 target, llama-70b on 1x64: 1.96 GiB bf16 + 3.91 GiB f32 table + the last unit).
+    # (d) the update: the state and every gradient shard.
     unit_grads = sum(n * _stored_bytes(l) for l, n in stages) // S
-    shared = [leaves[i] for i in sorted(plan.root_use[0] & plan.root_use[1])]
+    embed_reads, head_reads = plan.root_use
+    shared = [leaves[i] for i in sorted(embed_reads & head_reads)]
+    head_only = [leaves[i] for i in sorted(head_reads - embed_reads)]
+    embed_only = [leaves[i] for i in sorted(embed_reads - head_reads)]
+    held = _stored_bytes(head_only, pdt) if backend == "cpu" else 0
+    rdt_wire = _wire_dtype(rdt, backend)
+    table = _stored_bytes(embed_only, gdt) + (_stored_bytes(embed_only, rdt_wire) if rdt_wire != gdt else 0)
     units_gathered = gathered - (root_g if S > 1 or gathered else 0)
+    one_unit = max(unit_g) if S > 1 or gathered else 0
+    # (gradient shards, gathered, unsharded gradients, activations, padding of the gradients)
     points = {
-        "head": (0, gathered, saved + act["head"], 0),
-        "units": (unit_grads + _stored_bytes(shared, gdt), units_gathered, saved + recompute, 0),
-        "update": (params, 0, 0, pad_grads),
+        "head": (0, gathered, grad_buffers, saved_fwd + act["head"], 0),
+        "units": (unit_grads, units_gathered, grad_buffers + _stored_bytes(shared, gdt) + held, saved + recompute, 0),
+        "embed": (unit_grads, one_unit if embed_only else 0, held + table, 0, 0),
+        "update": (params, 0, 0, 0, pad_grads),
     }
-    name = max(points, key=lambda k: sum(points[k]) + (grad_buffers if k != "update" else 0))
-    grads, gath, activations, pad_g = points[name]
+    name = max(points, key=lambda k: sum(points[k]))
+    grads, gath, buffers, activations, pad_g = points[name]
     return Breakdown(params=params, grads=grads, optimizer=optimizer_b, padding=pad_state + pad_g,
-                     persistent_padding=pad_state, gathered=gath, grad_buffers=grad_buffers if name != "update" else 0,
+                     persistent_padding=pad_state, gathered=gath, grad_buffers=buffers,
                      activations=activations, batch=_tree_bytes(local))
 
 

@@ -8,7 +8,8 @@ communication per step, whether it fits and the largest global batch that fits.
 - `gpu` (default), `tpu`, `cpu`: the estimate is for that backend, and the train step is compiled on
   fake CPU devices. XLA's CPU backend widens bf16 to f32 (see `memory._wire_dtype`), so a bf16 plan
   compiled here is bigger than the same plan on a GPU: beside the compiled CPU measurement the
-  report shows the estimate for CPU, which is what validates the estimate against XLA.
+  report shows the estimate for CPU, which is what validates the estimate against XLA. XLA:CPU
+  compiles with the flags train.py sets on CPU (`jfsdp.step.CPU_FLAGS`).
 - a named GPU (`h100`, `h200`, `a100`, `b200`; see `jfsdp.targets`): the train step is compiled by
   XLA:GPU for that GPU and topology without one (compile-only devices; needs jax's CUDA plugin), with
   the XLA options jfsdp sets on GPUs. The report shows XLA:GPU's memory and collectives beside the
@@ -88,11 +89,17 @@ def _args(argv):
 
 
 def _force_devices(n: int):
-    """Ask for n fake CPU devices, before jax is imported. A count already forced in XLA_FLAGS wins
-    (the mesh must then fit it)."""
+    """Ask for n fake CPU devices, before jax starts its backend. A count already forced in XLA_FLAGS
+    wins (the mesh must then fit it). XLA:CPU gets the flags train.py gives it (jfsdp.step.CPU_FLAGS:
+    the memory-minimizing scheduler; XLA reads it from XLA_FLAGS only), so that the compiled CPU figure
+    is the step train.py runs: with XLA:CPU's default scheduler the units' stacked gradient buffers and
+    the embedding's gradient are made at the start of the step (llama-70b on 1x64: 35.64 GiB compiled
+    against 26.98 GiB with CPU_FLAGS, measured 2026-11-22)."""
+    from jfsdp.step import cpu_xla_flags   # imports jax; its backend (which reads XLA_FLAGS) starts later
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+        flags = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+    os.environ["XLA_FLAGS"] = cpu_xla_flags(flags)
 
 
 def largest_batch(fits, start: int = 1, limit: int = 1 << 20) -> int:
