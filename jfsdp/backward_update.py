@@ -218,10 +218,17 @@ def make_step(plan: FSDP, optimizer: optax.GradientTransformation, loss_fn: Call
                 row = lambda x: lax.dynamic_slice_in_dim(x, i, 1, 0)
                 put = lambda a, x: lax.dynamic_update_slice_in_dim(a, x, i, 0)
                 stacked, mirrored = list(stacked), dict(mirrored)
-                for n, (k, x) in enumerate(zip(keys, g_leaves)):   # leaf by leaf: one leaf's rows in flight
+                for n, (k, x) in enumerate(zip(keys, g_leaves)):
+                    # Leaf by leaf, and each leaf's reads after every write before them (one element
+                    # of each stacked buffer as it now is): one leaf's rows in flight (XLA:CPU read
+                    # every leaf's rows first: measured), and no read of a buffer that XLA could
+                    # schedule after an in-place write to it (unit 0's rows, read after unit 1's
+                    # update outside the loop, made XLA:CPU copy every stacked leaf: measured).
                     grads = {k: (x * scale.astype(x.dtype) if scale is not None else x)[None]}
-                    s_pieces = {m: row(mirrored[m]) for m in mirrors.get(k, [])}
-                    new_p, new_s = rows_update({k: row(stacked[n])}, grads, s_pieces, norm_sq)
+                    pieces = ({k: row(stacked[n])}, {m: row(mirrored[m]) for m in mirrors.get(k, [])})
+                    marks = [a.reshape(-1)[:1] for a in [*stacked, *mirrored.values()]]
+                    pieces, _ = _tie(pieces, marks, on_cpu)
+                    new_p, new_s = rows_update(pieces[0], grads, pieces[1], norm_sq)
                     stacked[n] = put(stacked[n], new_p[k])
                     for m, v in new_s.items():
                         mirrored[m] = put(mirrored[m], v)

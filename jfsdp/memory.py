@@ -205,13 +205,15 @@ def _wire_dtype(dtype, backend: str):
 
 
 def estimate(plan: FSDP, optimizer, loss_fn: Callable, batch, *, prefetch: bool = False,
-             backend: str | None = None) -> Breakdown:
+             backend: str | None = None, update_in_backward: bool = False) -> Breakdown:
     """Analytic per-device bytes at the peak of one train step of `plan` on the global `batch`
     (a tree of shapes): the state plus the largest of what is live at four points of the step, the
     head's backward, the units' backward, the embedding's backward and the update (see the
     comments below). `backend`: whose dtypes ('cpu' widens bf16 compute to f32: `_wire_dtype`) and
     whose scheduling the figure is for; the compiled CPU figure assumes XLA:CPU's memory-minimizing
-    scheduler (jfsdp.step.CPU_FLAGS, as train.py and the planner compile)."""
+    scheduler (jfsdp.step.CPU_FLAGS, as train.py and the planner compile).
+    `update_in_backward`: the step of `make_train_step(update_in_backward=True)`, which runs the
+    prefetch pipeline's loops (two gathered units) and never holds the units' whole gradient."""
     backend = backend or jax.default_backend()
     S, N = plan.shards, plan.n_devices
     root_l = plan.split(plan.layouts)[0]
@@ -252,7 +254,7 @@ def estimate(plan: FSDP, optimizer, loss_fn: Callable, batch, *, prefetch: bool 
         if plan.strategy.reshard_after_forward:
             single = sum(u for u, (_, n) in zip(unit_g, stages) if n == 1)
             looped = max([u for u, (_, n) in zip(unit_g, stages) if n > 1], default=0)
-            gathered = root_g + single + looped * (2 if prefetch else 1)
+            gathered = root_g + single + looped * (2 if prefetch or update_in_backward else 1)
             grad_buffers = 0
         else:
             gathered = root_g + sum(u * n for u, (_, n) in zip(unit_g, stages))
@@ -313,6 +315,17 @@ def estimate(plan: FSDP, optimizer, loss_fn: Callable, batch, *, prefetch: bool 
         "embed": (unit_grads, one_unit if embed_only else 0, held + table, 0, 0),
         "update": (params, 0, 0, 0, pad_grads),
     }
+    if update_in_backward:
+        # No stacked gradient: each unit's gradient shard is consumed (one leaf's rows at a time: its
+        # gradient and new parameter and moment rows) inside the backward loop. The root's gradient
+        # shards, reduced right after the head's backward, are held to the root's update at the end.
+        root_grads = _stored_bytes(leaves) // S
+        unit_leaves = [x for l, _ in stages for x in jax.tree.leaves(l, is_leaf=_is_layout)]
+        rows = 4 * max(_stored_bytes([x]) for x in unit_leaves) // S
+        # (the tied weight's head gradient is reduced then too: no unsharded gradient is held)
+        points["units"] = (root_grads + rows, units_gathered, grad_buffers, saved + recompute, 0)
+        points["embed"] = (root_grads,) + points["embed"][1:]
+        points["update"] = (root_grads, 0, 0, 0, 0)
     name = max(points, key=lambda k: sum(points[k]))
     grads, gath, buffers, activations, pad_g = points[name]
     return Breakdown(params=params, grads=grads, optimizer=optimizer_b, padding=pad_state + pad_g,

@@ -83,6 +83,9 @@ def _args(argv):
                    "choose per stage (auto; see jfsdp/moe.py)")
     p.add_argument("--moe-chunks", default="auto", help="MoE expert-parallel stages: chunks k (or auto)")
     p.add_argument("--prefetch", action="store_true", help="count two gathered units (prefetching the next)")
+    p.add_argument("--update-in-backward", action="store_true",
+                   help="plan train.py --update-in-backward: the optimizer applied to each unit inside the backward "
+                        "pass (no whole gradient held; needs remat full, full_shard/hybrid_shard)")
     p.add_argument("--no-compile", action="store_true", help="estimate only (skip the compiled measurement)")
     p.add_argument("--json", default=None, help="also write the report as JSON to this file")
     return p.parse_args(argv)
@@ -227,18 +230,26 @@ def report(a) -> dict:
         budget = parse_bytes(a.device_memory) if a.device_memory else (
             targets.get(a.target).memory_bytes if gpu else parse_bytes("80GiB"))
         here = a.target if gpu else jax.default_backend()
-        est_target = memory.estimate(plan, opt, loss_fn, batch, prefetch=a.prefetch or gpu, backend=est_backend)
+        ib = a.update_in_backward
+        if ib:
+            from jfsdp import backward_update
+            why = backward_update.unsupported(plan, 1)
+            if why:
+                raise _Error(f"--update-in-backward: {why}")
+        est_target = memory.estimate(plan, opt, loss_fn, batch, prefetch=a.prefetch or gpu, backend=est_backend,
+                                     update_in_backward=ib)
         rep = {"model": a.model, "params": cfg.num_params(), "mesh": a.mesh, "devices": plan.n_devices,
                "strategy": plan.strategy.value, "precision": a.precision, "remat": a.remat,
+               "update_in_backward": ib,
                "batch_size": batch["inputs"].shape[0], "seq_len": a.seq_len, "device_memory": budget,
                "target": a.target, "estimate": est_target.as_dict()}
         if gpu:
             rep["attention"] = attention
-            rep["xla_options"] = targets.compiler_options(dict(_option(o) for o in a.xla_option), plan.prefetch)
+            rep["xla_options"] = targets.compiler_options(dict(_option(o) for o in a.xla_option), plan.prefetch or ib)
             rep["prefetch"] = plan.prefetch
         if here != a.target:
             rep[f"estimate_{here}"] = memory.estimate(plan, opt, loss_fn, batch, prefetch=a.prefetch,
-                                                      backend=here).as_dict()
+                                                      backend=here, update_in_backward=ib).as_dict()
         rep["comm_formula"] = memory.comm_formula(plan, backend=est_backend)
         from jfsdp import moe
         if any(plan.moe_stages):
@@ -247,9 +258,10 @@ def report(a) -> dict:
             t = time.time()
             if gpu:
                 compiled = targets.compile_step(a.target, plan, opt, loss_fn, batch,
-                                                overrides=dict(_option(o) for o in a.xla_option))
+                                                overrides=dict(_option(o) for o in a.xla_option),
+                                                update_in_backward=ib)
             else:
-                compiled = memory.compile_step(plan, opt, loss_fn, batch)
+                compiled = memory.compile_step(plan, opt, loss_fn, batch, update_in_backward=ib)
             rep["compile_s"] = round(time.time() - t, 1)
             rep["compiled"] = {"backend": here, **memory.measure(compiled)}
             rep["comm_compiled"] = {"backend": here, **memory.comm_measured(compiled, plan.n_devices)}
@@ -270,7 +282,7 @@ def report(a) -> dict:
             shape = jax.ShapeDtypeStruct((per_device * n, seq), jnp.int32)
             b = {"inputs": shape, "targets": shape}
             return memory.estimate(plan, opt, loss_fn, b, prefetch=a.prefetch or gpu,
-                                   backend=est_backend).total <= budget
+                                   backend=est_backend, update_in_backward=ib).total <= budget
 
         rep["largest_global_batch"] = largest_batch(fits) * n
     return rep
@@ -285,7 +297,8 @@ def render(r: dict) -> str:
     here = r.get("compiled", {}).get("backend")
     e_here = r.get(f"estimate_{here}", e if here == tgt else None) if here else None
     lines = [f"{r['model']} ({r['params'] / 1e9:.2f}B parameters) on mesh {r['mesh']} ({r['devices']} devices), "
-             f"{r['strategy']}, {r['precision']}, remat {r['remat']}, batch {r['batch_size']} x {r['seq_len']} tokens",
+             f"{r['strategy']}, {r['precision']}, remat {r['remat']}, batch {r['batch_size']} x {r['seq_len']} tokens"
+             + (", optimizer inside the backward pass" if r.get("update_in_backward") else ""),
              "", "memory per device"]
     same = here == tgt  # a named GPU: the estimate for it is beside its own compilation
     cols = [f"estimate ({tgt})"] + (([] if same else [f"estimate ({here})"]) + [f"compiled ({here})"] if here else [])
