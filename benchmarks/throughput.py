@@ -134,7 +134,7 @@ def run_one(model: str, strategy: str, a, update_in_backward: bool = False) -> d
     compile_s = time.perf_counter() - t
     for _ in range(a.warmup):
         state, m = compiled(state, batch)
-    jax.block_until_ready(m)
+    jax.block_until_ready(state)   # --warmup 0 runs none
     times = []
     for _ in range(a.steps):
         t = time.perf_counter()
