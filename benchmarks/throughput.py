@@ -11,8 +11,17 @@ included, plus causal attention's half square) and `flops_per_token_torchtitan` 
 parameters without the embedding, plus 12·L·H·Q·T: full, not causal, attention). TFLOP/s per device
 and MFU use jfsdp's count; MFU is against the device's dense peak (bf16 or TF32), null on CPU.
 Peak memory is the allocator's peak on GPUs/TPUs and, on CPU devices (no allocator statistics), the
-compiled step's buffer assignment. On GPUs jfsdp's XLA flags (jfsdp.targets.GPU_FLAGS) are set
-before jax starts; a flag already in XLA_FLAGS wins.
+compiled step's buffer assignment.
+
+On GPUs jfsdp's XLA flags are set before jax starts, as train.py sets them (a flag already in
+XLA_FLAGS wins): the prefetch pipeline's (jfsdp.targets.PREFETCH_GPU_FLAGS) when the plans will run
+jfsdp's prefetch pipeline (jfsdp.core.prefetch_by_default: remat full with full_shard/hybrid_shard
+on more than one shard, or JFSDP_PREFETCH), or the step is --update-in-backward 1 (which runs it
+too), else the plain scan's (GPU_FLAGS). XLA reads XLA_FLAGS once per process and one invocation
+runs every requested strategy (and update-in-backward mode), so the pipeline's flags are set only
+when every one of those runs prefetches; a mix gets GPU_FLAGS, says so on stderr, and each JSON row
+records `prefetch` (its plan's) and `gpu_flags` (the set in force: "prefetch", "plain", or null off
+GPUs). Run the prefetching strategies in an invocation of their own for their flags.
 """
 from __future__ import annotations
 
@@ -44,16 +53,49 @@ def _args(argv):
     return p.parse_args(argv)
 
 
-def _setup_devices(n: int):
-    """Before jax starts: fake n CPU devices where there is no accelerator; on GPUs, jfsdp's flags."""
+def _ib_modes(a) -> list[bool]:
+    return {"0": [False], "1": [True], "both": [False, True]}[a.update_in_backward]
+
+
+def gpu_prefetch(a) -> tuple[bool, list[str]]:
+    """(whether every run of this invocation runs jfsdp's prefetch pipeline on GPUs, the runs that
+    do while others do not). A run prefetches when its plan will (jfsdp.core.prefetch_by_default, as
+    train.py decides) or its step updates in the backward pass. Bad input counts as not prefetching
+    (reported when the run starts). Imports jax, but starts no backend."""
+    from jfsdp.core import prefetch_by_default
+    from jfsdp.mesh import ConfigError
+    from jfsdp.policy import Strategy
+
+    shards = int(a.mesh.lower().partition("x")[2])
+    runs = {}
+    for strategy in a.strategies.split(","):
+        try:
+            plan = prefetch_by_default(Strategy.parse(strategy.strip()), a.remat, shards, on_gpu=True)
+        except (ConfigError, ValueError):
+            plan = False
+        for ib in _ib_modes(a):
+            runs[strategy.strip() + (" (update in backward)" if ib else "")] = plan or ib
+    every = all(runs.values())
+    return every, [] if every else [k for k, v in runs.items() if v]
+
+
+def _setup_devices(a, n: int) -> str | None:
+    """Before jax starts: fake n CPU devices where there is no accelerator; on GPUs, jfsdp's flags
+    (`gpu_prefetch`). Returns the GPU flag set put in XLA_FLAGS ("prefetch" / "plain"; None off GPUs)."""
     has_accel = bool(shutil.which("nvidia-smi")) or os.path.exists("/dev/nvidia0") or os.path.exists("/dev/accel0")
     if os.environ.get("JAX_PLATFORMS", "").startswith("cpu") or not has_accel:
         flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", ""))
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    else:
-        from jfsdp.targets import gpu_xla_flags  # imports jax, but XLA_FLAGS is read when the backend starts
-        os.environ["XLA_FLAGS"] = gpu_xla_flags()
+        return None
+    from jfsdp.targets import gpu_xla_flags  # imports jax, but XLA_FLAGS is read when the backend starts
+    prefetch, left_out = gpu_prefetch(a)
+    if left_out:
+        print(f"note: XLA_FLAGS are per process and not every run here prefetches: {', '.join(left_out)} run(s) "
+              "jfsdp's prefetch pipeline under the plain scan's flags (jfsdp.targets.GPU_FLAGS); run them on "
+              "their own for jfsdp.targets.PREFETCH_GPU_FLAGS", file=sys.stderr)
+    os.environ["XLA_FLAGS"] = gpu_xla_flags(prefetch=prefetch)
+    return "prefetch" if prefetch else "plain"
 
 
 def torchtitan_flops_per_token(cfg, seq_len: int) -> float:
@@ -92,7 +134,7 @@ def run_one(model: str, strategy: str, a, update_in_backward: bool = False) -> d
     compile_s = time.perf_counter() - t
     for _ in range(a.warmup):
         state, m = compiled(state, batch)
-    jax.block_until_ready(m)
+    jax.block_until_ready(state)   # --warmup 0 runs none
     times = []
     for _ in range(a.steps):
         t = time.perf_counter()
@@ -113,7 +155,7 @@ def run_one(model: str, strategy: str, a, update_in_backward: bool = False) -> d
             "flops_per_token": fpt, "flops_per_token_torchtitan": torchtitan_flops_per_token(cfg, a.seq_len),
             "tflops_per_device": tflops, "mfu": tflops * 1e12 / peak if peak else None,
             "peak_memory_bytes": mem, "memory_source": mem_src, "loss": float(m["loss"]),
-            "update_in_backward": update_in_backward}
+            "update_in_backward": update_in_backward, "prefetch": plan.prefetch, "gpu_flags": getattr(a, "gpu_flags", None)}
 
 
 def main(argv=None) -> int:
@@ -122,7 +164,7 @@ def main(argv=None) -> int:
     if not m or a.steps < 1 or a.warmup < 0:
         print(f"error: bad --mesh '{a.mesh}' or step counts", file=sys.stderr)
         return 2
-    _setup_devices(int(m.group(1)) * int(m.group(2)))
+    a.gpu_flags = _setup_devices(a, int(m.group(1)) * int(m.group(2)))
     import datetime
     import json
 
@@ -133,7 +175,7 @@ def main(argv=None) -> int:
     try:
         for model in a.models.split(","):
             for strategy in a.strategies.split(","):
-                for ib in {"0": [False], "1": [True], "both": [False, True]}[a.update_in_backward]:
+                for ib in _ib_modes(a):
                     rows.append(run_one(model.strip(), strategy.strip(), a, ib))
                     r = rows[-1]
                     mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"

@@ -79,6 +79,41 @@ def device_memory(devices, compiled=None) -> tuple[int | None, str]:
     return None, "unknown"
 
 
+def forward_metrics(plan, fns: dict):
+    """(params, batch) -> {name: metric}: several forward-only metrics from one forward pass.
+
+    `fns` maps names to functions with `plan.loss`'s contract (`fn(outputs, batch)` gets the head's
+    outputs and the batch rows of one device and returns a scalar); each metric is that scalar in
+    float32 averaged over the devices, exactly as `plan.loss(fn)` computes it, but every function
+    reads the same forward pass (a trainer's per-step model metrics, e.g. an MoE router's auxiliary
+    loss and dropped fraction, cost one forward instead of one each). Call under jit. It is
+    `FSDP.loss` generalised to a dict of scalars and uses the plan's own forward and shard_map."""
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.sharding import PartitionSpec as P
+
+    from jfsdp.mesh import AXES, ConfigError
+
+    fns = dict(fns)
+
+    def local(params, batch):
+        outputs = plan._forward(params, batch["inputs"])
+        out = {}
+        for name, fn in fns.items():
+            x = fn(outputs, batch)
+            if jnp.shape(x) != ():
+                raise ConfigError(f"metric '{name}' must return a scalar, got shape {jnp.shape(x)}")
+            out[name] = lax.psum(jnp.asarray(x).astype(jnp.float32), AXES) / plan.n_devices
+        return out
+
+    sharded = plan._shard_map(local, (plan.param_specs, P(AXES)), {name: P() for name in fns})
+
+    def fn(params, batch):
+        plan.check_batch(batch)
+        return sharded(params, batch)
+    return fn
+
+
 def fmt_bytes(n: float | None) -> str:
     if n is None:
         return "n/a"

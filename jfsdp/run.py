@@ -198,7 +198,8 @@ class Run:
         except OSError as e:
             fail(f"{e.filename}: {e.strerror}")
         self.eval_loss = jax.jit(plan.loss(self.loss_fn))
-        self.model_metrics = {k: jax.jit(plan.loss(f)) for k, f in self.model_metrics.items()}
+        # one forward pass for all of them (jfsdp.metrics.forward_metrics), None without any
+        self.model_metrics = jax.jit(jm.forward_metrics(plan, self.model_metrics)) if self.model_metrics else None
         self.val_set = [self.put(b) for b in loader.val_batches(c.eval_iters)]
         self.mem, self.mem_src = jm.device_memory(self.mesh.local_devices, self.compiled)
         self.compile_s = time.perf_counter() - t0
@@ -304,7 +305,8 @@ class Run:
                         self.mem, _ = jm.device_memory(self.mesh.local_devices)
                     rec = {"step": done, "loss": float(losses.mean()), "lr": float(self.schedule(done - 1)),
                            "grad_norm": float(m["grad_norm"]), **extra_metrics(got),
-                           **{k: float(f(self.state.params, batch)) for k, f in self.model_metrics.items()},
+                           **({k: float(v) for k, v in self.model_metrics(self.state.params, batch).items()}
+                              if self.model_metrics else {}),
                            **self.throughput(tps),
                            "memory_bytes": self.mem, "epoch": round(loader.epoch(), 4),
                            "time_s": round(now - self.t_launch, 3)}

@@ -73,6 +73,56 @@ def test_gpu_flags_are_overridable(monkeypatch):
     assert "--xla_gpu_enable_pipelined_reduce_scatter=true" in flags and flags.count("pipelined_all_gather") == 1
 
 
+def test_throughput_sets_the_flags_train_py_sets(monkeypatch, capsys):
+    """benchmarks/throughput.py on (pretended) GPUs: XLA_FLAGS as train.py's `setup_devices` sets them
+    for each single run (the pipeline's flags where the plan prefetches or the step updates in the
+    backward pass); for several runs in one process, the pipeline's flags only when all of them
+    prefetch, else the plain scan's and a note naming the prefetching runs."""
+    import shutil
+
+    from benchmarks import throughput
+    from jfsdp import cli
+
+    monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}")   # nvidia-smi "found"
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    monkeypatch.delenv("JFSDP_PREFETCH", raising=False)
+    pipeline = "--xla_gpu_enable_pipelined_all_gather=false"
+    assert pipeline in targets.gpu_xla_flags("", prefetch=True) and pipeline not in targets.gpu_xla_flags("")
+
+    def flags(setup, argv):
+        monkeypatch.setenv("XLA_FLAGS", "")
+        got = setup(argv)
+        return os.environ["XLA_FLAGS"], got
+
+    def bench(argv):
+        a = throughput._args(argv)
+        return throughput._setup_devices(a, 8)
+
+    def train(argv):
+        cli.setup_devices(cli.parse_args(argv), 8)
+
+    single = [  # (mesh, strategy, remat, update in backward) -> prefetches on GPUs
+        ("1x8", "full_shard", "full", False, True), ("2x4", "hybrid_shard", "full", False, True),
+        ("1x8", "full_shard", "dots", False, False), ("8x1", "full_shard", "full", False, False),
+        ("1x8", "shard_grad_op", "full", False, False), ("1x8", "no_shard", "none", False, False),
+        ("1x8", "shard_grad_op", "full", True, True)]
+    for mesh, strategy, remat, ib, want in single:
+        argv = ["--mesh", mesh, "--remat", remat]
+        got, which = flags(bench, argv + ["--strategies", strategy, "--update-in-backward", str(int(ib))])
+        assert got == flags(train, argv + ["--strategy", strategy] + ["--update-in-backward"] * ib)[0]
+        assert (pipeline in got) == want and which == ("prefetch" if want else "plain"), (mesh, strategy, remat, ib)
+    capsys.readouterr()
+    base = ["--mesh", "1x8", "--remat", "full"]
+    assert flags(bench, base + ["--strategies", "full_shard,hybrid_shard", "--update-in-backward", "both"])[1] == "prefetch"
+    assert capsys.readouterr().err == ""
+    got, which = flags(bench, base + ["--strategies", "full_shard,no_shard"])
+    assert which == "plain" and pipeline not in got and "full_shard run(s)" in capsys.readouterr().err
+    assert throughput.gpu_prefetch(throughput._args(base + ["--strategies", "shard_grad_op", "--update-in-backward",
+                                                            "both"])) == (False, ["shard_grad_op (update in backward)"])
+    monkeypatch.setenv("JFSDP_PREFETCH", "0")   # the plans' own switch (jfsdp.core.prefetch_by_default)
+    assert flags(bench, base + ["--strategies", "full_shard"])[1] == "plain"
+
+
 def test_missing_plugin_is_one_config_error(monkeypatch):
     from jax.experimental import topologies
 

@@ -13,6 +13,7 @@ import pytest
 import jfsdp
 import models
 from jfsdp import hlo, memory
+from jfsdp import metrics as jm
 from models import moe
 from models.llama import lm_loss
 from tests import moe_reference as mref
@@ -55,11 +56,14 @@ def references():
     return get
 
 
+TRAIN_METRICS = {"aux": moe.aux_loss, "dropped": moe.dropped_fraction}   # jfsdp/run.py's model metrics
+
+
 @pytest.mark.parametrize("mesh_spec,mode,chunks", CASES)
 def test_matches_plain_moe(references, mesh_spec, mode, chunks):
     """Loss within 1e-5 relative, first-step gradients within 1e-5 of each leaf's largest. On 2x4 EP
     k=2 the whole moe-test (a dense stage, then MoE) with remat full, so that the all-to-alls are also recomputed in the backward pass. On 2x4 EP k=2 the
-    metrics (moe.dropped_fraction: 0; moe.aux_loss: the reference's) through plan.loss."""
+    metrics (moe.dropped_fraction: 0; moe.aux_loss: the reference's) through jfsdp.metrics.forward_metrics."""
     full = (mesh_spec, mode, chunks) == FULL_CASE
     cfg = CFG if full else NO_DENSE
     reference = references(cfg)
@@ -70,12 +74,29 @@ def test_matches_plain_moe(references, mesh_spec, mode, chunks):
     assert [s and (s.mode, s.chunks) for s in plan.moe_stages] == [None] * full + [(mode, chunks)]
     params, batch = plan.shard(params), plan.put_batch(batch)
     loss, grads = jax.jit(plan.loss_and_grad(moe.loss(lm_loss, cfg.aux_coef)))(params, batch)
-    if full:   # the metrics a trainer logs (one case: a compile each)
-        assert float(jax.jit(plan.loss(moe.dropped_fraction))(params, batch)) == 0.0
-        aux = float(jax.jit(plan.loss(moe.aux_loss))(params, batch))
-        assert aux == pytest.approx(float(jnp.mean(mref.forward(cfg, reference[1], reference[0]["inputs"])[1])), rel=1e-5)
+    if full:   # the metrics a trainer logs, as train.py measures them (one forward pass for both)
+        got = jax.jit(jm.forward_metrics(plan, TRAIN_METRICS))(params, batch)
+        assert float(got["dropped"]) == 0.0
+        want_aux = float(jnp.mean(mref.forward(cfg, reference[1], reference[0]["inputs"])[1]))
+        assert float(got["aux"]) == pytest.approx(want_aux, rel=1e-5)
     np.testing.assert_allclose(float(loss), want_loss, rtol=1e-5)
     ref.close(plan.gather(grads), want_grads, 1e-5, "grad")
+
+
+def test_forward_metrics_equal_one_pass_each():
+    """train.py's model metrics in one forward pass (jfsdp.metrics.forward_metrics) equal, bit for bit,
+    each metric's own pass through plan.loss, on a router that drops choices (capacity 0.5)."""
+    cfg = dataclasses.replace(NO_DENSE, capacity_factor=0.5)
+    batch = _batch(1)
+    plan = _plan(cfg, "2x2", jax.ShapeDtypeStruct(batch["inputs"].shape, jnp.int32), moe=jfsdp.MoE(mode="ep"))
+    params, batch = plan.init(jax.random.key(1)), plan.put_batch(batch)
+    got = jax.jit(jm.forward_metrics(plan, TRAIN_METRICS))(params, batch)
+    assert sorted(got) == ["aux", "dropped"]
+    for name, fn in TRAIN_METRICS.items():
+        assert float(got[name]) == float(jax.jit(plan.loss(fn))(params, batch)), name
+    assert 0.05 < float(got["dropped"]) < 0.95 and float(got["aux"]) > 0
+    with pytest.raises(jfsdp.ConfigError, match="metric 'rows' must return a scalar"):
+        jm.forward_metrics(plan, {"rows": lambda out, b: out["moe_stats"][:, 0]})(params, batch)
 
 
 # ---- routing: priority, capacity and the dropped count against a plain loop
