@@ -46,6 +46,7 @@ def _args(argv):
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--warmup", type=int, default=2, help="steps run before the timed window")
     p.add_argument("--steps", type=int, default=5, help="timed steps")
+    p.add_argument("--clip", type=float, default=1.0, help="AdamW's global-norm clip (0: none)")
     p.add_argument("--update-in-backward", default="0", choices=("0", "1", "both"),
                    help="make_train_step(update_in_backward=...): 1 = the optimizer inside the backward pass "
                         "(needs --remat full), both = one row each way")
@@ -124,7 +125,7 @@ def run_one(model: str, strategy: str, a, update_in_backward: bool = False) -> d
     lm, _, loss_fn = language_model(models, cfg, "plain")
     plan = jfsdp.fully_shard(lm, mesh, x, strategy=strategy, remat=a.remat,
                              mp_policy=jfsdp.MixedPrecision.parse(a.precision))
-    opt = jfsdp.adamw(1e-4, mask=plan.decay_mask())
+    opt = jfsdp.adamw(1e-4, mask=plan.decay_mask(), clip_norm=a.clip or None)
     state = jfsdp.init_state(plan, opt, jax.random.key(0))
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (a.batch_size, a.seq_len + 1), dtype=np.int32)
     batch = jax.device_put({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}, plan.batch_sharding)
@@ -155,7 +156,7 @@ def run_one(model: str, strategy: str, a, update_in_backward: bool = False) -> d
             "flops_per_token": fpt, "flops_per_token_torchtitan": torchtitan_flops_per_token(cfg, a.seq_len),
             "tflops_per_device": tflops, "mfu": tflops * 1e12 / peak if peak else None,
             "peak_memory_bytes": mem, "memory_source": mem_src, "loss": float(m["loss"]),
-            "update_in_backward": update_in_backward, "prefetch": plan.prefetch, "gpu_flags": getattr(a, "gpu_flags", None)}
+            "update_in_backward": update_in_backward, "clip": a.clip, "prefetch": plan.prefetch, "gpu_flags": getattr(a, "gpu_flags", None)}
 
 
 def main(argv=None) -> int:
