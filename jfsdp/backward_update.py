@@ -31,7 +31,7 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jfsdp.core import FSDP, _is_layout, _tie, unshard
+from jfsdp.core import FSDP, _at, _is_layout, _tie, unshard
 from jfsdp.mesh import AXES, FSDP as FSDP_AXIS, ConfigError
 
 
@@ -124,7 +124,7 @@ def _empty(x):
 def make_step(plan: FSDP, optimizer: optax.GradientTransformation, loss_fn: Callable, opt_specs) -> Callable:
     """(params, opt_state, batch) -> (params, opt_state, loss, grad_norm), to be jitted: forward,
     head backward, then the units' backward with each unit's update in the loop, then the root's."""
-    clip = getattr(optimizer, "clip_norm", None) if isinstance(optimizer, Clipped) else None
+    clip = optimizer.clip_norm if isinstance(optimizer, Clipped) else None
     abstract = plan.abstract_params()
     p_def = jax.tree.structure(abstract)
     n_p = p_def.num_leaves
@@ -203,9 +203,9 @@ def make_step(plan: FSDP, optimizer: optax.GradientTransformation, loss_fn: Call
         sq = lambda tree: sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree))
 
         # pass for the norm (clipped optimizer only): nothing is updated or kept
-        def norm_consume(j):
-            return lambda acc, i, g: (acc[0], acc[1] + sq(g))
-        read_first = lambda acc, i: jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, i, keepdims=False), acc[0])
+        norm_consume = lambda acc, i, g: (acc[0], acc[1] + sq(g))
+        read_first = lambda acc, i: _at(acc[0], i)
+        scaled = lambda x, scale: x if scale is None else x * scale.astype(x.dtype)
 
         def update_consume(j, scale):
             keys = stage_k[j]
@@ -224,7 +224,7 @@ def make_step(plan: FSDP, optimizer: optax.GradientTransformation, loss_fn: Call
                     # every leaf's rows first: measured), and no read of a buffer that XLA could
                     # schedule after an in-place write to it (unit 0's rows, read after unit 1's
                     # update outside the loop, made XLA:CPU copy every stacked leaf: measured).
-                    grads = {k: (x * scale.astype(x.dtype) if scale is not None else x)[None]}
+                    grads = {k: scaled(x, scale)[None]}
                     pieces = ({k: row(stacked[n])}, {m: row(mirrored[m]) for m in mirrors.get(k, [])})
                     marks = [a.reshape(-1)[:1] for a in [*stacked, *mirrored.values()]]
                     pieces, _ = _tie(pieces, marks, on_cpu)
@@ -253,11 +253,9 @@ def make_step(plan: FSDP, optimizer: optax.GradientTransformation, loss_fn: Call
             keys = stage_k[j]
             return ([p_leaves[k] for k in keys], {m: s_leaves[m] for k in keys for m in mirrors.get(k, [])},
                     jnp.zeros((), jnp.float32))
-        read_stacked = lambda acc, i: jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, i, keepdims=False), acc[0])
-
         def stage_read(j):
             tree_def = jax.tree.structure(stage_p[j])
-            return lambda acc, i: jax.tree.unflatten(tree_def, read_stacked(acc, i))
+            return lambda acc, i: jax.tree.unflatten(tree_def, read_first(acc, i))
 
         def run_updates(scale):
             dh, total = dh_top, jnp.zeros((), jnp.float32)
@@ -269,7 +267,7 @@ def make_step(plan: FSDP, optimizer: optax.GradientTransformation, loss_fn: Call
 
         def root_update(d_root, scale):
             g_leaves = list(d_root)   # the root shards, as listed by r_def
-            grads = {k: (x * scale.astype(x.dtype) if scale is not None else x) for k, x in zip(root_k, g_leaves)}
+            grads = {k: scaled(x, scale) for k, x in zip(root_k, g_leaves)}
             pieces = {k: p_leaves[k] for k in root_k}
             s_pieces = {m: s_leaves[m] for k in root_k for m in mirrors.get(k, [])}
             return opt_update(p_leaves, s_leaves, pieces, grads, s_pieces)
@@ -293,7 +291,7 @@ def make_step(plan: FSDP, optimizer: optax.GradientTransformation, loss_fn: Call
             dh = dh_top
             total = jnp.zeros((), jnp.float32)
             for j in reversed(range(len(passes))):
-                dh, acc = passes[j][1](saved[j], dh, (stage_p[j], total), read_first, norm_consume(j))
+                dh, acc = passes[j][1](saved[j], dh, (stage_p[j], total), read_first, norm_consume)
                 total = acc[1]
             d_root = add(d_head, embed_backward(dh))
             norm = jnp.sqrt(reduce_norm(total + sq(d_root)))

@@ -195,12 +195,11 @@ def make_train_step(plan: FSDP, optimizer: optax.GradientTransformation, loss_fn
     remat 'full', grad_accum 1, a resharding strategy (or one shard) and an elementwise optimizer
     (`jfsdp.adamw`, optax's adam/sgd family); with clipping the units' backward runs twice (norm,
     then updates)."""
+    shardings = state_shardings(plan, optimizer)
     if update_in_backward:
         why = backward_update.unsupported(plan, grad_accum)
         if why:
             raise ConfigError(f"update_in_backward: {why}")
-    shardings = state_shardings(plan, optimizer)
-    if update_in_backward:
         fused = backward_update.make_step(plan, optimizer, loss_fn, jax.tree.map(lambda s: s.spec, shardings.opt_state))
 
         def step(state: TrainState, batch):
