@@ -38,7 +38,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import jfsdp  # noqa: E402
 import models  # noqa: E402
-from jfsdp import checkpoint as jckpt  # noqa: E402
+from jfsdp.io import checkpoint as jckpt  # noqa: E402
 
 MODELS = {
     "llama-small": models.get_config("llama-small"),

@@ -34,7 +34,9 @@ import jax.numpy as jnp  # noqa: E402
 
 import jfsdp  # noqa: E402
 import models  # noqa: E402
-from jfsdp import hlo, memory, targets  # noqa: E402
+from jfsdp.planning import hlo  # noqa: E402
+from jfsdp.planning import memory
+from jfsdp.planning import targets
 
 GiB = 2**30
 

@@ -6,7 +6,7 @@ Every number is XLA's buffer assignment (`compiled.memory_analysis()`, argument 
 alias) of jfsdp's real train step (AdamW, fp32, donated state, the fused head + cross-entropy of
 train.py), lowered from abstract inputs on 64
 fake CPU devices: nothing is allocated. fp32 because XLA's CPU backend widens bf16 to f32 anyway
-(jfsdp.memory._wire_dtype), so an fp32 plan is what this machine can measure faithfully.
+(jfsdp.planning.memory._wire_dtype), so an fp32 plan is what this machine can measure faithfully.
 
 1. per-device memory against devices (1..64) for each strategy, fixed model (llama-1b shape);
 2. per-device memory against depth for FULL_SHARD with and without remat;
@@ -23,7 +23,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # `models` is the repository's own package, imported from the repository root (pip installs only jfsdp)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from jfsdp.step import cpu_xla_flags  # noqa: E402  (jax reads XLA_FLAGS when its backend starts)
+from jfsdp.config.xla_flags import cpu_xla_flags  # noqa: E402  (jax reads XLA_FLAGS when its backend starts)
 
 os.environ["XLA_FLAGS"] = cpu_xla_flags()   # XLA:CPU's memory-minimizing scheduler, as jfsdp trains on CPU
 
@@ -36,7 +36,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import jfsdp  # noqa: E402
 import models  # noqa: E402
-from jfsdp import memory  # noqa: E402
+from jfsdp.planning import memory  # noqa: E402
 
 GiB = 2**30
 SEQ = 2048
@@ -53,7 +53,7 @@ def setup(cfg, mesh_spec, strategy, remat="full", per_device_batch=1):
     # as train.py and the planner run it: the fused, chunked head + cross-entropy (no full logits)
     plan = jfsdp.fully_shard(jfsdp.Stacked(root, unit, n, head_method="head_features"), mesh, x, strategy=strategy,
                              remat=remat, mp_policy=jfsdp.MixedPrecision.parse("fp32"))
-    return plan, jfsdp.adamw(1e-4), jfsdp.ops.lm_loss(vocab_major=cfg.tie_embeddings), {"inputs": x, "targets": x}
+    return plan, jfsdp.adamw(1e-4), jfsdp.train.losses.lm_loss(vocab_major=cfg.tie_embeddings), {"inputs": x, "targets": x}
 
 
 def measure(cfg, mesh_spec, strategy, remat="full") -> dict:

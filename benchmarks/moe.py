@@ -8,7 +8,7 @@
    (XLA's buffer assignment) of both modes, and the mode `MoE(mode='auto')` chooses.
 2. H100 compile-only target (jfsdp.targets; needs jax's CUDA plugin, no GPU): an expert-parallel
    model in bf16, all-to-all bytes per step left exposed (no matmul or loop scheduled while in
-   flight: jfsdp.hlo.overlap) with k = 1 against the k the cost model chooses ('auto'), and every
+   flight: jfsdp.planning.hlo.overlap) with k = 1 against the k the cost model chooses ('auto'), and every
    k in 1, 2, 4, 8, 16, on three shapes (model width = expert width, tokens per device).
 """
 from __future__ import annotations
@@ -31,7 +31,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import jfsdp  # noqa: E402
-from jfsdp import hlo, memory, targets  # noqa: E402
+from jfsdp.planning import hlo  # noqa: E402
+from jfsdp.planning import memory
+from jfsdp.planning import targets
 from models import moe  # noqa: E402
 from models.llama import lm_loss  # noqa: E402
 

@@ -6,7 +6,7 @@ peak memory, over a window of steps after warm-up, for named models and strategi
         --batch-size 16 --seq-len 4096 --json throughput_h100.json                        # 8 GPUs
 
 FLOPs are analytic, never read from the compiled program (so remat's recomputation does not count):
-`flops_per_token` is jfsdp's count (jfsdp.metrics.llama_flops_per_token: 6 x matmul parameters, head
+`flops_per_token` is jfsdp's count (jfsdp.runtime.metrics.llama_flops_per_token: 6 x matmul parameters, head
 included, plus causal attention's half square) and `flops_per_token_torchtitan` torchtitan's (6 x
 parameters without the embedding, plus 12·L·H·Q·T: full, not causal, attention). TFLOP/s per device
 and MFU use jfsdp's count; MFU is against the device's dense peak (bf16 or TF32), null on CPU.
@@ -14,8 +14,8 @@ Peak memory is the allocator's peak on GPUs/TPUs and, on CPU devices (no allocat
 compiled step's buffer assignment.
 
 On GPUs jfsdp's XLA flags are set before jax starts, as train.py sets them (a flag already in
-XLA_FLAGS wins): the prefetch pipeline's (jfsdp.targets.PREFETCH_GPU_FLAGS) when the plans will run
-jfsdp's prefetch pipeline (jfsdp.core.prefetch_by_default: remat full with full_shard/hybrid_shard
+XLA_FLAGS wins): the prefetch pipeline's (jfsdp.config.xla_flags.PREFETCH_GPU_FLAGS) when the plans will run
+jfsdp's prefetch pipeline (jfsdp.config.policy.prefetch_by_default: remat full with full_shard/hybrid_shard
 on more than one shard, or JFSDP_PREFETCH), or the step is --update-in-backward 1 (which runs it
 too), else the plain scan's (GPU_FLAGS). XLA reads XLA_FLAGS once per process and one invocation
 runs every requested strategy (and update-in-backward mode), so the pipeline's flags are set only
@@ -60,12 +60,12 @@ def _ib_modes(a) -> list[bool]:
 
 def gpu_prefetch(a) -> tuple[bool, list[str]]:
     """(whether every run of this invocation runs jfsdp's prefetch pipeline on GPUs, the runs that
-    do while others do not). A run prefetches when its plan will (jfsdp.core.prefetch_by_default, as
+    do while others do not). A run prefetches when its plan will (jfsdp.config.policy.prefetch_by_default, as
     train.py decides) or its step updates in the backward pass. Bad input counts as not prefetching
     (reported when the run starts). Imports jax, but starts no backend."""
-    from jfsdp.core import prefetch_by_default
-    from jfsdp.mesh import ConfigError
-    from jfsdp.policy import Strategy
+    from jfsdp.config.policy import prefetch_by_default
+    from jfsdp.config.errors import ConfigError
+    from jfsdp.config.policy import Strategy
 
     shards = int(a.mesh.lower().partition("x")[2])
     runs = {}
@@ -89,12 +89,12 @@ def _setup_devices(a, n: int) -> str | None:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         return None
-    from jfsdp.targets import gpu_xla_flags  # imports jax, but XLA_FLAGS is read when the backend starts
+    from jfsdp.config.xla_flags import gpu_xla_flags  # imports jax, but XLA_FLAGS is read when the backend starts
     prefetch, left_out = gpu_prefetch(a)
     if left_out:
         print(f"note: XLA_FLAGS are per process and not every run here prefetches: {', '.join(left_out)} run(s) "
-              "jfsdp's prefetch pipeline under the plain scan's flags (jfsdp.targets.GPU_FLAGS); run them on "
-              "their own for jfsdp.targets.PREFETCH_GPU_FLAGS", file=sys.stderr)
+              "jfsdp's prefetch pipeline under the plain scan's flags (jfsdp.config.xla_flags.GPU_FLAGS); run them on "
+              "their own for jfsdp.config.xla_flags.PREFETCH_GPU_FLAGS", file=sys.stderr)
     os.environ["XLA_FLAGS"] = gpu_xla_flags(prefetch=prefetch)
     return "prefetch" if prefetch else "plain"
 
@@ -112,8 +112,14 @@ def run_one(model: str, strategy: str, a, update_in_backward: bool = False) -> d
     import numpy as np
 
     import jfsdp
+
+
+
+    import jfsdp.runtime.metrics
+    import jfsdp.planning.targets
+    import jfsdp.engine.core
     import models
-    from jfsdp import metrics as jm
+    from jfsdp.runtime import metrics as jm
     from jfsdp.plan import language_model
 
     cfg = models.get_config(model)

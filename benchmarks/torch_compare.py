@@ -11,7 +11,7 @@ rank, AdamW, clipping, decay on matrices:
   parameters and optimizer state): the first step's peak also counts DTensor's sharding propagation
   and is kept only as `first_iter_peak`. The torch cells run in one subprocess beside the jfsdp
   compiles.
-- jfsdp: XLA's buffer assignment of the real compiled train step (`jfsdp.memory.measure`: argument +
+- jfsdp: XLA's buffer assignment of the real compiled train step (`jfsdp.planning.memory.measure`: argument +
   output + temp - alias, per device), lowered from abstract inputs on fake CPU devices. For each cell
   the buffers live at XLA's peak are read from its own dump (`*-live-range.txt`, "Live ranges at N
   (peak)") and grouped by what they are (state, vocabulary-sized, attention TxT, gathered weights,
@@ -58,8 +58,8 @@ else:
                                f" --xla_dump_to={DUMP_DIR} --xla_dump_hlo_module_re=jit_step"
                                " --xla_backend_optimization_level=0").strip()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    from jfsdp.step import cpu_xla_flags  # jax reads XLA_FLAGS when its backend starts
-    os.environ["XLA_FLAGS"] = cpu_xla_flags()   # XLA:CPU's memory-minimizing scheduler (jfsdp.step.CPU_FLAGS)
+    from jfsdp.config.xla_flags import cpu_xla_flags  # jax reads XLA_FLAGS when its backend starts
+    os.environ["XLA_FLAGS"] = cpu_xla_flags()   # XLA:CPU's memory-minimizing scheduler (jfsdp.config.xla_flags.CPU_FLAGS)
 
 import dataclasses  # noqa: E402
 import glob  # noqa: E402
@@ -78,7 +78,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jfsdp  # noqa: E402
 import models  # noqa: E402
 from jfsdp.plan import language_model  # noqa: E402
-from jfsdp import backward_update, hf, memory  # noqa: E402
+from jfsdp.train import update_in_backward as backward_update  # noqa: E402
+from jfsdp.io import hf
+from jfsdp.planning import memory
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch_fsdp  # noqa: E402
@@ -136,7 +138,7 @@ def _target_devices(target: str, mesh: str):
     if target == "cpu":
         r, s = jfsdp.parse_mesh(mesh)
         return jax.devices()[: r * s]
-    from jfsdp import targets
+    from jfsdp.planning import targets
     return targets.devices(target, mesh)
 
 
@@ -158,7 +160,7 @@ def jfsdp_cell(cfg, cell: Cell, target: str = "cpu", loss: str = "fused", update
     for f in glob.glob(os.path.join(DUMP_DIR, "*")):  # one cell's dump at a time
         shutil.rmtree(f) if os.path.isdir(f) else os.remove(f)
     if gpu:
-        from jfsdp import targets
+        from jfsdp.planning import targets
         with targets.tracing_for(target):
             compiled = memory.compile_step(plan, opt, loss_fn, {"inputs": x, "targets": x},
                                            compiler_options=targets.compiler_options(None, update_in_backward),

@@ -56,7 +56,7 @@ def mesh_shape(replicas: int, shards: int, strategy: str) -> tuple[int, int]:
 
 
 def build_model(hf_config: dict, attn: str = "sdpa"):
-    """LlamaForCausalLM from a config.json dict (`jfsdp.hf.to_hf_config`), fp32, training mode.
+    """LlamaForCausalLM from a config.json dict (`jfsdp.io.hf.to_hf_config`), fp32, training mode.
     Attention is PyTorch's scaled_dot_product_attention, transformers' default and torchtitan's."""
     import torch
     import transformers

@@ -7,22 +7,22 @@ fail in a fraction of a second. `from jfsdp import X` and `jfsdp.X` work as with
 import importlib
 
 _EXPORTS = {   # module -> the names it gives this package ("alias=name" where they differ)
-    "core": ("FSDP", "Layout", "Stacked", "Stage", "Staged", "checkpoint_policy", "fully_shard", "stack_units",
-             "unshard", "unstack_units"),
-    "moe": ("MoE",),
-    "mesh": ("AXES", "DATA", "FSDP_AXIS=FSDP", "ConfigError", "make_mesh", "mesh_shape", "parse_mesh"),
-    "policy": ("REMAT", "MixedPrecision", "Strategy"),
-    "step": ("TrainState", "TrainStep", "abstract_state", "adamw", "init_state", "make_train_step", "matrices",
-             "state_shardings", "unit_view", "warmup_cosine"),
+    "config.errors": ("ConfigError",),
+    "config.mesh": ("AXES", "DATA_AXIS", "DATA=DATA_AXIS", "FSDP_AXIS", "MeshSpec", "make_mesh", "mesh_shape",
+                    "parse_mesh"),
+    "config.policy": ("REMAT", "MixedPrecision", "Strategy"),
+    "engine.core": ("FSDP", "Layout", "Stacked", "Stage", "Staged", "checkpoint_policy", "fully_shard", "stack_units",
+                    "unshard", "unstack_units"),
+    "engine.moe": ("MoE",),
+    "train.losses": ("linear_cross_entropy", "lm_loss"),
+    "train.step": ("TrainState", "TrainStep", "abstract_state", "adamw", "init_state", "make_train_step", "matrices",
+                   "state_shardings", "unit_view", "warmup_cosine"),
 }
 _WHERE = {alias: (module, name) for module, names in _EXPORTS.items()
           for alias, _, name in (n.partition("=") if "=" in n else (n, "", n) for n in names)}
-_SUBMODULES = ("core", "mesh", "ops", "policy", "step")   # attributes of the package before it was lazy
+_SUBPACKAGES = ("config", "engine", "train", "planning", "io", "runtime")
 
-__all__ = ["MoE", "FSDP", "Layout", "Stacked", "Stage", "Staged", "fully_shard", "unshard", "stack_units", "unstack_units",
-           "AXES", "DATA", "FSDP_AXIS", "ConfigError", "make_mesh", "mesh_shape", "parse_mesh", "REMAT",
-           "MixedPrecision", "Strategy", "checkpoint_policy", "TrainState", "TrainStep", "abstract_state",
-           "state_shardings", "adamw", "init_state", "make_train_step", "matrices", "unit_view", "warmup_cosine"]
+__all__ = sorted(_WHERE)
 
 
 def __getattr__(name):
@@ -31,10 +31,10 @@ def __getattr__(name):
         value = getattr(importlib.import_module(f"{__name__}.{module}"), attr)
         globals()[name] = value
         return value
-    if name in _SUBMODULES:
+    if name in _SUBPACKAGES:
         return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__():
-    return sorted(set(globals()) | set(__all__) | set(_SUBMODULES))
+    return sorted(set(globals()) | set(__all__) | set(_SUBPACKAGES))

@@ -1,4 +1,4 @@
-"""The training command line (`python train.py`): flags -> TrainConfig -> devices -> `jfsdp.run.train`.
+"""The training command line (`python train.py`): flags -> TrainConfig -> devices -> `jfsdp.runtime.run.train`.
 
     python train.py --mesh 2x8                      # the default run: 16 fake CPU devices if no GPU
     python train.py --mesh 1x8 --model llama-small --precision bf16 --steps 2000 --data my_text/
@@ -105,7 +105,7 @@ def parse_args(argv=None) -> TrainConfig:
                    help="activation checkpointing per unit: none, full (save only the unit input), "
                    "dots (save matmul outputs)")
     g.add_argument("--loss", default=d.loss, choices=("fused", "plain"),
-                   help="fused: output head and cross-entropy in chunks of tokens (jfsdp.ops.linear_cross_entropy), "
+                   help="fused: output head and cross-entropy in chunks of tokens (jfsdp.train.losses.linear_cross_entropy), "
                    "the logits of the batch never exist; plain: logits, then log_softmax")
     g.add_argument("--moe", default=d.moe, choices=("auto", "gather", "ep"),
                    help="MoE models: gather the experts' weights (FSDP) or send the tokens to them (expert "
@@ -244,9 +244,9 @@ def check_flags(c: TrainConfig) -> int | None:
 def _prefetches(c: TrainConfig) -> bool:
     """Whether the plan will run jfsdp's prefetch pipeline on these GPUs (jfsdp.core's rule; jax is
     imported but its backend not yet started). Bad input here is reported once the run starts."""
-    from jfsdp.core import prefetch_by_default
-    from jfsdp.mesh import ConfigError
-    from jfsdp.policy import Strategy
+    from jfsdp.config.policy import prefetch_by_default
+    from jfsdp.config.errors import ConfigError
+    from jfsdp.config.policy import Strategy
     try:
         return prefetch_by_default(Strategy.parse(c.strategy), c.remat, int(c.mesh.lower().partition("x")[2]),
                                    on_gpu=True)
@@ -263,14 +263,14 @@ def setup_devices(c: TrainConfig, n_needed: int | None) -> None:
     if not on_cpu:
         if c.cpu_devices:
             fail("--cpu-devices only applies on a machine without an accelerator (or with JAX_PLATFORMS=cpu)")
-        from jfsdp.targets import gpu_xla_flags  # FSDP prefetch on GPUs; XLA reads the flags when jax starts
+        from jfsdp.config.xla_flags import gpu_xla_flags  # FSDP prefetch on GPUs; XLA reads the flags when jax starts
         os.environ["XLA_FLAGS"] = gpu_xla_flags(prefetch=_prefetches(c) or c.update_in_backward)
         return
     if n_needed is None and not c.cpu_devices:
         return  # a malformed mesh: jfsdp.parse_mesh reports it once jax is imported; nothing to fake
     n = c.cpu_devices or n_needed
     flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", ""))
-    from jfsdp.step import cpu_xla_flags   # XLA:CPU's memory-minimizing scheduler (jfsdp.step.CPU_FLAGS)
+    from jfsdp.config.xla_flags import cpu_xla_flags   # XLA:CPU's memory-minimizing scheduler (jfsdp.config.xla_flags.CPU_FLAGS)
     os.environ["XLA_FLAGS"] = cpu_xla_flags(f"{flags} --xla_force_host_platform_device_count={n}".strip())
     os.environ.setdefault("JAX_PLATFORMS", "cpu")   # don't probe for GPU/TPU plugins
     why = "JAX_PLATFORMS=cpu" if requested else "no accelerator found"
@@ -284,7 +284,7 @@ def main(argv=None) -> int:
     c = parse_args(argv)
     n_needed = check_flags(c)
     setup_devices(c, n_needed)
-    from jfsdp import distributed
+    from jfsdp.runtime import distributed
     try:
         procs = distributed.detect(c.coordinator, c.num_processes, c.process_id,
                                    init_timeout=c.init_timeout, heartbeat_timeout=c.heartbeat_timeout)
@@ -292,7 +292,7 @@ def main(argv=None) -> int:
     except distributed.ConfigError as e:
         fail(str(e))
     try:
-        from jfsdp import run
+        from jfsdp.runtime import run
         return run.train(c)
     except KeyboardInterrupt:          # Ctrl-C before or after the loop (the loop handles its own)
         note("interrupted")

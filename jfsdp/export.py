@@ -20,10 +20,9 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jfsdp import hf
-from jfsdp.checkpoint import (STATE, CheckpointError, Checkpointer, _ignore_closed_loop_callbacks, _short,
-                              logical_params)
-from jfsdp.mesh import ConfigError
+from jfsdp.io import hf
+from jfsdp.io.checkpoint import (STATE, CheckpointError, Checkpointer, _ignore_closed_loop_callbacks, _short, logical_params)
+from jfsdp.config.errors import ConfigError
 
 
 def read_params(ckpt_dir: str, step: int | None = None):
@@ -57,9 +56,9 @@ def read_params(ckpt_dir: str, step: int | None = None):
         raise ConfigError(not_llama.format(f"model_config {_short(e)}")) from None
     # the layouts (logical shapes) of this model; a 1x1 plan is only a way to compute them
     import jax.numpy as jnp
-    from jfsdp.checkpoint import param_signature
-    from jfsdp.core import Stacked, fully_shard
-    from jfsdp.mesh import make_mesh
+    from jfsdp.io.checkpoint import param_signature
+    from jfsdp.engine.core import Stacked, fully_shard
+    from jfsdp.config.mesh import make_mesh
     root, unit, n = models.parts(cfg)
     plan = fully_shard(Stacked(root, unit, n), make_mesh("1x1", devices=jax.devices()[:1]),
                        jax.ShapeDtypeStruct((1, 1), jnp.int32), strategy="no_shard")

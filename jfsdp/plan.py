@@ -9,7 +9,7 @@ communication per step, whether it fits and the largest global batch that fits.
   fake CPU devices. XLA's CPU backend widens bf16 to f32 (see `memory._wire_dtype`), so a bf16 plan
   compiled here is bigger than the same plan on a GPU: beside the compiled CPU measurement the
   report shows the estimate for CPU, which is what validates the estimate against XLA. XLA:CPU
-  compiles with the flags train.py sets on CPU (`jfsdp.step.CPU_FLAGS`).
+  compiles with the flags train.py sets on CPU (`jfsdp.config.xla_flags.CPU_FLAGS`).
 - a named GPU (`h100`, `h200`, `a100`, `b200`; see `jfsdp.targets`): the train step is compiled by
   XLA:GPU for that GPU and topology without one (compile-only devices; needs jax's CUDA plugin), with
   the XLA options jfsdp sets on GPUs. The report shows XLA:GPU's memory and collectives beside the
@@ -93,12 +93,12 @@ def _args(argv):
 
 def _force_devices(n: int):
     """Ask for n fake CPU devices, before jax starts its backend. A count already forced in XLA_FLAGS
-    wins (the mesh must then fit it). XLA:CPU gets the flags train.py gives it (jfsdp.step.CPU_FLAGS:
+    wins (the mesh must then fit it). XLA:CPU gets the flags train.py gives it (jfsdp.config.xla_flags.CPU_FLAGS:
     the memory-minimizing scheduler; XLA reads it from XLA_FLAGS only), so that the compiled CPU figure
     is the step train.py runs: with XLA:CPU's default scheduler the units' stacked gradient buffers and
     the embedding's gradient are made at the start of the step (llama-70b on 1x64: 35.64 GiB compiled
     against 26.98 GiB with CPU_FLAGS, measured 2026-11-22)."""
-    from jfsdp.step import cpu_xla_flags   # imports jax; its backend (which reads XLA_FLAGS) starts later
+    from jfsdp.config.xla_flags import cpu_xla_flags   # imports jax; its backend (which reads XLA_FLAGS) starts later
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
         flags = f"{flags} --xla_force_host_platform_device_count={n}".strip()
@@ -166,13 +166,13 @@ def build(model_name, mesh_spec, strategy, precision, remat, batch_size, seq_len
 def language_model(models, cfg, loss="fused", moe="auto", moe_chunks="auto", backend=None, head=None):
     """(jfsdp model, MoE option or None, loss_fn) of a language-model config from `models` (Llama or MoE),
     one place for train.py and the planner. loss 'fused': the root's `head_features` hands (hidden
-    states, head weight) to a chunked cross-entropy (jfsdp.ops.lm_loss), the logits never exist;
+    states, head weight) to a chunked cross-entropy (jfsdp.train.losses.lm_loss), the logits never exist;
     'plain': `head` gives logits. `head` overrides the head method (e.g. 'head' for sampling logits).
     An MoE model adds its load-balancing loss (models.moe.loss) and gets `jfsdp.MoE(moe, moe_chunks)`."""
     import jfsdp
     fused = loss == "fused"
     head = head or ("head_features" if fused else "head")
-    loss_fn = jfsdp.ops.lm_loss(vocab_major=cfg.tie_embeddings) if fused else models.loss_fn(cfg)
+    loss_fn = jfsdp.lm_loss(vocab_major=cfg.tie_embeddings) if fused else models.loss_fn(cfg)
     if isinstance(cfg, models.MoEConfig):
         if moe_chunks != "auto":
             try:
@@ -208,7 +208,7 @@ def report(a) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from jfsdp import hlo, memory, targets
+    from jfsdp.planning import hlo, memory, targets
 
     gpu = a.target in targets.TARGETS
     devices, attention = None, None
@@ -232,7 +232,7 @@ def report(a) -> dict:
         here = a.target if gpu else jax.default_backend()
         ib = a.update_in_backward
         if ib:
-            from jfsdp import backward_update
+            from jfsdp.train import update_in_backward as backward_update
             why = backward_update.unsupported(plan, 1)
             if why:
                 raise _Error(f"--update-in-backward: {why}")
@@ -251,7 +251,7 @@ def report(a) -> dict:
             rep[f"estimate_{here}"] = memory.estimate(plan, opt, loss_fn, batch, prefetch=a.prefetch,
                                                       backend=here, update_in_backward=ib).as_dict()
         rep["comm_formula"] = memory.comm_formula(plan, backend=est_backend)
-        from jfsdp import moe
+        from jfsdp.engine import moe
         if any(plan.moe_stages):
             rep["moe"] = moe.describe(plan)
         if not a.no_compile:
@@ -350,11 +350,11 @@ def main(argv=None) -> int:
             parse_bytes(a.device_memory)
         _force_devices(n)
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
-        from jfsdp.mesh import ConfigError  # imports jax: only now that the device count is set
+        from jfsdp.config.errors import ConfigError  # imports jax: only now that the device count is set
         import jax
         if not jax.config.jax_platforms:  # `python -m jfsdp.plan` imported jax before main ran
             jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
-        from jfsdp.targets import TARGETS
+        from jfsdp.planning.targets import TARGETS
         if a.target not in ("gpu", "tpu", "cpu", *TARGETS):
             raise _Error(f"unknown target '{a.target}'; choose from gpu, tpu, cpu, {', '.join(TARGETS)}")
         t = time.time()

@@ -8,7 +8,7 @@ import pytest
 
 import jfsdp
 import models
-from jfsdp import hlo
+from jfsdp.planning import hlo
 from tests import reference as ref
 
 CFG = models.get_config("llama-test")

@@ -18,7 +18,7 @@ import pytest
 
 import jfsdp
 import models
-from jfsdp import checkpoint as jckpt
+from jfsdp.io import checkpoint as jckpt
 
 REPO = Path(__file__).resolve().parents[1]
 RUN = ["--mesh", "1x2", "--model", "llama-test", "--batch-size", "4", "--seq-len", "16", "--steps", "12",
@@ -104,7 +104,7 @@ def test_resume_is_exact_and_existing_checkpoints_need_resume(env, straight, tmp
 HOLD_AT_STEP_6 = """
 import runpy, signal, sys, threading
 from pathlib import Path
-import jfsdp.metrics
+import jfsdp.runtime.metrics
 got = threading.Event()
 real_signal = signal.signal
 def wrapping_signal(sig, handler):
@@ -115,13 +115,13 @@ def wrapping_signal(sig, handler):
         return real_signal(sig, h)
     return real_signal(sig, handler)
 signal.signal = wrapping_signal
-real_write = jfsdp.metrics.MetricsFile.write
+real_write = jfsdp.runtime.metrics.MetricsFile.write
 def write(self, **rec):
     real_write(self, **rec)
     if rec.get("step") == 6 and "loss" in rec:
         Path(marker).write_text("at 6")
         got.wait(120)
-jfsdp.metrics.MetricsFile.write = write
+jfsdp.runtime.metrics.MetricsFile.write = write
 marker = sys.argv.pop(1)
 sys.argv[0] = "train.py"
 runpy.run_path("train.py", run_name="__main__")

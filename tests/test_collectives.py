@@ -10,7 +10,7 @@ import pytest
 
 import jfsdp
 import models
-from jfsdp import hlo
+from jfsdp.planning import hlo
 
 BATCH, SEQ = 16, 32
 

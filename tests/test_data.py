@@ -5,7 +5,9 @@ import json
 import numpy as np
 import pytest
 
-from jfsdp import ConfigError, data
+from jfsdp import ConfigError
+
+from jfsdp.io import data
 
 V = data.BYTE_VOCAB
 

@@ -1,5 +1,5 @@
 """The fused head + loss inside the engine: a Llama whose root hands (hidden, head weight) to
-`jfsdp.ops.lm_loss` trains exactly like the single-device reference with the plain head and
+`jfsdp.train.losses.lm_loss` trains exactly like the single-device reference with the plain head and
 log_softmax loss, and its compiled step holds no vocabulary-sized logits."""
 import dataclasses
 
@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 
 import jfsdp
+
+import jfsdp.train.losses
 import models
-from jfsdp import memory
+from jfsdp.planning import memory
 from tests import reference as ref
 
 STEPS, BATCH, SEQ = 3, 16, 16
@@ -42,7 +44,7 @@ def test_fused_loss_equals_plain_reference(case, mesh_spec):
     opt = jfsdp.adamw(ref.LR, b1=ref.B1, b2=ref.B2, eps=ref.EPS, weight_decay=ref.WD, clip_norm=ref.CLIP)
     state = jfsdp.init_state(plan, opt, params=case["init"])
     # chunk 40 does not divide the 32 (1x8: 2 rows x 16) or 64 tokens per device: a ragged last chunk
-    step = jfsdp.make_train_step(plan, opt, jfsdp.ops.lm_loss(vocab_major=case["cfg"].tie_embeddings, chunk=40))
+    step = jfsdp.make_train_step(plan, opt, jfsdp.train.losses.lm_loss(vocab_major=case["cfg"].tie_embeddings, chunk=40))
     losses = []
     for b in case["batches"]:
         state, m = step(state, plan.put_batch(b))
@@ -53,7 +55,7 @@ def test_fused_loss_equals_plain_reference(case, mesh_spec):
     with jax.default_device(jax.devices()[0]):
         ref_g = jax.grad(lambda p: models.loss_fn(cfg)(ref.forward(root, unit, p, b0["inputs"]), b0))(
             jax.device_put(case["init"]))
-    _, g = jax.jit(plan.loss_and_grad(jfsdp.ops.lm_loss(vocab_major=cfg.tie_embeddings, chunk=40)))(
+    _, g = jax.jit(plan.loss_and_grad(jfsdp.train.losses.lm_loss(vocab_major=cfg.tie_embeddings, chunk=40)))(
         plan.shard(case["init"]), plan.put_batch(b0))
     for a, b in zip(jax.tree.leaves(plan.gather(g)), jax.tree.leaves(ref_g)):
         assert np.max(np.abs(a - b)) <= 1e-5 * np.max(np.abs(b))
@@ -78,7 +80,7 @@ def test_fused_loss_bf16_close_to_reference(case):
                              mp_policy=jfsdp.MixedPrecision.parse("bf16"))
     opt = jfsdp.adamw(ref.LR, b1=ref.B1, b2=ref.B2, eps=ref.EPS, weight_decay=ref.WD, clip_norm=ref.CLIP)
     state = jfsdp.init_state(plan, opt, params=case["init"])
-    step = jfsdp.make_train_step(plan, opt, jfsdp.ops.lm_loss(vocab_major=cfg.tie_embeddings))
+    step = jfsdp.make_train_step(plan, opt, jfsdp.train.losses.lm_loss(vocab_major=cfg.tie_embeddings))
     for b, r in zip(bs, ref_losses):
         state, m = step(state, plan.put_batch(b))
         assert abs(float(m["loss"]) - r) <= 1e-3 * abs(r)
@@ -100,7 +102,7 @@ def test_fused_loss_compiled_memory():
         return plan, opt, batch, memory.compile_step(plan, opt, loss, batch)
 
     plain = compiled("head", models.loss_fn(cfg))[3].memory_analysis().temp_size_in_bytes
-    fused_loss = jfsdp.ops.lm_loss(vocab_major=True, chunk=128)
+    fused_loss = jfsdp.train.losses.lm_loss(vocab_major=True, chunk=128)
     plan, opt, batch, c = compiled("head_features", fused_loss)
     fused = c.memory_analysis().temp_size_in_bytes
     print(f"train-step temp bytes per device: plain {plain:,}, fused {fused:,}, one logits buffer {logits:,}")

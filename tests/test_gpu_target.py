@@ -14,10 +14,14 @@ import jax.numpy as jnp
 import pytest
 
 import jfsdp
+
+import jfsdp.engine.core
 import models
-from jfsdp import hlo, memory, targets
+from jfsdp.planning import hlo
 
 # jax's CUDA plugin (the gpu-target extra) has Linux wheels only; CI runs on Linux, where these run.
+from jfsdp.planning import memory
+from jfsdp.planning import targets
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="jax-cuda13-plugin: Linux wheels only")
 
 S = 8
@@ -119,7 +123,7 @@ def test_throughput_sets_the_flags_train_py_sets(monkeypatch, capsys):
     assert which == "plain" and pipeline not in got and "full_shard run(s)" in capsys.readouterr().err
     assert throughput.gpu_prefetch(throughput._args(base + ["--strategies", "shard_grad_op", "--update-in-backward",
                                                             "both"])) == (False, ["shard_grad_op (update in backward)"])
-    monkeypatch.setenv("JFSDP_PREFETCH", "0")   # the plans' own switch (jfsdp.core.prefetch_by_default)
+    monkeypatch.setenv("JFSDP_PREFETCH", "0")   # the plans' own switch (jfsdp.config.policy.prefetch_by_default)
     assert flags(bench, base + ["--strategies", "full_shard"])[1] == "plain"
 
 

@@ -17,9 +17,9 @@ import pytest
 
 import jfsdp
 import models
-from jfsdp import checkpoint as jckpt
+from jfsdp.io import checkpoint as jckpt
 from jfsdp import export as jexport
-from jfsdp import hf
+from jfsdp.io import hf
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -135,7 +135,7 @@ def test_tokenizer_json_drives_train_py(tmp_path):
     assert n_train + n_val == n_tokens and eos is not None
     assert "[prompt]def unshard([model]" in r.stdout
     # training starts from the HF weights: the loss of step 1 is transformers' loss on batch 0 of the same data
-    from jfsdp import data as jdata
+    from jfsdp.io import data as jdata
     corpus = jdata.load_tokens(str(data), 259, tokenizer=str(src / "tokenizer.json"))
     assert corpus.val[-1] == eos      # one document, split at its tail: the end-of-text token closes it
     b0 = jdata.Loader(corpus, 4, 32, seed=0).batch(0)

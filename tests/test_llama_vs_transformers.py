@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import models
-from jfsdp import hf
+from jfsdp.io import hf
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -17,8 +17,11 @@ import jax.numpy as jnp
 import pytest
 
 import jfsdp
+
+import jfsdp.train.step
 import models
-from jfsdp import hlo, memory
+from jfsdp.planning import hlo
+from jfsdp.planning import memory
 from jfsdp.plan import largest_batch, parse_bytes
 
 # Width 256 so that parameters, gathered units and activations all weigh in the peak; vocab 259
@@ -160,7 +163,7 @@ def test_plan_mesh_that_does_not_fit_the_fake_devices():
 
 def test_plan_compiles_with_train_py_cpu_flags(monkeypatch):
     """The planner's CPU compile is the step train.py runs: XLA:CPU's memory-minimizing scheduler
-    (jfsdp.step.CPU_FLAGS; XLA reads it from XLA_FLAGS only), a device count already set winning."""
+    (jfsdp.config.xla_flags.CPU_FLAGS; XLA reads it from XLA_FLAGS only), a device count already set winning."""
     from jfsdp.plan import _force_devices
     monkeypatch.setenv("XLA_FLAGS", "")
     _force_devices(64)

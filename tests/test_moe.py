@@ -11,9 +11,16 @@ import numpy as np
 import pytest
 
 import jfsdp
+
+
+
+import jfsdp.runtime.metrics
+import jfsdp.planning.hlo
+import jfsdp.engine.moe
 import models
-from jfsdp import hlo, memory
-from jfsdp import metrics as jm
+from jfsdp.planning import hlo
+from jfsdp.planning import memory
+from jfsdp.runtime import metrics as jm
 from models import moe
 from models.llama import lm_loss
 from tests import moe_reference as mref
@@ -63,7 +70,7 @@ TRAIN_METRICS = {"aux": moe.aux_loss, "dropped": moe.dropped_fraction}   # jfsdp
 def test_matches_plain_moe(references, mesh_spec, mode, chunks):
     """Loss within 1e-5 relative, first-step gradients within 1e-5 of each leaf's largest. On 2x4 EP
     k=2 the whole moe-test (a dense stage, then MoE) with remat full, so that the all-to-alls are also recomputed in the backward pass. On 2x4 EP k=2 the
-    metrics (moe.dropped_fraction: 0; moe.aux_loss: the reference's) through jfsdp.metrics.forward_metrics."""
+    metrics (moe.dropped_fraction: 0; moe.aux_loss: the reference's) through jfsdp.runtime.metrics.forward_metrics."""
     full = (mesh_spec, mode, chunks) == FULL_CASE
     cfg = CFG if full else NO_DENSE
     reference = references(cfg)
@@ -84,7 +91,7 @@ def test_matches_plain_moe(references, mesh_spec, mode, chunks):
 
 
 def test_forward_metrics_equal_one_pass_each():
-    """train.py's model metrics in one forward pass (jfsdp.metrics.forward_metrics) equal, bit for bit,
+    """train.py's model metrics in one forward pass (jfsdp.runtime.metrics.forward_metrics) equal, bit for bit,
     each metric's own pass through plan.loss, on a router that drops choices (capacity 0.5)."""
     cfg = dataclasses.replace(NO_DENSE, capacity_factor=0.5)
     batch = _batch(1)
@@ -190,7 +197,7 @@ def test_cost_model_picks_the_cheaper_mode(compiled):
     small = _plan(SMALL_EXPERTS, "1x8", x, remat="full", moe=jfsdp.MoE())
     s = small.moe_stages[0]
     assert s.mode == "gather" and s.costs["gather"] < s.costs["ep"], s
-    text = "\n".join(jfsdp.moe.describe(small))
+    text = "\n".join(jfsdp.engine.moe.describe(small))
     assert "gather" in text and "cost model" in text
 
 
@@ -234,8 +241,8 @@ def test_config_errors():
 @pytest.mark.skipif(__import__("sys").platform != "linux", reason="jax-cuda13-plugin: Linux wheels only")
 def test_chunked_all_to_all_overlaps_on_h100():
     """Compiled by XLA:GPU for an H100 (no GPU needed): the k that 'auto' picks for a GPU is > 1, and
-    with it less all-to-all is left with no matmul in flight (jfsdp.hlo.overlap) than with k = 1."""
-    from jfsdp import targets
+    with it less all-to-all is left with no matmul in flight (jfsdp.planning.hlo.overlap) than with k = 1."""
+    from jfsdp.planning import targets
     cfg = moe.MoEConfig(vocab_size=512, dim=256, n_layers=1, n_dense_layers=0, n_heads=4, n_kv_heads=4,
                         expert_dim=256, n_experts=8, top_k=2, capacity_factor=1.25, attention="cudnn")
     x = jax.ShapeDtypeStruct((8, 512), jnp.int32)

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from jfsdp import distributed
-from jfsdp.mesh import ConfigError
+from jfsdp.runtime import distributed
+from jfsdp.config.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ["--model", "llama-test", "--steps", "8", "--batch-size", "8", "--seq-len", "32", "--eval-every", "4",

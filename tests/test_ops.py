@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jfsdp.ops import linear_cross_entropy
+from jfsdp.train.losses import linear_cross_entropy
 
 
 def plain(h, w, t, vocab_major=False, weights=None):

@@ -9,7 +9,8 @@ import optax
 import pytest
 
 import jfsdp
-from jfsdp import hlo, memory
+from jfsdp.planning import hlo
+from jfsdp.planning import memory
 from tests import reference as ref
 
 VOCAB, WIDTH, STEPS, BATCH, SEQ = 53, 40, 3, 16, 12

@@ -23,7 +23,7 @@ import pytest
 
 import jfsdp
 import models
-from jfsdp import hf
+from jfsdp.io import hf
 from tests import reference as ref
 
 torch = pytest.importorskip("torch")

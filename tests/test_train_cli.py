@@ -138,7 +138,7 @@ def test_cli_imports_no_jax():
 def test_a_models_own_step_metrics_are_logged():
     """Scalars a train step returns beside loss and grad_norm (an MoE auxiliary loss, say) are
     averaged over the logged steps and shown after the loss; without them the line is unchanged."""
-    from jfsdp import run
+    from jfsdp.runtime import run
     steps = [{"loss": 2.0, "grad_norm": 1.0, "aux_loss": 0.25, "dropped": 0.0},
              {"loss": 1.0, "grad_norm": 0.5, "aux_loss": 0.75, "dropped": 0.5}]
     assert run.extra_metrics(steps) == {"aux_loss": 0.5, "dropped": 0.25}

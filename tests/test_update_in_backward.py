@@ -13,8 +13,10 @@ import optax
 import pytest
 
 import jfsdp
+
+import jfsdp.train.step
 import models
-from jfsdp.step import cpu_xla_flags
+from jfsdp.config.xla_flags import cpu_xla_flags
 from tests import reference as ref
 from tests import test_equivalence as te
 from tests import test_stages as ts
@@ -100,7 +102,7 @@ def test_refuses_what_it_cannot_do():
 _PEAKS = """
 import dataclasses, json, jax, jax.numpy as jnp, numpy as np
 import jfsdp, models
-from jfsdp import memory
+from jfsdp.planning import memory
 from jfsdp.plan import language_model
 cfg = dataclasses.replace(models.get_config("llama-small"), n_layers=16)
 model, _, loss_fn = language_model(models, cfg, "fused")
@@ -116,7 +118,7 @@ print(json.dumps({"usual": peak(False), "in_backward": peak(True), "unit_grads":
 
 
 def test_peak_below_the_usual_step_by_most_of_a_gradient():
-    """XLA's compiled peak on one device (XLA:CPU with jfsdp.step.CPU_FLAGS, as train.py and the
+    """XLA's compiled peak on one device (XLA:CPU with jfsdp.config.xla_flags.CPU_FLAGS, as train.py and the
     benchmarks run; a process of its own, since XLA:CPU reads that flag from XLA_FLAGS only), the
     usual step against this one, both donated, for a model whose units' gradient outweighs its
     activations (llama-small's layers, 16 of them, at 64 tokens). Updating in the backward pass never holds the

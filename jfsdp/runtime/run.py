@@ -27,12 +27,14 @@ import jax.numpy as jnp
 import numpy as np
 
 import jfsdp
-from jfsdp import checkpoint as jckpt
+
+import jfsdp.runtime.metrics
+from jfsdp.io import checkpoint as jckpt
 from jfsdp import cli
-from jfsdp import data as jdata
-from jfsdp import distributed
-from jfsdp import hf as jhf
-from jfsdp import metrics as jm
+from jfsdp.io import data as jdata
+from jfsdp.runtime import distributed
+from jfsdp.io import hf as jhf
+from jfsdp.runtime import metrics as jm
 from jfsdp.cli import EXIT_INTERRUPTED, EXIT_TERMINATED, TrainConfig, fail, note
 
 STEP_METRICS = ("loss", "grad_norm")   # what every train step returns; the rest are a model's own
@@ -198,7 +200,7 @@ class Run:
         except OSError as e:
             fail(f"{e.filename}: {e.strerror}")
         self.eval_loss = jax.jit(plan.loss(self.loss_fn))
-        # one forward pass for all of them (jfsdp.metrics.forward_metrics), None without any
+        # one forward pass for all of them (jfsdp.runtime.metrics.forward_metrics), None without any
         self.model_metrics = jax.jit(jm.forward_metrics(plan, self.model_metrics)) if self.model_metrics else None
         self.val_set = [self.put(b) for b in loader.val_batches(c.eval_iters)]
         self.mem, self.mem_src = jm.device_memory(self.mesh.local_devices, self.compiled)

@@ -31,8 +31,9 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jfsdp.core import FSDP, _at, _is_layout, _tie, unshard
-from jfsdp.mesh import AXES, FSDP as FSDP_AXIS, ConfigError
+from jfsdp.engine.core import FSDP, _at, _is_layout, _tie, unshard
+from jfsdp.config.mesh import AXES, FSDP_AXIS
+from jfsdp.config.errors import ConfigError
 
 
 class Clipped(optax.GradientTransformationExtraArgs):

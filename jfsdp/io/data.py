@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jfsdp.mesh import ConfigError
+from jfsdp.config.errors import ConfigError
 
 BOS, EOS, PAD = 256, 257, 258
 BYTE_VOCAB = 259

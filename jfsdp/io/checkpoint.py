@@ -75,8 +75,8 @@ from orbax.checkpoint._src.serialization import jax_array_handlers as _jah
 from orbax.checkpoint._src.serialization import replica_slices as _rs
 from orbax.checkpoint._src.serialization import type_handler_registry as _registry_lib
 
-from jfsdp.core import FSDP, _is_layout
-from jfsdp.mesh import ConfigError
+from jfsdp.engine.core import FSDP, _is_layout
+from jfsdp.config.errors import ConfigError
 
 FORMAT = "jfsdp-checkpoint/2"                 # arrays stored with their logical shapes
 READABLE = (FORMAT, "jfsdp-checkpoint/1")     # /1: padded for the writer's mesh (restore pads/cuts)

@@ -10,9 +10,9 @@ Needs the CUDA PJRT plugin of the same version as jax (`pip install "jax-cuda13-
 version>" "jax-cuda13-pjrt==<jax version>"`, or `pip install -e ".[gpu-target]"`; no NVIDIA
 libraries, no driver) and `JAX_PLATFORMS=cpu` so that jax does not look for a GPU to run on.
 
-    devices = jfsdp.targets.devices("h100", "1x8")          # 8 compile-only H100s
+    devices = jfsdp.planning.targets.devices("h100", "1x8")          # 8 compile-only H100s
     mesh = jfsdp.make_mesh("1x8", devices=devices)
-    ...lower(abstract state, abstract batch).compile(compiler_options=jfsdp.targets.compiler_options())
+    ...lower(abstract state, abstract batch).compile(compiler_options=jfsdp.planning.targets.compiler_options())
 
 Each figure below says where it comes from. Most of them only steer code generation (tile sizes,
 occupancy, the cost model); `device_memory_size` also bounds the latency-hiding scheduler's memory.
@@ -22,9 +22,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import os
 
-from jfsdp.mesh import ConfigError
+from jfsdp.config.errors import ConfigError
+from jfsdp.config.xla_flags import flags_for, flags_in_env
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,63 +154,16 @@ def _topology_devices(target: str, n: int):
 def devices(target: str, mesh) -> list:
     """Compile-only devices of `target` for an RxS mesh (R*S of them): pass them to make_mesh.
     They compile programs but run nothing."""
-    from jfsdp.mesh import parse_mesh
+    from jfsdp.config.mesh import parse_mesh
     r, s = parse_mesh(mesh) if isinstance(mesh, str) else mesh
     get(target)
     return list(_topology_devices(str(target).strip().lower(), r * s))
 
 
-# ------------------------------------------------------------------ XLA:GPU flags jfsdp sets
-
-# Each flag with why jfsdp wants it. On GPU hosts train.py and benchmarks/throughput.py put them in
-# XLA_FLAGS before jax starts its backend (`gpu_xla_flags`); compile-only targets get them per
-# compilation (`compiler_options`). A flag the user gave in XLA_FLAGS (or in `overrides`) wins.
-GPU_FLAGS = {
-    # FSDP's prefetch: XLA:GPU pipelines the all-gather of the scan's next iteration into the current
-    # one (the next unit is gathered while this one computes); without it each unit's gather waits
-    # at the top of the loop body with nothing to hide behind (measured: only a convert between
-    # start and done).
-    "xla_gpu_enable_pipelined_all_gather": True,
-    # The same for the backward scan's reduce-scatter: issued in one iteration, finished in the next,
-    # so a unit's gradient is reduced while the next unit's backward computes.
-    "xla_gpu_enable_pipelined_reduce_scatter": True,
-    # And for the all-reduce of a hybrid (RxS, R > 1) or DDP run.
-    "xla_gpu_enable_pipelined_all_reduce": True,
-}
-
-# For a plan on jfsdp's own prefetch pipeline (`fully_shard(prefetch=...)`, on by default on GPUs with
-# remat 'full' and a resharding strategy), which issues each unit's gather and reduce-scatter where
-# it can overlap. Measured on llama-1b 1x8 compiled for H100 (README, "On GPUs"):
-PREFETCH_GPU_FLAGS = {
-    # Off: XLA's collective pipeliner, applied on top of jfsdp's pipeline, peels loop iterations
-    # whose gathers then run exposed (1.78 GiB exposed per step with it, 1.68 without).
-    "xla_gpu_enable_pipelined_all_gather": False,
-    "xla_gpu_enable_pipelined_reduce_scatter": False,
-    "xla_gpu_enable_pipelined_all_reduce": True,
-    # One all-gather and one reduce-scatter per unit, as FSDP's flat parameter: under the default
-    # thresholds XLA splits a unit's collectives (llama-1b: four gathers, three feed-forward
-    # matrices and the other leaves combined; 8B: four reduce-scatters), and the latency-hiding
-    # scheduler, which runs one collective at a time, leaves the last one of each unit with no
-    # compute to hide behind (measured: 17.5 MiB exposed per unit on llama-1b, 196 MiB on the 8B).
-    # 2 GiB / 4 GiB cover a unit of the 70B shape in bf16 (1.6 GiB) / fp32 (3.2 GiB).
-    "xla_gpu_all_gather_combine_threshold_bytes": 2 * 2**30,
-    "xla_gpu_reduce_scatter_combine_threshold_bytes": 4 * 2**30,
-}
-
-
-def flags_for(prefetch: bool = False) -> dict:
-    """The XLA:GPU flags jfsdp wants for a plan with (True) or without its prefetch pipeline."""
-    return PREFETCH_GPU_FLAGS if prefetch else GPU_FLAGS
-
-
-def _flags_in_env() -> set:
-    return {f.split("=")[0].lstrip("-") for f in os.environ.get("XLA_FLAGS", "").split()}
-
-
 def compiler_options(overrides: dict | None = None, prefetch: bool = False) -> dict:
     """The XLA:GPU options jfsdp compiles with: `flags_for(prefetch)`, minus any flag the user set in
     XLA_FLAGS, plus `overrides` (a value of None drops a flag). Pass to `Lowered.compile(compiler_options=...)`."""
-    env = _flags_in_env()
+    env = flags_in_env()
     opts = {k: v for k, v in flags_for(prefetch).items() if k not in env}
     for k, v in (overrides or {}).items():
         if v is None:
@@ -218,16 +171,6 @@ def compiler_options(overrides: dict | None = None, prefetch: bool = False) -> d
         else:
             opts[k] = v
     return opts
-
-
-def gpu_xla_flags(existing: str | None = None, prefetch: bool = False) -> str:
-    """XLA_FLAGS with jfsdp's GPU flags added (those already present win): for a process that runs
-    on real GPUs (train.py), to be set before jax initializes its backend. `prefetch`: whether the
-    plan will run jfsdp's prefetch pipeline (`flags_for`)."""
-    existing = os.environ.get("XLA_FLAGS", "") if existing is None else existing
-    have = {f.split("=")[0].lstrip("-") for f in existing.split()}
-    extra = [f"--{k}={str(v).lower()}" for k, v in flags_for(prefetch).items() if k not in have]
-    return " ".join([existing.strip()] + extra).strip()
 
 
 @contextlib.contextmanager
@@ -264,7 +207,7 @@ def compile_step(target: str, plan, optimizer, loss_fn, batch, grad_accum: int =
                  update_in_backward: bool = False):
     """jfsdp's real train step for `plan` (whose mesh is made of `devices(target, ...)`), compiled by
     XLA:GPU for `target` with jfsdp's GPU options (`compiler_options(overrides)`). Nothing runs."""
-    from jfsdp import memory
+    from jfsdp.planning import memory
     with tracing_for(target):
         return memory.compile_step(plan, optimizer, loss_fn, batch, grad_accum,
                                    compiler_options(overrides, getattr(plan, "prefetch", False) or update_in_backward),

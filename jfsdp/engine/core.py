@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 from collections.abc import Mapping
 from typing import Any, Callable
 
@@ -28,9 +27,10 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jfsdp import moe as _moe
-from jfsdp.mesh import AXES, DATA, FSDP as FSDP_AXIS, ConfigError, mesh_shape
-from jfsdp.policy import REMAT, MixedPrecision, Strategy
+from jfsdp.engine import moe as _moe
+from jfsdp.config.mesh import AXES, DATA_AXIS, FSDP_AXIS, mesh_shape, platform
+from jfsdp.config.errors import ConfigError
+from jfsdp.config.policy import REMAT, MixedPrecision, Strategy, resolve_prefetch
 
 ROOT, UNITS, STAGES = "root", "units", "stages"
 
@@ -296,7 +296,7 @@ class FSDP:
         r, s = mesh_shape(mesh)
         self.replicas, self.shards, self.n_devices = r, (s if strategy.sharded else 1), r * s
         if strategy.sharded:
-            reduce_axes = (DATA,) if r > 1 else ()
+            reduce_axes = (DATA_AXIS,) if r > 1 else ()
         else:
             reduce_axes = tuple(a for a in AXES if mesh.shape[a] > 1)
         self.comm = Comm(reduce_axes, 1.0 / self.n_devices, mp_policy.param_dtype, mp_policy.reduce_dtype)
@@ -304,7 +304,7 @@ class FSDP:
         # redoing it in the backward pass is free, while saving it would stack a second copy of
         # every unit's parameters (measured: DDP's peak held the weights twice).
         self.policy = checkpoint_policy(remat, strategy.reshard_after_forward or self.shards == 1)
-        self.prefetch = _resolve_prefetch(prefetch, strategy, remat, self.shards, mesh)
+        self.prefetch = resolve_prefetch(prefetch, strategy, remat, self.shards, on_gpu=platform(mesh) == "gpu")
         self.example_inputs = jax.ShapeDtypeStruct(example_inputs.shape, example_inputs.dtype)
         self.h_shapes = self._trace_shapes()
         full = jax.eval_shape(self._init_full, jax.random.key(0), self.example_inputs)
@@ -729,7 +729,7 @@ class FSDP:
 
     def put_batch(self, batch, grad_accum: int = 1):
         """Check a (global, host) batch with `check_batch` and split it over all devices. One process;
-        with several, build the global array from each process's rows (jfsdp.data.process_rows)."""
+        with several, build the global array from each process's rows (jfsdp.io.data.process_rows)."""
         self.check_batch(batch, grad_accum)
         return jax.device_put(batch, self.batch_sharding)
 
@@ -818,44 +818,6 @@ def _check_model(model):
             raise ConfigError(f"{what} must be an integer of at least 1, got {st.n_units!r}")
 
 
-def _prefetch_unsupported(strategy, remat, shards) -> str | None:
-    """Why the explicit prefetch pipeline cannot run this combination (None: it can)."""
-    if not strategy.sharded or shards == 1:
-        return "there is nothing to gather (no_shard, or one shard on an Rx1 mesh)"
-    if not strategy.reshard_after_forward:
-        return f"{strategy.value} keeps the gathered units from forward to backward (no second gather to prefetch)"
-    if remat != "full":
-        return f"it saves only each unit's input (remat 'full'), got remat '{remat}'"
-    return None
-
-
-def _resolve_prefetch(prefetch, strategy, remat, shards, mesh) -> bool:
-    """prefetch: True (the explicit pipeline, ConfigError where unsupported), False (the plain scan),
-    None: on where supported and the mesh's devices are GPUs (XLA:CPU runs collectives synchronously,
-    so prefetching there only costs the memory of a gathered unit); the environment variable
-    JFSDP_PREFETCH=1 / 0 turns that default on or off for every platform."""
-    if prefetch not in (None, True, False):
-        raise ConfigError(f"prefetch must be True, False or None (automatic), got {prefetch!r}")
-    why = _prefetch_unsupported(strategy, remat, shards)
-    if prefetch is True and why:
-        raise ConfigError(f"prefetch=True (the explicit prefetch pipeline) needs a resharding strategy with "
-                          f"remat 'full': {why}; use prefetch=None or False")
-    if prefetch is not None:
-        return prefetch
-    return prefetch_by_default(strategy, remat, shards, on_gpu=mesh.devices.flat[0].platform == "gpu")
-
-
-def prefetch_by_default(strategy, remat, shards, on_gpu: bool) -> bool:
-    """`fully_shard(prefetch=None)`'s choice: the pipeline where it is supported and the devices are
-    GPUs, or as JFSDP_PREFETCH=1 / 0 says on every platform. Also read by train.py before jax
-    starts its backend, so that XLA gets the pipeline's flags."""
-    env = os.environ.get("JFSDP_PREFETCH", "").strip().lower()
-    if env not in ("", "0", "1", "true", "false"):
-        raise ConfigError(f"JFSDP_PREFETCH must be 1 or 0, got {env!r}")
-    on = env in ("1", "true") if env else on_gpu
-    return on and _prefetch_unsupported(strategy, remat, shards) is None
-
-
 def fully_shard(model, mesh, example_inputs, *, strategy="full_shard", mp_policy=None,
                 remat="none", reshard_after_forward=None, prefetch=None, moe=None) -> FSDP:
     """Apply FSDP to a model (`Stacked` or `Staged`) from outside. `example_inputs` (an array or
@@ -867,7 +829,7 @@ def fully_shard(model, mesh, example_inputs, *, strategy="full_shard", mp_policy
     computes, at the cost of one more gathered unit. Supported with FULL_SHARD / HYBRID_SHARD and
     remat 'full' (True elsewhere is a ConfigError); None (default) turns it on there when the mesh is
     made of GPUs (or JFSDP_PREFETCH=1); other combinations use the plain scan (with XLA's own
-    pipelining flags on GPU, `jfsdp.targets.GPU_FLAGS`). An expert-parallel MoE stage always uses
+    pipelining flags on GPU, `jfsdp.config.xla_flags.GPU_FLAGS`). An expert-parallel MoE stage always uses
     the plain scan.
 
     `moe=jfsdp.MoE(mode, chunks)`: how units that call an experts module run (jfsdp/moe.py: gather

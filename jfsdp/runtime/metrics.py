@@ -69,12 +69,12 @@ def peak_flops(device, precision: str = "bf16") -> float | None:
 def device_memory(devices, compiled=None) -> tuple[int | None, str]:
     """(peak bytes per device, where the figure comes from). Accelerators report their allocator's
     peak; CPU devices report nothing, so the compiled train step's buffer assignment stands in."""
-    from jfsdp.memory import device_peak
+    from jfsdp.planning.memory import device_peak
     peaks = [p for p in map(device_peak, devices) if p is not None]
     if peaks:
         return max(peaks), "allocator peak"
     if compiled is not None:
-        from jfsdp.hlo import memory
+        from jfsdp.planning.hlo import memory
         return memory(compiled)["total"], "compiled train step"
     return None, "unknown"
 
@@ -92,7 +92,9 @@ def forward_metrics(plan, fns: dict):
     from jax import lax
     from jax.sharding import PartitionSpec as P
 
-    from jfsdp.mesh import AXES, ConfigError
+    from jfsdp.config.mesh import AXES
+
+    from jfsdp.config.errors import ConfigError
 
     fns = dict(fns)
 

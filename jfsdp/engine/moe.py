@@ -68,7 +68,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jfsdp.mesh import FSDP as FSDP_AXIS, ConfigError
+from jfsdp.config.mesh import FSDP_AXIS
+
+from jfsdp.config.errors import ConfigError
 
 MODES = ("auto", "gather", "ep")
 
@@ -171,7 +173,7 @@ def costs(plan, site: Site, layouts, n_units: int, backend: str | None = None) -
     """The cost model (module docstring): bytes each device sends per step for the stage's expert
     parameters in gather mode and for its tokens in expert-parallel mode, with the backend's wire
     dtypes (XLA:CPU widens bf16 to f32: `memory._wire_dtype`)."""
-    from jfsdp.memory import _wire_dtype
+    from jfsdp.planning.memory import _wire_dtype
     S = plan.shards
     f = (S - 1) / S if S > 1 else 0.0
     backend = backend or jax.default_backend()

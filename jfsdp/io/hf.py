@@ -15,7 +15,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from jfsdp.mesh import ConfigError
+from jfsdp.config.errors import ConfigError
 
 # (our path inside the root tree) -> (HF tensor name, transpose?)
 ROOT_TENSORS = {
@@ -213,7 +213,7 @@ def load_params(plan, folder: str):
     (the region of the index) that one device holds, so neither the host nor any device ever holds
     the whole model, and a sharded leaf is never whole anywhere. Padding rows are zeros."""
     import jax
-    from jfsdp.core import ROOT, UNITS, _is_layout
+    from jfsdp.engine.core import ROOT, UNITS, _is_layout
     cfg = read_config(folder)
     files = _tensor_files(folder)
     sources = leaf_sources(cfg["n_layers"], cfg["tie_embeddings"])

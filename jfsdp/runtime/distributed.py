@@ -33,7 +33,9 @@ import sys
 import threading
 import time
 
-from jfsdp.mesh import AXES, ConfigError, parse_mesh
+from jfsdp.config.mesh import AXES, parse_mesh
+
+from jfsdp.config.errors import ConfigError
 
 DEFAULT_INIT_TIMEOUT = 60      # seconds to wait for the coordinator and for every process to join
 DEFAULT_HEARTBEAT_TIMEOUT = 30  # seconds without heartbeats before a peer is declared dead
@@ -163,7 +165,7 @@ def make_mesh(spec: str, devices=None):
     from jax.experimental import mesh_utils
     from jax.sharding import Mesh
 
-    from jfsdp.mesh import make_mesh as single_process_mesh
+    from jfsdp.config.mesh import make_mesh as single_process_mesh
 
     r, s = parse_mesh(spec)
     devices = list(jax.devices() if devices is None else devices)

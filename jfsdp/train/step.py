@@ -10,9 +10,9 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jfsdp import backward_update
-from jfsdp.core import FSDP, ROOT, STAGES, UNITS
-from jfsdp.mesh import ConfigError
+from jfsdp.train import update_in_backward as backward_update
+from jfsdp.engine.core import FSDP, ROOT, STAGES, UNITS
+from jfsdp.config.errors import ConfigError
 
 
 class TrainState(NamedTuple):
@@ -160,25 +160,6 @@ def _donated(state) -> bool:
         except Exception:  # a tracer (the step called inside another jit) has no buffers to check
             return False
     return any(deleted(x) for x in jax.tree.leaves(state))
-
-
-# XLA:CPU schedules for concurrency by default (breadth-first): every buffer with nothing to wait for,
-# such as the zeros that the backward scan's stacked gradient outputs start from, is created at the
-# start of the step and lives through the head's backward. Its memory-minimizing scheduler creates
-# them where they are needed (measured, llama-1b, 1 x 2048 tokens: one device 19.53 -> 19.39 GiB,
-# SHARD_GRAD_OP on 8 8.57 -> 8.10; the default train.py run no slower on the 2-core VM). XLA:CPU
-# reads this option from XLA_FLAGS only (per-compilation options left the buffer assignment
-# unchanged), so a process sets it before jax starts its backend. GPUs have their own scheduler.
-CPU_FLAGS = {"xla_cpu_enable_concurrency_optimized_scheduler": "false"}
-
-
-def cpu_xla_flags(existing: str | None = None) -> str:
-    """XLA_FLAGS with CPU_FLAGS added (a flag already present wins): for a process that trains or
-    measures on CPU devices, set before jax initializes its backend."""
-    import os
-    existing = os.environ.get("XLA_FLAGS", "") if existing is None else existing
-    have = {f.split("=")[0].lstrip("-") for f in existing.split()}
-    return " ".join([existing.strip()] + [f"--{k}={v}" for k, v in CPU_FLAGS.items() if k not in have]).strip()
 
 
 def make_train_step(plan: FSDP, optimizer: optax.GradientTransformation, loss_fn: Callable,

@@ -20,10 +20,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jfsdp import hlo
-from jfsdp.core import FSDP, Layout, _is_layout
-from jfsdp.policy import Strategy
-from jfsdp.step import abstract_state, make_train_step
+from jfsdp.planning import hlo
+from jfsdp.engine.core import FSDP, Layout, _is_layout
+from jfsdp.config.policy import Strategy
+from jfsdp.train.step import abstract_state, make_train_step
 
 GiB = 1 << 30
 
@@ -46,7 +46,7 @@ def abstract_batch(plan: FSDP, batch):
 def compile_step(plan: FSDP, optimizer, loss_fn: Callable, batch, grad_accum: int = 1,
                  compiler_options: dict | None = None, update_in_backward: bool = False):
     """The real train step (jfsdp.make_train_step, donated state), compiled from abstract inputs.
-    `compiler_options`: XLA options for this compilation (e.g. jfsdp.targets.compiler_options())."""
+    `compiler_options`: XLA options for this compilation (e.g. jfsdp.planning.targets.compiler_options())."""
     step = make_train_step(plan, optimizer, loss_fn, grad_accum, update_in_backward=update_in_backward)
     lowered = step.lower(abstract_state(plan, optimizer), abstract_batch(plan, batch))
     return lowered.compile(compiler_options=compiler_options) if compiler_options else lowered.compile()
@@ -186,7 +186,7 @@ def activation_estimate(plan: FSDP, loss_fn: Callable, local_batch, backend: str
         *hs, w = jax.tree.leaves(out)
         head += _nbytes(w) + 2 * sum(math.prod(x.shape) * 4 for x in hs)
         chunk = getattr(loss_fn, "chunk", None)
-        if chunk:   # jfsdp.ops.lm_loss: a few (chunk, vocabulary) fp32 buffers at a time
+        if chunk:   # jfsdp.train.losses.lm_loss: a few (chunk, vocabulary) fp32 buffers at a time
             vocab = w.shape[0] if getattr(loss_fn, "vocab_major", False) else w.shape[-1]
             tokens = math.prod(inputs.shape)
             head += 2 * min(chunk, tokens) * vocab * 4
@@ -211,7 +211,7 @@ def estimate(plan: FSDP, optimizer, loss_fn: Callable, batch, *, prefetch: bool 
     head's backward, the units' backward, the embedding's backward and the update (see the
     comments below). `backend`: whose dtypes ('cpu' widens bf16 compute to f32: `_wire_dtype`) and
     whose scheduling the figure is for; the compiled CPU figure assumes XLA:CPU's memory-minimizing
-    scheduler (jfsdp.step.CPU_FLAGS, as train.py and the planner compile).
+    scheduler (jfsdp.config.xla_flags.CPU_FLAGS, as train.py and the planner compile).
     `update_in_backward`: the step of `make_train_step(update_in_backward=True)`, which runs the
     prefetch pipeline's loops (two gathered units) and never holds the units' whole gradient."""
     backend = backend or jax.default_backend()
@@ -238,7 +238,7 @@ def estimate(plan: FSDP, optimizer, loss_fn: Callable, batch, *, prefetch: bool 
     unit_g = [_stored_bytes(l, gdt) for l, _ in stages]   # one gathered unit of each stage
     for j, m in enumerate(getattr(plan, "moe_stages", None) or []):
         if m is not None and m.mode == "ep":   # its experts are not gathered: a cast local shard
-            from jfsdp import moe
+            from jfsdp.engine import moe
             unit_g[j] -= moe.expert_bytes(stages[j][0], m.site, gdt) * (S - 1) // S
     unit_r = [_stored_bytes(l, rdt) for l, _ in stages]
     if S > 1:
@@ -283,7 +283,7 @@ def estimate(plan: FSDP, optimizer, loss_fn: Callable, batch, *, prefetch: bool 
     # Four candidates for the peak; the largest is the estimate.
     # (a) the head's backward: the gathered root and the head's working set; no gradient shard
     #     exists yet (XLA:CPU's memory-minimizing scheduler makes the units' stacked gradient buffers
-    #     just before the backward scan: jfsdp.step.CPU_FLAGS).
+    #     just before the backward scan: jfsdp.config.xla_flags.CPU_FLAGS).
     # (b) the units' backward: every unit's gradient shard (one stacked buffer per stage), the
     #     unsharded gradient of a root weight the embedding also reads (a tied weight: reduced once,
     #     after the embedding's backward), the gathered unit(s) and what remat recomputes. On CPU
@@ -355,7 +355,7 @@ def comm_formula(plan: FSDP, backend: str | None = None) -> dict:
     out = {"all-gather": 0.0, "reduce-scatter": 0.0, "all-reduce": 0.0, "all-to-all": 0.0}
     # expert-parallel MoE stages (jfsdp/moe.py): their experts are neither gathered nor
     # reduce-scattered; their tokens travel by all-to-all instead (the cost model's 'ep' figure)
-    from jfsdp import moe
+    from jfsdp.engine import moe
     a2a = ep_grads = 0.0
     for (layouts, n), m in zip(_stages(plan), getattr(plan, "moe_stages", None) or []):
         if m is not None and m.mode == "ep":

@@ -1,0 +1,141 @@
+"""The policies: sharding strategy, mixed precision, activation checkpointing (remat), prefetch.
+
+jax-free (dtypes are numpy's, bfloat16 from ml_dtypes): the command lines validate flags with these
+before jax starts."""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+
+import ml_dtypes
+import numpy as np
+
+from jfsdp.config.errors import ConfigError
+
+
+class Strategy(enum.Enum):
+    """How state is sharded. The mesh decides the scope: state is sharded over `fsdp` and replicated
+    over `data`, so on an RxS mesh with R > 1 every sharded strategy is hybrid sharding (as in FSDP2).
+    HYBRID_SHARD and HYBRID_SHARD_ZERO2 are the FSDP1 names for that layout and compile to the same
+    programs as FULL_SHARD and SHARD_GRAD_OP."""
+    FULL_SHARD = "full_shard"            # ZeRO-3: gather per unit in forward and again in backward
+    SHARD_GRAD_OP = "shard_grad_op"      # ZeRO-2: keep the gathered unit from forward for backward
+    NO_SHARD = "no_shard"                # DDP: everything replicated, gradients all-reduced
+    HYBRID_SHARD = "hybrid_shard"
+    HYBRID_SHARD_ZERO2 = "hybrid_shard_zero2"
+
+    @classmethod
+    def parse(cls, name) -> "Strategy":
+        if isinstance(name, Strategy):
+            return name
+        key = str(name).strip().lower().replace("-", "_")
+        for s in cls:
+            if s.value == key:
+                return s
+        raise ConfigError(f"unknown strategy '{name}'; choose from {', '.join(s.value for s in cls)}")
+
+    @property
+    def sharded(self) -> bool:
+        return self is not Strategy.NO_SHARD
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        return self in (Strategy.FULL_SHARD, Strategy.HYBRID_SHARD)
+
+
+_DTYPES = {"fp32": np.float32, "float32": np.float32, "bf16": ml_dtypes.bfloat16, "bfloat16": ml_dtypes.bfloat16,
+           "fp16": np.float16, "float16": np.float16}
+
+
+def _dtype(x):
+    if x is None:
+        return None
+    if isinstance(x, str):
+        if x not in _DTYPES:
+            raise ConfigError(f"unknown dtype '{x}'; choose from {', '.join(_DTYPES)}")
+        return np.dtype(_DTYPES[x])
+    return np.dtype(x)
+
+
+@dataclasses.dataclass(frozen=True)
+class MixedPrecision:
+    """As FSDP2's MixedPrecisionPolicy. Master parameters and optimizer state stay fp32 and sharded;
+    the shard is cast to `param_dtype` before the all-gather (so communication is in param_dtype) and
+    the unit computes in it; gradients are reduce-scattered in `reduce_dtype`; the model output is cast
+    to `output_dtype`. None means: leave as is (fp32)."""
+    param_dtype: object = None
+    reduce_dtype: object = None
+    output_dtype: object = None
+
+    def __post_init__(self):
+        for f in ("param_dtype", "reduce_dtype", "output_dtype"):
+            object.__setattr__(self, f, _dtype(getattr(self, f)))
+
+    @classmethod
+    def parse(cls, name: str) -> "MixedPrecision":
+        if name in ("fp32", "float32", None):
+            return cls()
+        if name in ("bf16", "bfloat16"):
+            return cls(param_dtype=ml_dtypes.bfloat16, reduce_dtype=np.float32, output_dtype=np.float32)
+        raise ConfigError(f"unknown precision '{name}'; choose from fp32, bf16")
+
+
+    def cast_output(self, out):
+        """The head's outputs in `output_dtype`: applies to a head that returns an array (logits); a head
+        that returns a pytree (hidden states and a weight for a fused loss) hands its precision to the loss."""
+        if self.output_dtype is not None and hasattr(out, "astype") and hasattr(out, "dtype"):
+            return out.astype(self.output_dtype)
+        return out
+
+
+# Activation checkpointing per unit: what the backward pass of a unit may reuse from its forward pass,
+# by the name of the jax.checkpoint_policies member. 'none' saves every activation, 'full' only the
+# unit's input, 'dots' matmul outputs (the elementwise work is recomputed). On top of it, the engine
+# decides on the gathered parameters (jfsdp.engine.fsdp.checkpoint_policy).
+REMAT_POLICIES = {"none": "everything_saveable", "full": "nothing_saveable", "dots": "dots_saveable"}
+REMAT = tuple(REMAT_POLICIES)
+
+
+def check_remat(remat: str) -> str:
+    if remat not in REMAT_POLICIES:
+        raise ConfigError(f"unknown remat '{remat}'; choose from {', '.join(REMAT)}")
+    return remat
+
+
+def prefetch_unsupported(strategy: Strategy, remat: str, shards: int) -> str | None:
+    """Why the explicit prefetch pipeline cannot run this combination (None: it can)."""
+    if not strategy.sharded or shards == 1:
+        return "there is nothing to gather (no_shard, or one shard on an Rx1 mesh)"
+    if not strategy.reshard_after_forward:
+        return f"{strategy.value} keeps the gathered units from forward to backward (no second gather to prefetch)"
+    if remat != "full":
+        return f"it saves only each unit's input (remat 'full'), got remat '{remat}'"
+    return None
+
+
+def prefetch_by_default(strategy: Strategy, remat: str, shards: int, on_gpu: bool) -> bool:
+    """`fully_shard(prefetch=None)`'s choice: the pipeline where it is supported and the devices are
+    GPUs, or as JFSDP_PREFETCH=1 / 0 says on every platform. Also read by train.py before jax
+    starts its backend, so that XLA gets the pipeline's flags."""
+    env = os.environ.get("JFSDP_PREFETCH", "").strip().lower()
+    if env not in ("", "0", "1", "true", "false"):
+        raise ConfigError(f"JFSDP_PREFETCH must be 1 or 0, got {env!r}")
+    on = env in ("1", "true") if env else on_gpu
+    return on and prefetch_unsupported(strategy, remat, shards) is None
+
+
+def resolve_prefetch(prefetch, strategy: Strategy, remat: str, shards: int, on_gpu: bool) -> bool:
+    """prefetch: True (the explicit pipeline, ConfigError where unsupported), False (the plain scan),
+    None: on where supported and the mesh's devices are GPUs (XLA:CPU runs collectives synchronously,
+    so prefetching there only costs the memory of a gathered unit); the environment variable
+    JFSDP_PREFETCH=1 / 0 turns that default on or off for every platform."""
+    if prefetch not in (None, True, False):
+        raise ConfigError(f"prefetch must be True, False or None (automatic), got {prefetch!r}")
+    why = prefetch_unsupported(strategy, remat, shards)
+    if prefetch is True and why:
+        raise ConfigError(f"prefetch=True (the explicit prefetch pipeline) needs a resharding strategy with "
+                          f"remat 'full': {why}; use prefetch=None or False")
+    if prefetch is not None:
+        return prefetch
+    return prefetch_by_default(strategy, remat, shards, on_gpu)

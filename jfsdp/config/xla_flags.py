@@ -1,0 +1,92 @@
+"""The XLA flags jfsdp sets, per platform, each with why. jax-free: a process reads these before jax starts
+its backend (XLA reads XLA_FLAGS once, then), which is why the command lines set them first.
+
+- CPU (`CPU_FLAGS`, `cpu_xla_flags`): train.py, the planner and the benchmarks on XLA:CPU devices.
+- GPU (`GPU_FLAGS`, `PREFETCH_GPU_FLAGS`, `flags_for`, `gpu_xla_flags`): a process on real GPUs sets
+  them in XLA_FLAGS; compile-only targets pass them per compilation (`jfsdp.planning.targets`).
+A flag the user already gave in XLA_FLAGS always wins.
+"""
+from __future__ import annotations
+
+import os
+
+
+def flags_in_env(existing: str | None = None) -> set:
+    """The names of the flags set in XLA_FLAGS (or in `existing`)."""
+    existing = os.environ.get("XLA_FLAGS", "") if existing is None else existing
+    return {f.split("=")[0].lstrip("-") for f in existing.split()}
+
+
+def _added(existing: str | None, flags: dict) -> str:
+    existing = os.environ.get("XLA_FLAGS", "") if existing is None else existing
+    have = flags_in_env(existing)
+    extra = [f"--{k}={str(v).lower()}" for k, v in flags.items() if k not in have]
+    return " ".join([existing.strip()] + extra).strip()
+
+
+# ---- CPUs
+
+# XLA:CPU schedules for concurrency by default (breadth-first): every buffer with nothing to wait for,
+# such as the zeros that the backward scan's stacked gradient outputs start from, is created at the
+# start of the step and lives through the head's backward. Its memory-minimizing scheduler creates
+# them where they are needed (measured, llama-1b, 1 x 2048 tokens: one device 19.53 -> 19.39 GiB,
+# SHARD_GRAD_OP on 8 8.57 -> 8.10; the default train.py run no slower on the 2-core VM). XLA:CPU
+# reads this option from XLA_FLAGS only (per-compilation options left the buffer assignment
+# unchanged), so a process sets it before jax starts its backend. GPUs have their own scheduler.
+CPU_FLAGS = {"xla_cpu_enable_concurrency_optimized_scheduler": "false"}
+
+
+def cpu_xla_flags(existing: str | None = None) -> str:
+    """XLA_FLAGS with CPU_FLAGS added (a flag already present wins): for a process that trains or
+    measures on CPU devices, set before jax initializes its backend."""
+    return _added(existing, CPU_FLAGS)
+
+
+# ---- GPUs
+
+# Each flag with why jfsdp wants it. On GPU hosts train.py and benchmarks/throughput.py put them in
+# XLA_FLAGS before jax starts its backend (`gpu_xla_flags`); compile-only targets get them per
+# compilation (`compiler_options`). A flag the user gave in XLA_FLAGS (or in `overrides`) wins.
+GPU_FLAGS = {
+    # FSDP's prefetch: XLA:GPU pipelines the all-gather of the scan's next iteration into the current
+    # one (the next unit is gathered while this one computes); without it each unit's gather waits
+    # at the top of the loop body with nothing to hide behind (measured: only a convert between
+    # start and done).
+    "xla_gpu_enable_pipelined_all_gather": True,
+    # The same for the backward scan's reduce-scatter: issued in one iteration, finished in the next,
+    # so a unit's gradient is reduced while the next unit's backward computes.
+    "xla_gpu_enable_pipelined_reduce_scatter": True,
+    # And for the all-reduce of a hybrid (RxS, R > 1) or DDP run.
+    "xla_gpu_enable_pipelined_all_reduce": True,
+}
+
+# For a plan on jfsdp's own prefetch pipeline (`fully_shard(prefetch=...)`, on by default on GPUs with
+# remat 'full' and a resharding strategy), which issues each unit's gather and reduce-scatter where
+# it can overlap. Measured on llama-1b 1x8 compiled for H100 (README, "On GPUs"):
+PREFETCH_GPU_FLAGS = {
+    # Off: XLA's collective pipeliner, applied on top of jfsdp's pipeline, peels loop iterations
+    # whose gathers then run exposed (1.78 GiB exposed per step with it, 1.68 without).
+    "xla_gpu_enable_pipelined_all_gather": False,
+    "xla_gpu_enable_pipelined_reduce_scatter": False,
+    "xla_gpu_enable_pipelined_all_reduce": True,
+    # One all-gather and one reduce-scatter per unit, as FSDP's flat parameter: under the default
+    # thresholds XLA splits a unit's collectives (llama-1b: four gathers, three feed-forward
+    # matrices and the other leaves combined; 8B: four reduce-scatters), and the latency-hiding
+    # scheduler, which runs one collective at a time, leaves the last one of each unit with no
+    # compute to hide behind (measured: 17.5 MiB exposed per unit on llama-1b, 196 MiB on the 8B).
+    # 2 GiB / 4 GiB cover a unit of the 70B shape in bf16 (1.6 GiB) / fp32 (3.2 GiB).
+    "xla_gpu_all_gather_combine_threshold_bytes": 2 * 2**30,
+    "xla_gpu_reduce_scatter_combine_threshold_bytes": 4 * 2**30,
+}
+
+
+def flags_for(prefetch: bool = False) -> dict:
+    """The XLA:GPU flags jfsdp wants for a plan with (True) or without its prefetch pipeline."""
+    return PREFETCH_GPU_FLAGS if prefetch else GPU_FLAGS
+
+
+def gpu_xla_flags(existing: str | None = None, prefetch: bool = False) -> str:
+    """XLA_FLAGS with jfsdp's GPU flags added (those already present win): for a process that runs
+    on real GPUs (train.py), to be set before jax initializes its backend. `prefetch`: whether the
+    plan will run jfsdp's prefetch pipeline (`flags_for`)."""
+    return _added(existing, flags_for(prefetch))
