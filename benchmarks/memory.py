@@ -6,7 +6,7 @@ Every number is XLA's buffer assignment (`compiled.memory_analysis()`, argument 
 alias) of jfsdp's real train step (AdamW, fp32, donated state, the fused head + cross-entropy of
 train.py), lowered from abstract inputs on 64
 fake CPU devices: nothing is allocated. fp32 because XLA's CPU backend widens bf16 to f32 anyway
-(jfsdp.planning.memory._wire_dtype), so an fp32 plan is what this machine can measure faithfully.
+(jfsdp.config.policy.wire_dtype), so an fp32 plan is what this machine can measure faithfully.
 
 1. per-device memory against devices (1..64) for each strategy, fixed model (llama-1b shape);
 2. per-device memory against depth for FULL_SHARD with and without remat;

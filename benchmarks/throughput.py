@@ -120,7 +120,7 @@ def run_one(model: str, strategy: str, a, update_in_backward: bool = False) -> d
     import jfsdp.engine.core
     import models
     from jfsdp.runtime import metrics as jm
-    from jfsdp.plan import language_model
+    from models.factory import language_model
 
     cfg = models.get_config(model)
     r, s = jfsdp.parse_mesh(a.mesh)
@@ -128,7 +128,7 @@ def run_one(model: str, strategy: str, a, update_in_backward: bool = False) -> d
     mesh = jfsdp.make_mesh(a.mesh, devices)
     x = jax.ShapeDtypeStruct((a.batch_size, a.seq_len), jnp.int32)
     # the plain head (logits, then cross-entropy), as the figures in benchmarks/results were measured
-    lm, _, loss_fn = language_model(models, cfg, "plain")
+    lm, _, loss_fn = language_model(cfg, "plain")
     plan = jfsdp.fully_shard(lm, mesh, x, strategy=strategy, remat=a.remat,
                              mp_policy=jfsdp.MixedPrecision.parse(a.precision))
     opt = jfsdp.adamw(1e-4, mask=plan.decay_mask(), clip_norm=a.clip or None)

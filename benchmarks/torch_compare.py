@@ -77,7 +77,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jfsdp  # noqa: E402
 import models  # noqa: E402
-from jfsdp.plan import language_model  # noqa: E402
+from models.factory import language_model  # noqa: E402
 from jfsdp.train import update_in_backward as backward_update  # noqa: E402
 from jfsdp.io import hf
 from jfsdp.planning import memory
@@ -151,7 +151,7 @@ def jfsdp_cell(cfg, cell: Cell, target: str = "cpu", loss: str = "fused", update
     mesh = jfsdp.make_mesh(cell.mesh, _target_devices(target, cell.mesh))
     x = jax.ShapeDtypeStruct((r * s, cell.seq), jnp.int32)  # 1 x seq per device
     # train.py's model, head and loss (fused by default: chunked head + cross-entropy, no full logits)
-    model, _, loss_fn = language_model(models, cfg, loss)
+    model, _, loss_fn = language_model(cfg, loss)
     plan = jfsdp.fully_shard(model, mesh, x, strategy=cell.strategy, remat=cell.remat,
                              mp_policy=jfsdp.MixedPrecision.parse(cell.precision))
     opt = jfsdp.adamw(1e-4, mask=plan.decay_mask())

@@ -23,16 +23,12 @@ import orbax.checkpoint as ocp
 from jfsdp.io import hf
 from jfsdp.io.checkpoint import (STATE, CheckpointError, Checkpointer, _ignore_closed_loop_callbacks, _short, logical_params)
 from jfsdp.config.errors import ConfigError
+from jfsdp.config.zoo import repo_models
 
 
 def read_params(ckpt_dir: str, step: int | None = None):
     """(full parameters as host arrays, the checkpoint's metadata, its step)."""
-    try:   # the model definitions, resolved at run time (jfsdp never imports models at import)
-        import models
-        models.LlamaConfig
-    except (ImportError, AttributeError):   # pip installs only jfsdp: models/ is the repository's own
-        raise ConfigError("export needs the repository's models/ package, which pip does not install: "
-                          "run python -m jfsdp.export from the repository root") from None
+    models = repo_models("python -m jfsdp.export")
     from pathlib import Path
     if not Path(ckpt_dir).is_dir():
         raise CheckpointError(f"{ckpt_dir}: no such checkpoint folder")

@@ -130,12 +130,11 @@ def build(model_name, mesh_spec, strategy, precision, remat, batch_size, seq_len
     import jax.numpy as jnp
 
     import jfsdp
+    from jfsdp.config.zoo import repo_models
     try:
-        import models
-        models.get_config
-    except (ImportError, AttributeError):  # pip installs only jfsdp: models/ is the repository's own
-        raise _Error("--model names come from the repository's models/ package, which pip does not install: "
-                     "run python -m jfsdp.plan from the jfsdp repository root") from None
+        models = repo_models("python -m jfsdp.plan")
+    except jfsdp.ConfigError as e:
+        raise _Error(str(e)) from None
 
     try:
         cfg = models.get_config(model_name)
@@ -155,37 +154,12 @@ def build(model_name, mesh_spec, strategy, precision, remat, batch_size, seq_len
     if batch_size % n:
         raise _Error(f"batch size {batch_size} does not divide over the {n} devices of the mesh")
     try:
-        model, moe_opt, loss_fn = language_model(models, cfg, loss, moe, moe_chunks, backend)
+        model, moe_opt, loss_fn = models.factory.language_model(cfg, loss, moe, moe_chunks, backend)
     except jfsdp.ConfigError as e:
         raise _Error(str(e)) from None
     plan = jfsdp.fully_shard(model, mesh, x, strategy=strategy, mp_policy=jfsdp.MixedPrecision.parse(precision),
                              remat=remat, moe=moe_opt)
     return cfg, plan, jfsdp.adamw(1e-4), loss_fn, {"inputs": x, "targets": x}
-
-
-def language_model(models, cfg, loss="fused", moe="auto", moe_chunks="auto", backend=None, head=None):
-    """(jfsdp model, MoE option or None, loss_fn) of a language-model config from `models` (Llama or MoE),
-    one place for train.py and the planner. loss 'fused': the root's `head_features` hands (hidden
-    states, head weight) to a chunked cross-entropy (jfsdp.train.losses.lm_loss), the logits never exist;
-    'plain': `head` gives logits. `head` overrides the head method (e.g. 'head' for sampling logits).
-    An MoE model adds its load-balancing loss (models.moe.loss) and gets `jfsdp.MoE(moe, moe_chunks)`."""
-    import jfsdp
-    fused = loss == "fused"
-    head = head or ("head_features" if fused else "head")
-    loss_fn = jfsdp.lm_loss(vocab_major=cfg.tie_embeddings) if fused else models.loss_fn(cfg)
-    if isinstance(cfg, models.MoEConfig):
-        if moe_chunks != "auto":
-            try:
-                moe_chunks = int(moe_chunks)
-            except (TypeError, ValueError):
-                raise jfsdp.ConfigError(f"--moe-chunks '{moe_chunks}' must be an integer or auto") from None
-        root, stages = models.moe.parts(cfg)
-        if fused:
-            loss_fn = models.moe.loss(loss_fn, cfg.aux_coef)
-        return (jfsdp.Staged(root, stages, head_method=head),
-                jfsdp.MoE(mode=moe, chunks=moe_chunks, backend=backend), loss_fn)
-    root, unit, n_units = models.parts(cfg)
-    return jfsdp.Stacked(root, unit, n_units, head_method=head), None, loss_fn
 
 
 def _option(text: str):

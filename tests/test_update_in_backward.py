@@ -103,9 +103,9 @@ _PEAKS = """
 import dataclasses, json, jax, jax.numpy as jnp, numpy as np
 import jfsdp, models
 from jfsdp.planning import memory
-from jfsdp.plan import language_model
+from models.factory import language_model
 cfg = dataclasses.replace(models.get_config("llama-small"), n_layers=16)
-model, _, loss_fn = language_model(models, cfg, "fused")
+model, _, loss_fn = language_model(cfg, "fused")
 x = jax.ShapeDtypeStruct((1, 64), jnp.int32)
 plan = jfsdp.fully_shard(model, jfsdp.make_mesh("1x1"), x, remat="full")
 opt = jfsdp.adamw(1e-3, mask=plan.decay_mask())

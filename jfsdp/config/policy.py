@@ -89,6 +89,18 @@ class MixedPrecision:
         return out
 
 
+def wire_dtype(dtype, backend: str):
+    """The dtype that `dtype` really takes in the compiled program. XLA's CPU backend has no 16-bit
+    float collectives or arithmetic: its float-normalization passes widen them to f32: a bf16 plan's all-gathers, kept
+    units and saved activations are f32 in the compiled CPU program, and its memory that of the fp32 plan. GPUs and TPUs keep bf16 as bf16."""
+    import jax.numpy as jnp
+
+    dtype = jnp.dtype(dtype)
+    if backend == "cpu" and dtype.itemsize < 4 and jnp.issubdtype(dtype, jnp.floating):
+        return jnp.dtype(jnp.float32)
+    return dtype
+
+
 # Activation checkpointing per unit: what the backward pass of a unit may reuse from its forward pass,
 # by the name of the jax.checkpoint_policies member. 'none' saves every activation, 'full' only the
 # unit's input, 'dots' matmul outputs (the elementwise work is recomputed). On top of it, the engine

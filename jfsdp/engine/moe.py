@@ -68,9 +68,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jfsdp.config.mesh import FSDP_AXIS
-
 from jfsdp.config.errors import ConfigError
+from jfsdp.config.mesh import FSDP_AXIS
+from jfsdp.config.policy import wire_dtype
 
 MODES = ("auto", "gather", "ep")
 
@@ -172,18 +172,17 @@ def _per_stage(value, n, name):
 def costs(plan, site: Site, layouts, n_units: int, backend: str | None = None) -> dict:
     """The cost model (module docstring): bytes each device sends per step for the stage's expert
     parameters in gather mode and for its tokens in expert-parallel mode, with the backend's wire
-    dtypes (XLA:CPU widens bf16 to f32: `memory._wire_dtype`)."""
-    from jfsdp.planning.memory import _wire_dtype
+    dtypes (XLA:CPU widens bf16 to f32: `memory.wire_dtype`)."""
     S = plan.shards
     f = (S - 1) / S if S > 1 else 0.0
     backend = backend or jax.default_backend()
-    p = _wire_dtype(plan.mp.param_dtype or jnp.float32, backend).itemsize
-    r = _wire_dtype(plan.mp.reduce_dtype or plan.mp.param_dtype or jnp.float32, backend).itemsize
+    p = wire_dtype(plan.mp.param_dtype or jnp.float32, backend).itemsize
+    r = wire_dtype(plan.mp.reduce_dtype or plan.mp.param_dtype or jnp.float32, backend).itemsize
     W = sum(math.prod(l.stored_shape) for l in jax.tree.leaves(expert_leaves(layouts, site),
                                                                  is_leaf=lambda x: hasattr(x, "stored_shape")))
     g = 2 if (plan.strategy.reshard_after_forward or S == 1) else 1
     X = math.prod(site.buckets)
-    xb = _wire_dtype(plan.mp.param_dtype or site.dtype, backend).itemsize
+    xb = wire_dtype(plan.mp.param_dtype or site.dtype, backend).itemsize
     a = 4 if plan.remat == "none" else 6
     return {"gather": n_units * W * (g * p + r) * f, "ep": n_units * a * X * xb * f,
             "weights": n_units * W, "tokens": n_units * X, "all_to_alls": a, "gathers": g, "units": n_units,

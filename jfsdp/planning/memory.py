@@ -22,7 +22,7 @@ import numpy as np
 
 from jfsdp.planning import hlo
 from jfsdp.engine.core import FSDP, Layout, _is_layout
-from jfsdp.config.policy import Strategy
+from jfsdp.config.policy import wire_dtype
 from jfsdp.train.step import abstract_state, make_train_step
 
 GiB = 1 << 30
@@ -153,10 +153,10 @@ def activation_estimate(plan: FSDP, loss_fn: Callable, local_batch, backend: str
     `stages` lists {'per_unit', 'unit_working'} of each stage; the top-level `per_unit` and
     `unit_working` are the first stage's (the whole answer for a one-stage model).
     `widen=False`: in param_dtype as the program writes it, not as the backend computes it
-    (`_wire_dtype`): what XLA:CPU stores from the forward pass (see `estimate`)."""
+    (`wire_dtype`): what XLA:CPU stores from the forward pass (see `estimate`)."""
     m, mp = plan.model, plan.mp
     pdt = jnp.dtype(mp.param_dtype or jnp.float32)
-    pdt = _wire_dtype(pdt, backend or jax.default_backend()) if widen else pdt
+    pdt = wire_dtype(pdt, backend or jax.default_backend()) if widen else pdt
     root_layouts, stage_layouts = plan.split(plan.layouts)
     root_p = _cast(root_layouts, pdt)
     inputs = local_batch["inputs"]
@@ -193,23 +193,12 @@ def activation_estimate(plan: FSDP, loss_fn: Callable, local_batch, backend: str
     return {**stages[0], "head": head, "stages": stages}
 
 
-def _wire_dtype(dtype, backend: str):
-    """The dtype that `dtype` really takes in the compiled program. XLA's CPU backend has no 16-bit
-    float collectives or arithmetic: its float-normalization passes widen them to f32 (measured: a
-    bf16 plan's all-gathers, kept units and saved activations are f32 in the compiled CPU program,
-    and its memory is that of the fp32 plan). GPUs and TPUs keep bf16 as bf16."""
-    dtype = jnp.dtype(dtype)
-    if backend == "cpu" and dtype.itemsize < 4 and jnp.issubdtype(dtype, jnp.floating):
-        return jnp.dtype(jnp.float32)
-    return dtype
-
-
 def estimate(plan: FSDP, optimizer, loss_fn: Callable, batch, *, prefetch: bool = False,
              backend: str | None = None, update_in_backward: bool = False) -> Breakdown:
     """Analytic per-device bytes at the peak of one train step of `plan` on the global `batch`
     (a tree of shapes): the state plus the largest of what is live at four points of the step, the
     head's backward, the units' backward, the embedding's backward and the update (see the
-    comments below). `backend`: whose dtypes ('cpu' widens bf16 compute to f32: `_wire_dtype`) and
+    comments below). `backend`: whose dtypes ('cpu' widens bf16 compute to f32: `wire_dtype`) and
     whose scheduling the figure is for; the compiled CPU figure assumes XLA:CPU's memory-minimizing
     scheduler (jfsdp.config.xla_flags.CPU_FLAGS, as train.py and the planner compile).
     `update_in_backward`: the step of `make_train_step(update_in_backward=True)`, which runs the
@@ -229,7 +218,7 @@ def estimate(plan: FSDP, optimizer, loss_fn: Callable, batch, *, prefetch: bool 
 
     pdt = plan.mp.param_dtype or jnp.float32
     rdt = plan.mp.reduce_dtype or pdt
-    gdt = _wire_dtype(pdt, backend)
+    gdt = wire_dtype(pdt, backend)
     # the root leaves the head reads stay gathered to its backward (the peak); those only the
     # embedding reads are gathered and freed at the start (FSDP.root_use)
     leaves = jax.tree.leaves(root_l, is_leaf=_is_layout)
@@ -304,7 +293,7 @@ def estimate(plan: FSDP, optimizer, loss_fn: Callable, batch, *, prefetch: bool 
     head_only = [leaves[i] for i in sorted(head_reads - embed_reads)]
     embed_only = [leaves[i] for i in sorted(embed_reads - head_reads)]
     held = _stored_bytes(head_only, pdt) if backend == "cpu" else 0
-    rdt_wire = _wire_dtype(rdt, backend)
+    rdt_wire = wire_dtype(rdt, backend)
     table = _stored_bytes(embed_only, gdt) + (_stored_bytes(embed_only, rdt_wire) if rdt_wire != gdt else 0)
     units_gathered = gathered - (root_g if S > 1 or gathered else 0)
     one_unit = max(unit_g) if S > 1 or gathered else 0
@@ -338,12 +327,12 @@ def estimate(plan: FSDP, optimizer, loss_fn: Callable, batch, *, prefetch: bool 
 def comm_formula(plan: FSDP, backend: str | None = None) -> dict:
     """Bytes each device sends per step, by collective kind, from the contract (ring cost model),
     with the root (gathered once per step, not twice), padding and the backend's wire dtype
-    (`_wire_dtype`) counted exactly.
+    (`wire_dtype`) counted exactly.
     `contract` is the headline approximation: 3Ψ·b·(S−1)/S (FULL_SHARD), 2Ψ·b(N−1)/N (DDP)."""
     S, R, N = plan.shards, plan.replicas, plan.n_devices
     backend = backend or jax.default_backend()
-    pdt = _wire_dtype(plan.mp.param_dtype or jnp.float32, backend)
-    rdt = _wire_dtype(plan.mp.reduce_dtype or pdt, backend)
+    pdt = wire_dtype(plan.mp.param_dtype or jnp.float32, backend)
+    rdt = wire_dtype(plan.mp.reduce_dtype or pdt, backend)
     root_l = plan.split(plan.layouts)[0]
     root_p = _stored_bytes(root_l, pdt)
     unit_p = sum(n * _stored_bytes(l, pdt) for l, n in _stages(plan))

@@ -35,6 +35,7 @@ from jfsdp.io import data as jdata
 from jfsdp.runtime import distributed
 from jfsdp.io import hf as jhf
 from jfsdp.runtime import metrics as jm
+from jfsdp.config.zoo import repo_models
 from jfsdp.cli import EXIT_INTERRUPTED, EXIT_TERMINATED, TrainConfig, fail, note
 
 STEP_METRICS = ("loss", "grad_norm")   # what every train step returns; the rest are a model's own
@@ -53,13 +54,7 @@ def train(c: TrainConfig) -> int:
 
 def load_models():
     """The repository's model definitions, imported when a run needs them."""
-    try:
-        import models
-        models.get_config
-    except (ImportError, AttributeError):   # pip installs only jfsdp: models/ is the repository's own
-        raise jfsdp.ConfigError("--model names come from the repository's models/ package, which pip does not "
-                                "install: run train.py from the jfsdp repository") from None
-    return models
+    return repo_models("train.py")
 
 
 class Run:
@@ -98,13 +93,12 @@ class Run:
             if len(devices) > r * s:
                 note(f"using {r * s} of the {len(devices)} {devices[0].platform} devices")
             self.mesh = mesh = distributed.make_mesh(c.mesh, devices=devices[: r * s])
-            from jfsdp.plan import language_model
             # an MoE plan's cost model reads the tokens per device from the example: one micro-batch
             rows = max(1, c.batch_size // c.grad_accum) if self.is_moe else 1
             example = jax.ShapeDtypeStruct((rows, c.seq_len), jnp.int32)
 
             def shard(head):
-                model, moe, self.loss_fn = language_model(models, mcfg, c.loss, c.moe, c.moe_chunks, head=head)
+                model, moe, self.loss_fn = models.factory.language_model(mcfg, c.loss, c.moe, c.moe_chunks, head=head)
                 return jfsdp.fully_shard(model, mesh, example, strategy=strategy, mp_policy=mp, remat=c.remat,
                                          moe=moe)
             # the fused loss takes (hidden, head weight) from the root; sampling needs logits: a second

@@ -1,0 +1,34 @@
+"""How jfsdp runs the repository's language models: the one place where a model of `models/` meets
+jfsdp, kept beside the models as torchtitan keeps its parallelize function beside its model. The model
+files themselves (llama.py, moe.py, attention.py, resmlp.py) import nothing of jfsdp; this module is
+imported by train.py, the planner, the benchmarks and the tests, never by `models/__init__`."""
+from __future__ import annotations
+
+import jfsdp
+from models import moe as moe_model
+from models import loss_fn as loss_fn_of, parts
+from models.moe import MoEConfig
+
+
+def language_model(cfg, loss="fused", moe="auto", moe_chunks="auto", backend=None, head=None):
+    """(jfsdp model, MoE option or None, loss_fn) of a language-model config (Llama or MoE): one place
+    for train.py, the planner, the benchmarks and the tests. loss 'fused': the root's `head_features` hands (hidden
+    states, head weight) to a chunked cross-entropy (jfsdp.train.losses.lm_loss), the logits never exist;
+    'plain': `head` gives logits. `head` overrides the head method (e.g. 'head' for sampling logits).
+    An MoE model adds its load-balancing loss (models.moe.loss) and gets `jfsdp.MoE(moe, moe_chunks)`."""
+    fused = loss == "fused"
+    head = head or ("head_features" if fused else "head")
+    loss_fn = jfsdp.lm_loss(vocab_major=cfg.tie_embeddings) if fused else loss_fn_of(cfg)
+    if isinstance(cfg, MoEConfig):
+        if moe_chunks != "auto":
+            try:
+                moe_chunks = int(moe_chunks)
+            except (TypeError, ValueError):
+                raise jfsdp.ConfigError(f"--moe-chunks '{moe_chunks}' must be an integer or auto") from None
+        root, stages = moe_model.parts(cfg)
+        if fused:
+            loss_fn = moe_model.loss(loss_fn, cfg.aux_coef)
+        return (jfsdp.Staged(root, stages, head_method=head),
+                jfsdp.MoE(mode=moe, chunks=moe_chunks, backend=backend), loss_fn)
+    root, unit, n_units = parts(cfg)
+    return jfsdp.Stacked(root, unit, n_units, head_method=head), None, loss_fn
