@@ -117,7 +117,7 @@ def run_one(model: str, strategy: str, a, update_in_backward: bool = False) -> d
 
     import jfsdp.runtime.metrics
     import jfsdp.planning.targets
-    import jfsdp.engine.core
+    import jfsdp.engine.sharded
     import models
     from jfsdp.runtime import metrics as jm
     from models.factory import language_model

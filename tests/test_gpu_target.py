@@ -15,7 +15,7 @@ import pytest
 
 import jfsdp
 
-import jfsdp.engine.core
+import jfsdp.engine.sharded
 import models
 from jfsdp.planning import hlo
 

@@ -75,7 +75,8 @@ from orbax.checkpoint._src.serialization import jax_array_handlers as _jah
 from orbax.checkpoint._src.serialization import replica_slices as _rs
 from orbax.checkpoint._src.serialization import type_handler_registry as _registry_lib
 
-from jfsdp.engine.core import FSDP, _is_layout
+from jfsdp.engine.layout import is_layout
+from jfsdp.engine.sharded import FSDP
 from jfsdp.config.errors import ConfigError
 
 FORMAT = "jfsdp-checkpoint/2"                 # arrays stored with their logical shapes
@@ -101,11 +102,11 @@ def param_signature(plan: FSDP) -> dict:
     match to be restored into `plan`, whatever the mesh. Paths as in the state: `root/...`, then
     `units/...` (`Stacked`) or `stages/<j>/...` (`Staged`), a stage's leaves with its unit count first."""
     root_l, stage_l = plan.split(plan.layouts)
-    stacked = plan.join(jax.tree.map(lambda _: (), root_l, is_leaf=_is_layout),
-                        [jax.tree.map(lambda _: (n,), l, is_leaf=_is_layout)
+    stacked = plan.join(jax.tree.map(lambda _: (), root_l, is_leaf=is_layout),
+                        [jax.tree.map(lambda _: (n,), l, is_leaf=is_layout)
                          for l, n in zip(stage_l, plan.stage_sizes)])
     lead = jax.tree.leaves(stacked, is_leaf=lambda x: isinstance(x, tuple))
-    flat = jax.tree_util.tree_flatten_with_path(plan.layouts, is_leaf=_is_layout)[0]
+    flat = jax.tree_util.tree_flatten_with_path(plan.layouts, is_leaf=is_layout)[0]
     return {_path_str(path): [list(n + l.shape), str(l.dtype)] for (path, l), n in zip(flat, lead)}
 
 
@@ -198,10 +199,10 @@ def _logical_rows(plan: FSDP, state) -> dict:
     parameters and each subtree shaped like them (Adam's moments; found by tree structure, as
     optax.tree_map_params does), when the leaf has the padded shape."""
     root_l, stage_l = plan.split(plan.layouts)
-    axes = plan.join(jax.tree.map(lambda _: 0, root_l, is_leaf=_is_layout),      # root: rows are axis 0;
-                     [jax.tree.map(lambda _: 1, u, is_leaf=_is_layout) for u in stage_l])   # units: axis 1
-    flat = list(zip(jax.tree.leaves(axes), jax.tree.leaves(plan.layouts, is_leaf=_is_layout)))
-    pdef = jax.tree.structure(plan.layouts, is_leaf=_is_layout)
+    axes = plan.join(jax.tree.map(lambda _: 0, root_l, is_leaf=is_layout),      # root: rows are axis 0;
+                     [jax.tree.map(lambda _: 1, u, is_leaf=is_layout) for u in stage_l])   # units: axis 1
+    flat = list(zip(jax.tree.leaves(axes), jax.tree.leaves(plan.layouts, is_leaf=is_layout)))
+    pdef = jax.tree.structure(plan.layouts, is_leaf=is_layout)
     like_params = lambda x: x is not state and jax.tree.structure(x) == pdef   # noqa: E731
     out = {}
     for path, sub in jax.tree_util.tree_flatten_with_path(state, is_leaf=like_params)[0]:
@@ -395,7 +396,7 @@ def logical_params(plan: FSDP, params: dict) -> dict:
     using `plan`'s layouts for the logical shapes (any model, `Stacked` or `Staged`)."""
     root_l, stage_l = plan.split(plan.layouts)
     root_x, stage_x = plan.split(params)
-    root = jax.tree.map(lambda l, x: np.asarray(x)[: l.rows].reshape(l.shape), root_l, root_x, is_leaf=_is_layout)
+    root = jax.tree.map(lambda l, x: np.asarray(x)[: l.rows].reshape(l.shape), root_l, root_x, is_leaf=is_layout)
     stages = [jax.tree.map(lambda l, x: np.asarray(x)[:, : l.rows].reshape(x.shape[0], *l.shape), ls, xs,
-                           is_leaf=_is_layout) for ls, xs in zip(stage_l, stage_x)]
+                           is_leaf=is_layout) for ls, xs in zip(stage_l, stage_x)]
     return plan.join(root, stages)

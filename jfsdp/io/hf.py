@@ -213,7 +213,7 @@ def load_params(plan, folder: str):
     (the region of the index) that one device holds, so neither the host nor any device ever holds
     the whole model, and a sharded leaf is never whole anywhere. Padding rows are zeros."""
     import jax
-    from jfsdp.engine.core import ROOT, UNITS, _is_layout
+    from jfsdp.engine.layout import ROOT, UNITS, is_layout
     cfg = read_config(folder)
     files = _tensor_files(folder)
     sources = leaf_sources(cfg["n_layers"], cfg["tie_embeddings"])
@@ -251,10 +251,10 @@ def load_params(plan, folder: str):
 
     out = {}
     for part in (ROOT, UNITS):
-        flat = jax.tree_util.tree_flatten_with_path(plan.layouts[part], is_leaf=_is_layout)[0]
+        flat = jax.tree_util.tree_flatten_with_path(plan.layouts[part], is_leaf=is_layout)[0]
         shard_flat = jax.tree.leaves(plan.param_shardings[part])
         leaves = [build(part, tuple(k.key for k in p), l, s) for (p, l), s in zip(flat, shard_flat)]
-        out[part] = jax.tree.unflatten(jax.tree.structure(plan.layouts[part], is_leaf=_is_layout), leaves)
+        out[part] = jax.tree.unflatten(jax.tree.structure(plan.layouts[part], is_leaf=is_layout), leaves)
     return out
 
 

@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jfsdp.planning import hlo
-from jfsdp.engine.core import FSDP, Layout, _is_layout
+from jfsdp.engine.layout import Layout, is_layout
+from jfsdp.engine.sharded import FSDP
 from jfsdp.config.policy import wire_dtype
 from jfsdp.train.step import abstract_state, make_train_step
 
@@ -116,7 +117,7 @@ def _elements(plan: FSDP):
     n times)."""
     real = pad = 0
     for layouts, mult in [(plan.split(plan.layouts)[0], 1)] + _stages(plan):
-        for l in jax.tree.leaves(layouts, is_leaf=_is_layout):
+        for l in jax.tree.leaves(layouts, is_leaf=is_layout):
             real += mult * math.prod(l.shape)
             pad += mult * l.padding
     return real, pad
@@ -125,11 +126,11 @@ def _elements(plan: FSDP):
 def _stored_bytes(layouts, dtype=None) -> int:
     """Bytes of one unsharded (gathered, padded) copy of these layouts, in `dtype` (default: own)."""
     return sum(math.prod(l.stored_shape) * jnp.dtype(dtype or l.dtype).itemsize
-               for l in jax.tree.leaves(layouts, is_leaf=_is_layout))
+               for l in jax.tree.leaves(layouts, is_leaf=is_layout))
 
 
 def _cast(layouts, dtype):
-    return jax.tree.map(lambda l: jax.ShapeDtypeStruct(l.shape, dtype or l.dtype), layouts, is_leaf=_is_layout)
+    return jax.tree.map(lambda l: jax.ShapeDtypeStruct(l.shape, dtype or l.dtype), layouts, is_leaf=is_layout)
 
 
 def _residual_bytes(f, *args, skip_args=True) -> int:
@@ -207,7 +208,7 @@ def estimate(plan: FSDP, optimizer, loss_fn: Callable, batch, *, prefetch: bool 
     S, N = plan.shards, plan.n_devices
     root_l = plan.split(plan.layouts)[0]
     stages = _stages(plan)
-    master = max(jnp.dtype(l.dtype).itemsize for l in jax.tree.leaves(plan.layouts, is_leaf=_is_layout))
+    master = max(jnp.dtype(l.dtype).itemsize for l in jax.tree.leaves(plan.layouts, is_leaf=is_layout))
     real, pad = _elements(plan)
     params = real * master // S
     opt_total = _tree_bytes(jax.eval_shape(optimizer.init, plan.abstract_params()))
@@ -221,7 +222,7 @@ def estimate(plan: FSDP, optimizer, loss_fn: Callable, batch, *, prefetch: bool 
     gdt = wire_dtype(pdt, backend)
     # the root leaves the head reads stay gathered to its backward (the peak); those only the
     # embedding reads are gathered and freed at the start (FSDP.root_use)
-    leaves = jax.tree.leaves(root_l, is_leaf=_is_layout)
+    leaves = jax.tree.leaves(root_l, is_leaf=is_layout)
     head_root = [leaves[i] for i in sorted(plan.root_use[1])]
     root_g = _stored_bytes(head_root, gdt)
     unit_g = [_stored_bytes(l, gdt) for l, _ in stages]   # one gathered unit of each stage
@@ -309,7 +310,7 @@ def estimate(plan: FSDP, optimizer, loss_fn: Callable, batch, *, prefetch: bool 
         # gradient and new parameter and moment rows) inside the backward loop. The root's gradient
         # shards, reduced right after the head's backward, are held to the root's update at the end.
         root_grads = _stored_bytes(leaves) // S
-        unit_leaves = [x for l, _ in stages for x in jax.tree.leaves(l, is_leaf=_is_layout)]
+        unit_leaves = [x for l, _ in stages for x in jax.tree.leaves(l, is_leaf=is_layout)]
         rows = 4 * max(_stored_bytes([x]) for x in unit_leaves) // S
         # (the tied weight's head gradient is reduced then too: no unsharded gradient is held)
         points["units"] = (root_grads + rows, units_gathered, grad_buffers, saved + recompute, 0)

@@ -11,7 +11,8 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jfsdp.train import update_in_backward as backward_update
-from jfsdp.engine.core import FSDP, ROOT, STAGES, UNITS
+from jfsdp.engine.layout import ROOT, STAGES, UNITS
+from jfsdp.engine.sharded import FSDP
 from jfsdp.config.errors import ConfigError
 
 

@@ -31,7 +31,8 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jfsdp.engine.core import FSDP, _at, _is_layout, _tie, unshard
+from jfsdp.engine.layout import at_row, is_layout
+from jfsdp.engine.sharded import FSDP, tie, unshard
 from jfsdp.config.mesh import AXES, FSDP_AXIS
 from jfsdp.config.errors import ConfigError
 
@@ -145,7 +146,7 @@ def make_step(plan: FSDP, optimizer: optax.GradientTransformation, loss_fn: Call
     root_k = jax.tree.leaves(root_k)
     stage_k = [jax.tree.leaves(t) for t in stage_k]
     root_l, stage_l = plan.split(plan.layouts)
-    r_layouts, r_def = jax.tree.flatten(root_l, is_leaf=_is_layout)
+    r_layouts, r_def = jax.tree.flatten(root_l, is_leaf=is_layout)
     passes = [plan._stage_passes(j, l) for j, l in enumerate(stage_l)]
     embed_reads, head_reads = plan.root_use
     comm, model = plan.comm, plan.model
@@ -192,20 +193,20 @@ def make_step(plan: FSDP, optimizer: optax.GradientTransformation, loss_fn: Call
             h, hs = forward(h, stage_p[j], True)
             saved.append(hs)
         # the head's weights gathered once h exists (not hoisted to the start of the step)
-        head_shards, h = _tie(r_shards, h, on_cpu)
+        head_shards, h = tie(r_shards, h, on_cpu)
         head_loss = lambda shards, h: FSDP._scalar_loss(loss_fn(plan._head(root_tree(shards, head_reads), h), batch))
         loss, head_vjp = jax.vjp(head_loss, head_shards, h)
         d_head, dh_top = head_vjp(jnp.ones((), jnp.float32))
         # the units' backward waits for the head's gradient to be reduced: otherwise XLA starts the
         # last unit's recomputation (which needs no dh) while the gathered head weight and its full
         # gradient are still live (measured: +0.5 GB at the peak, llama-1b on 8 CPU devices)
-        dh_top, d_head = _tie(dh_top, d_head, on_cpu)
+        dh_top, d_head = tie(dh_top, d_head, on_cpu)
 
         sq = lambda tree: sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree))
 
         # pass for the norm (clipped optimizer only): nothing is updated or kept
         norm_consume = lambda acc, i, g: (acc[0], acc[1] + sq(g))
-        read_first = lambda acc, i: _at(acc[0], i)
+        read_first = lambda acc, i: at_row(acc[0], i)
         scaled = lambda x, scale: x if scale is None else x * scale.astype(x.dtype)
 
         def update_consume(j, scale):
@@ -228,7 +229,7 @@ def make_step(plan: FSDP, optimizer: optax.GradientTransformation, loss_fn: Call
                     grads = {k: scaled(x, scale)[None]}
                     pieces = ({k: row(stacked[n])}, {m: row(mirrored[m]) for m in mirrors.get(k, [])})
                     marks = [a.reshape(-1)[:1] for a in [*stacked, *mirrored.values()]]
-                    pieces, _ = _tie(pieces, marks, on_cpu)
+                    pieces, _ = tie(pieces, marks, on_cpu)
                     new_p, new_s = rows_update(pieces[0], grads, pieces[1], norm_sq)
                     stacked[n] = put(stacked[n], new_p[k])
                     for m, v in new_s.items():

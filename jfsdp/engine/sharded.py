@@ -30,102 +30,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jfsdp.engine import moe as _moe
 from jfsdp.config.mesh import AXES, DATA_AXIS, FSDP_AXIS, mesh_shape, platform
 from jfsdp.config.errors import ConfigError
+from jfsdp.engine.layout import (ROOT, STAGES, UNITS, Layout, Stacked, Stage, Staged, at_row, is_layout, listing,
+                                 paths, tree_shapes, stack_units, unstack_units, zeros_like_tree)
 from jfsdp.config.policy import REMAT, MixedPrecision, Strategy, resolve_prefetch
-
-ROOT, UNITS, STAGES = "root", "units", "stages"
-
-
-@dataclasses.dataclass(frozen=True)
-class Stage:
-    """`n_units` copies of one unit module (h -> h, same shape in and out), each with its own
-    parameters: stacked on axis 0 and run under one `lax.scan`. A stage of one unit may change the
-    shape of h (a projection between stages of different widths)."""
-    unit: nn.Module
-    n_units: int
-
-
-@dataclasses.dataclass(frozen=True)
-class Stacked:
-    """A model as FSDP units: `root` holds the non-repeated parameters and has two methods,
-    `embed(inputs) -> h` and `head(h) -> outputs`; `unit` (h -> h) is repeated `n_units` times with
-    its own parameters each. Tied weights live in the root and are used by both methods.
-    Parameters: {'root': tree, 'units': tree with every leaf stacked on axis 0 (n_units rows)}."""
-    root: nn.Module
-    unit: nn.Module
-    n_units: int
-    embed_method: str = "embed"
-    head_method: str = "head"
-
-    @property
-    def stages(self) -> tuple:
-        return (Stage(self.unit, self.n_units),)
-
-
-@dataclasses.dataclass(frozen=True)
-class Staged:
-    """A model whose repeated blocks are not all alike: `root` as in `Stacked`, then a sequence of
-    stages run in order, each `n` copies of its own unit module (different block types, widths,
-    depths). `stages` takes `Stage`s or `(unit, n)` pairs. Every unit of every stage is an FSDP unit:
-    gathered just before it computes, freed after. Blocks that alternate (A, B, A, B...) are best one
-    unit holding both, repeated: one stage, one scan.
-    Parameters: {'root': tree, 'stages': [tree per stage, leaves stacked on axis 0 (its n rows)]}."""
-    root: nn.Module
-    stages: tuple
-    embed_method: str = "embed"
-    head_method: str = "head"
-
-    def __post_init__(self):
-        if isinstance(self.stages, (Stage, nn.Module)) or not isinstance(self.stages, (list, tuple)):
-            raise ConfigError("Staged(root, stages): stages must be a list of jfsdp.Stage(unit, n_units) "
-                              f"or (unit, n_units) pairs, got {type(self.stages).__name__}")
-        stages = []
-        for i, s in enumerate(self.stages):
-            if isinstance(s, (tuple, list)) and len(s) == 2:
-                s = Stage(*s)
-            if not isinstance(s, Stage):
-                raise ConfigError(f"stage {i} must be a jfsdp.Stage(unit, n_units) or a (unit, n_units) pair, "
-                                  f"got {type(s).__name__}")
-            stages.append(s)
-        if not stages:
-            raise ConfigError("Staged needs at least one stage")
-        object.__setattr__(self, "stages", tuple(stages))
-
-    @property
-    def n_units(self) -> int:
-        return sum(s.n_units for s in self.stages)
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """One parameter: its unsharded shape (per unit) and how it is padded into S row-shards."""
-    shape: tuple
-    dtype: Any
-    shards: int
-
-    @property
-    def rows(self) -> int:
-        return self.shape[0] if self.shape else 1
-
-    @property
-    def padded_rows(self) -> int:
-        return -(-self.rows // self.shards) * self.shards
-
-    @property
-    def stored_shape(self) -> tuple:
-        return (self.padded_rows, *self.shape[1:])
-
-    @property
-    def padding(self) -> int:
-        """Elements of padding per unit."""
-        return (self.padded_rows - self.rows) * math.prod(self.shape[1:])
-
-    def pad(self, x, xp=jnp):
-        x = x.reshape(self.rows, *self.shape[1:])
-        return xp.pad(x, [(0, self.padded_rows - self.rows)] + [(0, 0)] * (x.ndim - 1))
-
-    def unpad(self, x):
-        return x[: self.rows].reshape(self.shape)
-
 
 @dataclasses.dataclass(frozen=True)
 class Comm:
@@ -210,12 +117,7 @@ def checkpoint_policy(remat: str, reshard_after_forward: bool):
     return policy
 
 
-def _at(stacked, i):
-    """Row i of every leaf of a stacked tree (a traced index)."""
-    return jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, i, keepdims=False), stacked)
-
-
-def _tie(a, b, on_cpu: bool):
+def tie(a, b, on_cpu: bool):
     """(a, b) such that nothing computed from the returned `a` starts before every leaf of `b` exists
     (and, on GPUs, the other way round too): an optimization barrier. XLA:CPU removes barriers before
     it schedules, so there `a` gets 0 * (one element of each leaf of b) added: a data dependency no
@@ -227,58 +129,6 @@ def _tie(a, b, on_cpu: bool):
     # one element of every leaf of b, times 0: XLA does not fold 0 * x for floats (x may be inf or NaN)
     zero = 0 * sum(x.reshape(-1)[0].astype(jnp.float32) for x in jax.tree.leaves(b))
     return jax.tree.map(lambda t: t + zero.astype(t.dtype), a), b
-
-
-def _is_layout(x):
-    return isinstance(x, Layout)
-
-
-def _shapes(h):
-    """The shape of h, or the tree of its leaves' shapes when h is a pytree."""
-    return h.shape if hasattr(h, "shape") else jax.tree.map(lambda a: tuple(a.shape), h)
-
-
-def _zeros(h):
-    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), h)
-
-
-def _paths(tree, is_leaf=None) -> dict:
-    """{'['a']['b']': leaf} of a tree: how a message names a parameter."""
-    return {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]}
-
-
-def _listing(names, limit=4) -> str:
-    names = sorted(names)
-    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
-
-
-def stack_units(units) -> Any:
-    """Per-unit parameter trees (a list, one per layer, all of the same structure and shapes) ->
-    one tree whose leaves are stacked on a new axis 0: jfsdp's layout of a stage (host arrays)."""
-    if isinstance(units, Mapping) or not isinstance(units, (list, tuple)) or not units:
-        raise ConfigError(f"stack_units takes a non-empty list of per-unit parameter trees, got {type(units).__name__}")
-    first = _paths(units[0])
-    for i, u in enumerate(units[1:], 1):
-        got = _paths(u)
-        if set(got) != set(first):
-            raise ConfigError(f"unit {i} has other parameters than unit 0: missing {_listing(set(first) - set(got)) or 'none'}, "
-                              f"unexpected {_listing(set(got) - set(first)) or 'none'}")
-        for k, x in got.items():
-            if np.shape(x) != np.shape(first[k]):
-                raise ConfigError(f"unit {i}{k} has shape {np.shape(x)}, unit 0 has {np.shape(first[k])}: "
-                                  "units stacked together must be alike (put different ones in different stages)")
-    treedef = jax.tree.structure(units[0])
-    leaves = [np.stack([np.asarray(x) for x in xs]) for xs in zip(*(treedef.flatten_up_to(u) for u in units))]
-    return jax.tree.unflatten(treedef, leaves)
-
-
-def unstack_units(stacked) -> list:
-    """The inverse of `stack_units`: a tree stacked on axis 0 -> a list of per-unit trees."""
-    leaves, treedef = jax.tree.flatten(stacked)
-    n = {np.shape(x)[0] if np.ndim(x) else None for x in leaves}
-    if len(n) != 1 or None in n:
-        raise ConfigError(f"unstack_units needs every leaf stacked on axis 0 with one length, got lengths {sorted(map(str, n))}")
-    return [jax.tree.unflatten(treedef, [np.asarray(x[i]) for x in leaves]) for i in range(n.pop())]
 
 
 class FSDP:
@@ -314,8 +164,8 @@ class FSDP:
                                  [per_unit(u) for u in stages])
         row = FSDP_AXIS if strategy.sharded else None
         root_l, stage_l = self.split(self.layouts)
-        self.param_specs = self.join(jax.tree.map(lambda _: P(row), root_l, is_leaf=_is_layout),
-                                     [jax.tree.map(lambda _: P(None, row), l, is_leaf=_is_layout) for l in stage_l])
+        self.param_specs = self.join(jax.tree.map(lambda _: P(row), root_l, is_leaf=is_layout),
+                                     [jax.tree.map(lambda _: P(None, row), l, is_leaf=is_layout) for l in stage_l])
         self.param_shardings = jax.tree.map(lambda p: NamedSharding(mesh, p), self.param_specs)
         self.batch_sharding = NamedSharding(mesh, P(AXES))
         # MoE stages (jfsdp/moe.py): per stage None (dense, or gathered like any unit) or its mode
@@ -346,10 +196,10 @@ class FSDP:
         h = jax.eval_shape(lambda p, x: m.root.apply({"params": p}, x, method=m.embed_method), emb, x)
         shapes = [h]
         for i, st in enumerate(m.stages):
-            p = jax.eval_shape(lambda k: st.unit.init(k, _zeros(h))["params"], k)
+            p = jax.eval_shape(lambda k: st.unit.init(k, zeros_like_tree(h))["params"], k)
             out = jax.eval_shape(lambda p, h: st.unit.apply({"params": p}, h), p, h)
-            if _shapes(out) != _shapes(h) and st.n_units > 1:
-                raise ConfigError(f"stage {i}: its unit maps h of shape {_shapes(h)} to {_shapes(out)}, but a unit repeated "
+            if tree_shapes(out) != tree_shapes(h) and st.n_units > 1:
+                raise ConfigError(f"stage {i}: its unit maps h of shape {tree_shapes(h)} to {tree_shapes(out)}, but a unit repeated "
                                   f"{st.n_units} times must keep the shape of h; put the change of width in a "
                                   "stage of its own with one unit")
             h = out
@@ -362,22 +212,22 @@ class FSDP:
         `Staged`, stage j's keys are split(split(split(rng)[1], n_stages)[j], n_j)."""
         m = self.model
         root_key, unit_key = jax.random.split(rng)
-        h_last = _zeros(self.h_shapes[-1])
+        h_last = zeros_like_tree(self.h_shapes[-1])
         both = lambda mod, x, h: (getattr(mod, m.embed_method)(x), getattr(mod, m.head_method)(h))
         root = m.root.init(root_key, inputs, h_last, method=both)["params"]
         stage_keys = [unit_key] if self._one else jax.random.split(unit_key, len(m.stages))
         stages = []
         for st, key, h in zip(m.stages, stage_keys, self.h_shapes):
-            h = _zeros(h)
+            h = zeros_like_tree(h)
             stages.append(jax.vmap(lambda k: st.unit.init(k, h)["params"])(jax.random.split(key, st.n_units)))
         return self.join(root, stages)
 
     def _pad(self, full, xp=jnp):
         root_l, stage_l = self.split(self.layouts)
         root_x, stage_x = self.split(full)
-        root = jax.tree.map(lambda l, x: l.pad(x, xp), root_l, root_x, is_leaf=_is_layout)
+        root = jax.tree.map(lambda l, x: l.pad(x, xp), root_l, root_x, is_leaf=is_layout)
         stages = [jax.tree.map(lambda l, x: xp.stack([l.pad(u, xp) for u in x]) if xp is np else jax.vmap(l.pad)(x),
-                               ls, xs, is_leaf=_is_layout) for ls, xs in zip(stage_l, stage_x)]
+                               ls, xs, is_leaf=is_layout) for ls, xs in zip(stage_l, stage_x)]
         return self.join(root, stages)
 
     def init(self, rng):
@@ -439,10 +289,10 @@ class FSDP:
         return self.join(out_root, out_stages)
 
     def _conform_part(self, tree, layouts, name, stored, n):
-        want, got = _paths(layouts, _is_layout), _paths(tree)
+        want, got = paths(layouts, is_layout), paths(tree)
         if set(want) != set(got):
-            raise ConfigError(f"{name} does not match the model's parameters: missing {_listing(set(want) - set(got)) or 'none'}; "
-                              f"unexpected {_listing(set(got) - set(want)) or 'none'}")
+            raise ConfigError(f"{name} does not match the model's parameters: missing {listing(set(want) - set(got)) or 'none'}; "
+                              f"unexpected {listing(set(got) - set(want)) or 'none'}")
         for k, l in want.items():
             shape = l.stored_shape if stored else l.shape
             shape = shape if n is None else (n, *shape)
@@ -451,13 +301,13 @@ class FSDP:
                        and np.shape(got[k]) == (l.stored_shape if stored else l.shape) else "")
                 raise ConfigError(f"{name}{k} has shape {np.shape(got[k])}, expected {shape}{why}")
         leaves = [got[k] for k in want]
-        return jax.tree.unflatten(jax.tree.structure(layouts, is_leaf=_is_layout), leaves)
+        return jax.tree.unflatten(jax.tree.structure(layouts, is_leaf=is_layout), leaves)
 
     def shard(self, full):
         """Place full parameters (host or device arrays, unpadded, in the layout of `layouts`) as
         shards; each device receives its slice. Leaves are cast to the master dtype."""
         full = self._conform(full, stored=False, what="parameters")
-        host = jax.tree.map(lambda l, x: np.asarray(x, l.dtype), self.layouts, full, is_leaf=_is_layout)
+        host = jax.tree.map(lambda l, x: np.asarray(x, l.dtype), self.layouts, full, is_leaf=is_layout)
         return jax.device_put(self._pad(host, np), self.param_shardings)
 
     def is_placed(self, params) -> bool:
@@ -482,8 +332,8 @@ class FSDP:
         host = jax.device_get(params)
         root_l, stage_l = self.split(self.layouts)
         root_x, stage_x = self.split(host)
-        root = jax.tree.map(lambda l, x: l.unpad(x), root_l, root_x, is_leaf=_is_layout)
-        stages = [jax.tree.map(lambda l, x: np.stack([l.unpad(u) for u in x]), ls, xs, is_leaf=_is_layout)
+        root = jax.tree.map(lambda l, x: l.unpad(x), root_l, root_x, is_leaf=is_layout)
+        stages = [jax.tree.map(lambda l, x: np.stack([l.unpad(u) for u in x]), ls, xs, is_leaf=is_layout)
                   for ls, xs in zip(stage_l, stage_x)]
         return self.join(root, stages)
 
@@ -509,11 +359,11 @@ class FSDP:
 
     def decay_mask(self):
         """Weight decay on matrices, not on norms, biases or scalars (by unsharded per-unit shape)."""
-        return jax.tree.map(lambda l: len(l.shape) >= 2, self.layouts, is_leaf=_is_layout)
+        return jax.tree.map(lambda l: len(l.shape) >= 2, self.layouts, is_leaf=is_layout)
 
     # ---- the sharded forward: runs inside shard_map on local shards
     def _unshard(self, shards, layouts):
-        return jax.tree.map(lambda l, x: unshard(x, l, self.comm), layouts, shards, is_leaf=_is_layout)
+        return jax.tree.map(lambda l, x: unshard(x, l, self.comm), layouts, shards, is_leaf=is_layout)
 
     def _stage(self, j, h, shards, layouts):
         """Stage j: its units under a scan, each gathered, computed, freed (or kept: policy)."""
@@ -530,7 +380,7 @@ class FSDP:
                     return unit.apply({"params": params}, h)
             return unit.apply({"params": self._unshard(shards, layouts)}, h)
         body = jax.checkpoint(body, policy=self.policy, prevent_cse=False)
-        if _shapes(self.h_shapes[j]) == _shapes(self.h_shapes[j + 1]):
+        if tree_shapes(self.h_shapes[j]) == tree_shapes(self.h_shapes[j + 1]):
             return lax.scan(lambda c, p: (body(c, p), None), h, shards)[0]
         # one unit that changes the width: still a scan (of one), so that its gathered parameters
         # live in the loop's own scope like every other unit's
@@ -542,7 +392,7 @@ class FSDP:
         forward, backward = self._stage_passes(j, layouts)
 
         def read(acc, i):
-            return _at(acc[0], i)
+            return at_row(acc[0], i)
 
         def put(acc, i, shard):
             shards, grads = acc
@@ -589,25 +439,25 @@ class FSDP:
             return unit.apply({"params": params}, h)
 
         def gather(shards, i):
-            return self._unshard(_at(shards, i), layouts)
+            return self._unshard(at_row(shards, i), layouts)
 
         def reduce(dg):
             # unshard's backward: reduce dtype, reduce-scatter over fsdp, sum over replicas, scale
-            return jax.tree.map(lambda l, g: _unshard_bwd(l, self.comm, None, g)[0], layouts, dg, is_leaf=_is_layout)
+            return jax.tree.map(lambda l, g: _unshard_bwd(l, self.comm, None, g)[0], layouts, dg, is_leaf=is_layout)
 
         def save(hs, h, i):
             return jax.tree.map(lambda a, x: lax.dynamic_update_index_in_dim(a, x, i, 0), hs, h)
 
         def forward(h, shards, keep):
             hs = jax.tree.map(lambda a: jnp.zeros((n, *a.shape), a.dtype), h) if keep else None
-            first = _at(shards, 0)
+            first = at_row(shards, 0)
             if j > 0:
                 # a later stage's unit 0 is gathered when its input is ready, not hoisted to the top
                 # of the step (where XLA would combine it with the root's and keep it through the
                 # earlier stages). The first stage's goes with the root's: nothing runs before them,
                 # and tied to h it was combined with the head's gather instead, exposing that
                 # (measured on the 8B: 0.86 GiB more exposed per step).
-                first, h = _tie(first, h, on_cpu)
+                first, h = tie(first, h, on_cpu)
             if n == 1:
                 return apply(self._unshard(first, layouts), h), (save(hs, h, 0) if keep else None)
 
@@ -629,24 +479,24 @@ class FSDP:
             # The barriers order what XLA would otherwise combine into one collective at the top of
             # the step: unit n-1's gather waits for dh (not hoisted into the forward pass), unit
             # n-2's for unit n-1's (so it is in flight during unit n-1's backward, not before it).
-            last, dh = _tie(read(acc, n - 1), dh, on_cpu)
+            last, dh = tie(read(acc, n - 1), dh, on_cpu)
             g = self._unshard(last, layouts)
             if n == 1:
-                dg, dh = unit_vjp(g, _at(hs, 0), dh)
+                dg, dh = unit_vjp(g, at_row(hs, 0), dh)
                 return dh, consume(acc, 0, reduce(dg))
-            prev, g = _tie(read(acc, n - 2), g, on_cpu)
+            prev, g = tie(read(acc, n - 2), g, on_cpu)
             nxt = self._unshard(prev, layouts)
-            pend, dh = unit_vjp(g, _at(hs, n - 1), dh)
+            pend, dh = unit_vjp(g, at_row(hs, n - 1), dh)
 
             def body(carry, i):  # units n-2 .. 1
                 dh, g, pend, acc = carry
                 acc = consume(acc, i + 1, reduce(pend))  # unit i+1's reduce-scatter, during unit i's backward
                 nxt = self._unshard(read(acc, i - 1), layouts)  # prefetch, during unit i's backward
-                dg, dh = unit_vjp(g, _at(hs, i), dh)
+                dg, dh = unit_vjp(g, at_row(hs, i), dh)
                 return (dh, nxt, dg, acc), None
             (dh, g, pend, acc), _ = lax.scan(body, (dh, nxt, pend, acc), jnp.arange(n - 2, 0, -1))
             one = reduce(pend)  # unit 1's reduce-scatter, during unit 0's backward ...
-            dg, dh = unit_vjp(g, _at(hs, 0), dh)
+            dg, dh = unit_vjp(g, at_row(hs, 0), dh)
             dg, one = lax.optimization_barrier((dg, one))  # ... finished before unit 0's, not combined with it
             return dh, consume(consume(acc, 1, one), 0, reduce(dg))
         return forward, backward
@@ -656,7 +506,7 @@ class FSDP:
         """(indices of the root's leaves that `embed` reads, those that `head` reads), in the order
         of jax.tree.leaves(root layouts); read from the traced methods."""
         m = self.model
-        layouts, treedef = jax.tree.flatten(self.split(self.layouts)[0], is_leaf=_is_layout)
+        layouts, treedef = jax.tree.flatten(self.split(self.layouts)[0], is_leaf=is_layout)
         abstract = [jax.ShapeDtypeStruct(l.shape, l.dtype) for l in layouts]
 
         def reads(method, arg):
@@ -676,7 +526,7 @@ class FSDP:
         # gradient reduced for it.
         root_l, stage_l = self.split(self.layouts)
         root_p, stage_p = self.split(params)
-        layouts, treedef = jax.tree.flatten(root_l, is_leaf=_is_layout)
+        layouts, treedef = jax.tree.flatten(root_l, is_leaf=is_layout)
         shards = treedef.flatten_up_to(root_p)
         embed_reads, head_reads = self.root_use
         gathered = {}

@@ -1,0 +1,170 @@
+"""How jfsdp sees a model and its parameters: the model as FSDP units (`Stacked`, `Staged`, `Stage`), one
+parameter's sharded layout (`Layout`: padded along its first dimension to a multiple of S and split
+over the `fsdp` axis, FSDP2's per-parameter Shard(0)), and the tree helpers shared by the engine, the
+training step, checkpoints and the planner."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jfsdp.config.errors import ConfigError
+
+# the keys of the parameter tree: {'root': ..., 'units': stacked} (Stacked) or {'root', 'stages': [...]}
+ROOT, UNITS, STAGES = "root", "units", "stages"
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """`n_units` copies of one unit module (h -> h, same shape in and out), each with its own
+    parameters: stacked on axis 0 and run under one `lax.scan`. A stage of one unit may change the
+    shape of h (a projection between stages of different widths)."""
+    unit: nn.Module
+    n_units: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Stacked:
+    """A model as FSDP units: `root` holds the non-repeated parameters and has two methods,
+    `embed(inputs) -> h` and `head(h) -> outputs`; `unit` (h -> h) is repeated `n_units` times with
+    its own parameters each. Tied weights live in the root and are used by both methods.
+    Parameters: {'root': tree, 'units': tree with every leaf stacked on axis 0 (n_units rows)}."""
+    root: nn.Module
+    unit: nn.Module
+    n_units: int
+    embed_method: str = "embed"
+    head_method: str = "head"
+
+    @property
+    def stages(self) -> tuple:
+        return (Stage(self.unit, self.n_units),)
+
+
+@dataclasses.dataclass(frozen=True)
+class Staged:
+    """A model whose repeated blocks are not all alike: `root` as in `Stacked`, then a sequence of
+    stages run in order, each `n` copies of its own unit module (different block types, widths,
+    depths). `stages` takes `Stage`s or `(unit, n)` pairs. Every unit of every stage is an FSDP unit:
+    gathered just before it computes, freed after. Blocks that alternate (A, B, A, B...) are best one
+    unit holding both, repeated: one stage, one scan.
+    Parameters: {'root': tree, 'stages': [tree per stage, leaves stacked on axis 0 (its n rows)]}."""
+    root: nn.Module
+    stages: tuple
+    embed_method: str = "embed"
+    head_method: str = "head"
+
+    def __post_init__(self):
+        if isinstance(self.stages, (Stage, nn.Module)) or not isinstance(self.stages, (list, tuple)):
+            raise ConfigError("Staged(root, stages): stages must be a list of jfsdp.Stage(unit, n_units) "
+                              f"or (unit, n_units) pairs, got {type(self.stages).__name__}")
+        stages = []
+        for i, s in enumerate(self.stages):
+            if isinstance(s, (tuple, list)) and len(s) == 2:
+                s = Stage(*s)
+            if not isinstance(s, Stage):
+                raise ConfigError(f"stage {i} must be a jfsdp.Stage(unit, n_units) or a (unit, n_units) pair, "
+                                  f"got {type(s).__name__}")
+            stages.append(s)
+        if not stages:
+            raise ConfigError("Staged needs at least one stage")
+        object.__setattr__(self, "stages", tuple(stages))
+
+    @property
+    def n_units(self) -> int:
+        return sum(s.n_units for s in self.stages)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One parameter: its unsharded shape (per unit) and how it is padded into S row-shards."""
+    shape: tuple
+    dtype: Any
+    shards: int
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0] if self.shape else 1
+
+    @property
+    def padded_rows(self) -> int:
+        return -(-self.rows // self.shards) * self.shards
+
+    @property
+    def stored_shape(self) -> tuple:
+        return (self.padded_rows, *self.shape[1:])
+
+    @property
+    def padding(self) -> int:
+        """Elements of padding per unit."""
+        return (self.padded_rows - self.rows) * math.prod(self.shape[1:])
+
+    def pad(self, x, xp=jnp):
+        x = x.reshape(self.rows, *self.shape[1:])
+        return xp.pad(x, [(0, self.padded_rows - self.rows)] + [(0, 0)] * (x.ndim - 1))
+
+    def unpad(self, x):
+        return x[: self.rows].reshape(self.shape)
+
+
+def at_row(stacked, i):
+    """Row i of every leaf of a stacked tree (a traced index)."""
+    return jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, i, keepdims=False), stacked)
+
+
+def is_layout(x):
+    return isinstance(x, Layout)
+
+
+def tree_shapes(h):
+    """The shape of h, or the tree of its leaves' shapes when h is a pytree."""
+    return h.shape if hasattr(h, "shape") else jax.tree.map(lambda a: tuple(a.shape), h)
+
+
+def zeros_like_tree(h):
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), h)
+
+
+def paths(tree, is_leaf=None) -> dict:
+    """{'['a']['b']': leaf} of a tree: how a message names a parameter."""
+    return {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]}
+
+
+def listing(names, limit=4) -> str:
+    names = sorted(names)
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def stack_units(units) -> Any:
+    """Per-unit parameter trees (a list, one per layer, all of the same structure and shapes) ->
+    one tree whose leaves are stacked on a new axis 0: jfsdp's layout of a stage (host arrays)."""
+    if isinstance(units, Mapping) or not isinstance(units, (list, tuple)) or not units:
+        raise ConfigError(f"stack_units takes a non-empty list of per-unit parameter trees, got {type(units).__name__}")
+    first = paths(units[0])
+    for i, u in enumerate(units[1:], 1):
+        got = paths(u)
+        if set(got) != set(first):
+            raise ConfigError(f"unit {i} has other parameters than unit 0: missing {listing(set(first) - set(got)) or 'none'}, "
+                              f"unexpected {listing(set(got) - set(first)) or 'none'}")
+        for k, x in got.items():
+            if np.shape(x) != np.shape(first[k]):
+                raise ConfigError(f"unit {i}{k} has shape {np.shape(x)}, unit 0 has {np.shape(first[k])}: "
+                                  "units stacked together must be alike (put different ones in different stages)")
+    treedef = jax.tree.structure(units[0])
+    leaves = [np.stack([np.asarray(x) for x in xs]) for xs in zip(*(treedef.flatten_up_to(u) for u in units))]
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def unstack_units(stacked) -> list:
+    """The inverse of `stack_units`: a tree stacked on axis 0 -> a list of per-unit trees."""
+    leaves, treedef = jax.tree.flatten(stacked)
+    n = {np.shape(x)[0] if np.ndim(x) else None for x in leaves}
+    if len(n) != 1 or None in n:
+        raise ConfigError(f"unstack_units needs every leaf stacked on axis 0 with one length, got lengths {sorted(map(str, n))}")
+    return [jax.tree.unflatten(treedef, [np.asarray(x[i]) for x in leaves]) for i in range(n.pop())]
