@@ -15,8 +15,8 @@ _EXPORTS = {   # module -> the names it gives this package ("alias=name" where t
     "engine.sharded": ("FSDP", "checkpoint_policy", "fully_shard", "unshard"),
     "engine.moe": ("MoE",),
     "train.losses": ("linear_cross_entropy", "lm_loss"),
-    "train.step": ("TrainState", "TrainStep", "abstract_state", "adamw", "init_state", "make_train_step", "matrices",
-                   "state_shardings", "unit_view", "warmup_cosine"),
+    "train.optim": ("adamw", "matrices", "unit_view", "warmup_cosine"),
+    "train.step": ("TrainState", "TrainStep", "abstract_state", "init_state", "make_train_step", "state_shardings"),
 }
 _WHERE = {alias: (module, name) for module, names in _EXPORTS.items()
           for alias, _, name in (n.partition("=") if "=" in n else (n, "", n) for n in names)}

@@ -168,3 +168,25 @@ def unstack_units(stacked) -> list:
     if len(n) != 1 or None in n:
         raise ConfigError(f"unstack_units needs every leaf stacked on axis 0 with one length, got lengths {sorted(map(str, n))}")
     return [jax.tree.unflatten(treedef, [np.asarray(x[i]) for x in leaves]) for i in range(n.pop())]
+
+
+def check_model(model):
+    """ConfigError unless `model` is a well-formed Stacked or Staged of flax modules."""
+    if not isinstance(model, (Stacked, Staged)):
+        raise ConfigError("fully_shard expects jfsdp.Stacked(root, unit, n_units) or, for units that are not all "
+                          f"alike, jfsdp.Staged(root, [(unit_a, n_a), (unit_b, n_b), ...]); got {type(model).__name__}")
+    if isinstance(model, Stacked) and not isinstance(model.unit, nn.Module):
+        raise ConfigError(f"Stacked's unit must be one flax Module repeated n_units times, got {type(model.unit).__name__}; "
+                          "for units that are not all alike use jfsdp.Staged(root, [(unit_a, n_a), (unit_b, n_b), ...])")
+    if not isinstance(model.root, nn.Module):
+        raise ConfigError(f"the root must be a flax Module, got {type(model.root).__name__}")
+    for meth in (model.embed_method, model.head_method):
+        if not callable(getattr(model.root, meth, None)):
+            raise ConfigError(f"the root module {type(model.root).__name__} has no method '{meth}': a root needs "
+                              "embed(inputs) -> h and head(h) -> outputs")
+    for i, st in enumerate(model.stages):
+        if not isinstance(st.unit, nn.Module):
+            raise ConfigError(f"stage {i}: the unit must be a flax Module, got {type(st.unit).__name__}")
+        if not isinstance(st.n_units, (int, np.integer)) or isinstance(st.n_units, bool) or st.n_units < 1:
+            what = "n_units" if isinstance(model, Stacked) else f"stage {i}: n_units"
+            raise ConfigError(f"{what} must be an integer of at least 1, got {st.n_units!r}")

@@ -99,7 +99,7 @@ def forward_metrics(plan, fns: dict):
     fns = dict(fns)
 
     def local(params, batch):
-        outputs = plan._forward(params, batch["inputs"])
+        outputs = plan.forward(params, batch["inputs"])
         out = {}
         for name, fn in fns.items():
             x = fn(outputs, batch)
@@ -108,7 +108,7 @@ def forward_metrics(plan, fns: dict):
             out[name] = lax.psum(jnp.asarray(x).astype(jnp.float32), AXES) / plan.n_devices
         return out
 
-    sharded = plan._shard_map(local, (plan.param_specs, P(AXES)), {name: P() for name in fns})
+    sharded = plan.shard_map(local, (plan.param_specs, P(AXES)), {name: P() for name in fns})
 
     def fn(params, batch):
         plan.check_batch(batch)

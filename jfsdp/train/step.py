@@ -1,86 +1,22 @@
 """The train step: sharded gradients from the FSDP core, then an optax update on the shards."""
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jfsdp.train import update_in_backward as backward_update
-from jfsdp.engine.layout import ROOT, STAGES, UNITS
-from jfsdp.engine.sharded import FSDP
 from jfsdp.config.errors import ConfigError
+from jfsdp.engine.sharded import FSDP
+from jfsdp.train import update_in_backward as in_backward
 
 
 class TrainState(NamedTuple):
     step: jax.Array
     params: Any      # shards, as placed by the plan
     opt_state: Any   # shards too: optax's elementwise state follows the parameters' sharding
-
-
-def unit_view(params):
-    """Parameters as one unit sees them: the leaves of the stacked stages ('units' / 'stages')
-    become ShapeDtypeStructs without the stack axis; the root is left as it is. What a callable
-    weight-decay mask given to `adamw` is called with, so that `x.ndim >= 2` means a matrix."""
-    if not (isinstance(params, Mapping) and ROOT in params and (UNITS in params or STAGES in params)):
-        return params
-    drop = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(tuple(x.shape[1:]), x.dtype), t)
-    view = dict(params)
-    if UNITS in view:
-        view[UNITS] = drop(view[UNITS])
-    if STAGES in view:
-        view[STAGES] = [drop(s) for s in view[STAGES]]
-    return type(params)(view) if not isinstance(params, dict) else view
-
-
-def matrices(params):
-    """The default weight-decay mask: True for parameters that are matrices (or higher) per unit,
-    False for biases, norm scales and scalars, in jfsdp's stacked layout or any plain tree."""
-    return jax.tree.map(lambda x: len(np.shape(x)) >= 2, unit_view(params))
-
-
-def adamw(learning_rate, *, weight_decay: float = 0.1, b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8,
-          clip_norm: float | None = 1.0, mask=None) -> optax.GradientTransformation:
-    """AdamW with global-norm clipping. Run on sharded gradients under jit, the norm is the global
-    norm across all shards (padding is zero and adds nothing).
-
-    Weight decay applies where `mask` says. Default: matrices only (`matrices`: not biases, norm
-    scales, scalars), which is `plan.decay_mask()`. A callable mask is called with `unit_view(params)`
-    (the stack axis removed), so the usual `lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)` is
-    right for stacked units too; a tree of booleans is used as it is."""
-    if mask is None:
-        mask = matrices
-    elif callable(mask):
-        user = mask
-        mask = lambda params: user(unit_view(params))
-    tx = optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=mask)
-    return backward_update.clipped(clip_by_global_norm(clip_norm), tx, clip_norm) if clip_norm else tx
-
-
-def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
-    """`optax.clip_by_global_norm`, written so that the clipped gradients never exist as a tree of
-    their own: each gradient is multiplied by one scalar (1, or max_norm / norm) where it is used.
-    optax divides every leaf by the norm instead; XLA counts a division as expensive and does not
-    duplicate it into its two users (Adam's first and second moments), so it wrote the clipped
-    gradients to new buffers while the gradients were still live: at the update the step held two
-    full gradient trees (measured, llama-1b on one device: 7.25 GiB against 3.63). A multiply by
-    a scalar is fused into each user, and a gradient dies once both moments have read it."""
-    def update_fn(updates, state, params=None):
-        del params
-        g_norm = optax.tree.norm(updates)
-        scale = jnp.where(g_norm < max_norm, 1.0, max_norm / g_norm)
-        return jax.tree.map(lambda t: t * scale.astype(t.dtype), updates), state
-    return optax.GradientTransformation(optax.init_empty_state, update_fn)
-
-
-def warmup_cosine(lr: float, steps: int, warmup: int, final_fraction: float = 0.1):
-    warmup = max(0, min(warmup, steps - 1))
-    return optax.warmup_cosine_decay_schedule(0.0 if warmup else lr, lr, warmup, max(steps, warmup + 1),
-                                              end_value=lr * final_fraction)
 
 
 def state_shardings(plan: FSDP, optimizer: optax.GradientTransformation) -> TrainState:
@@ -172,17 +108,17 @@ def make_train_step(plan: FSDP, optimizer: optax.GradientTransformation, loss_fn
     `batch['inputs']` is what the root's embed method receives.
 
     `update_in_backward=True` applies the optimizer to each unit inside the backward pass as soon as
-    its gradient shard is reduced (jfsdp/backward_update.py): no whole gradient is ever held, which
+    its gradient shard is reduced (jfsdp/update_in_backward.py): no whole gradient is ever held, which
     lowers the peak by about one gradient shard of the units. Same result as the usual step; needs
     remat 'full', grad_accum 1, a resharding strategy (or one shard) and an elementwise optimizer
     (`jfsdp.adamw`, optax's adam/sgd family); with clipping the units' backward runs twice (norm,
     then updates)."""
     shardings = state_shardings(plan, optimizer)
     if update_in_backward:
-        why = backward_update.unsupported(plan, grad_accum)
+        why = in_backward.unsupported(plan, grad_accum)
         if why:
             raise ConfigError(f"update_in_backward: {why}")
-        fused = backward_update.make_step(plan, optimizer, loss_fn, jax.tree.map(lambda s: s.spec, shardings.opt_state))
+        fused = in_backward.make_step(plan, optimizer, loss_fn, jax.tree.map(lambda s: s.spec, shardings.opt_state))
 
         def step(state: TrainState, batch):
             params, opt_state, loss, norm = fused(state.params, state.opt_state, batch)

@@ -1,0 +1,133 @@
+"""The FSDP engine's plain path: gather a unit, compute, free it; reduce-scatter its gradient.
+
+Inside `shard_map` every device holds one row-shard of each parameter (`jfsdp.engine.layout.Layout`).
+`unshard` casts a shard to the compute dtype and all-gathers it over the `fsdp` axis; its custom VJP is
+the gradient path: reduce-scatter over `fsdp` in the reduce dtype, a sum over the replica axes, the 1/N
+of the mean. A stage's units run under one `lax.scan` over their stacked shards (`scan_stage`), each
+body under `jax.checkpoint` with a policy (`checkpoint_policy`) that decides whether the gathered unit is
+kept for the backward pass (ZeRO-2) or gathered again (ZeRO-3). A scan, not a Python loop: XLA cannot
+merge the gathers of different iterations, so one unit at a time is unsharded, however deep the model.
+The prefetch pipeline (pipeline.py) and expert parallelism (moe.py) replace `scan_stage` where they apply.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jfsdp.config.mesh import FSDP_AXIS
+from jfsdp.config.policy import REMAT_POLICIES, check_remat
+from jfsdp.engine.layout import Layout, is_layout
+
+
+@dataclasses.dataclass(frozen=True)
+class Comm:
+    """How parameters go out and gradients come back: gathered in `param_dtype`; reduce-scattered over
+    `fsdp` in `reduce_dtype` when S > 1, then summed over `reduce_axes`, then times `scale` (1/N: the loss
+    is the mean over all N devices' batches)."""
+    reduce_axes: tuple
+    scale: float
+    param_dtype: Any
+    reduce_dtype: Any
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def unshard(shard, layout: Layout, comm: Comm):
+    """Shard (rows/S, ...) in the master dtype -> the whole parameter in param_dtype."""
+    x = shard.astype(comm.param_dtype or shard.dtype)
+    if layout.shards > 1:
+        x = lax.all_gather(x, FSDP_AXIS, axis=0, tiled=True)
+    return layout.unpad(x)
+
+
+def reduce_gradient(g, layout: Layout, comm: Comm):
+    """A whole parameter's gradient -> its reduced shard: reduce dtype, reduce-scatter over `fsdp`, sum
+    over the replica axes, scale, master dtype. `unshard`'s backward."""
+    g = layout.pad(g.astype(comm.reduce_dtype or g.dtype))
+    if layout.shards > 1:
+        g = lax.psum_scatter(g, FSDP_AXIS, scatter_dimension=0, tiled=True)
+    if comm.reduce_axes:
+        g = lax.psum(g, comm.reduce_axes)
+    return g.astype(layout.dtype) * comm.scale
+
+
+def _unshard_fwd(shard, layout, comm):
+    return unshard(shard, layout, comm), None
+
+
+def _unshard_bwd(layout, comm, _, g):
+    return (reduce_gradient(g, layout, comm),)
+
+
+unshard.defvjp(_unshard_fwd, _unshard_bwd)
+
+
+def unshard_tree(shards, layouts, comm: Comm):
+    """`unshard` on every leaf of a unit's (or the root's) tree of shards."""
+    return jax.tree.map(lambda l, x: unshard(x, l, comm), layouts, shards, is_leaf=is_layout)
+
+
+def reduce_tree(grads, layouts, comm: Comm):
+    """`reduce_gradient` on every leaf of a tree of whole gradients."""
+    return jax.tree.map(lambda l, g: reduce_gradient(g, l, comm), layouts, grads, is_leaf=is_layout)
+
+
+def _is_unshard(prim, params) -> bool:
+    """Whether a primitive seen by a checkpoint policy is `unshard` (a custom_vjp call whose
+    backward is ours)."""
+    return prim.name == "custom_vjp_call" and getattr(params.get("bwd"), "f", None) is _unshard_bwd
+
+
+@functools.cache
+def _policy_sees_unshard() -> bool:
+    """Self-check, once per process: does a checkpoint policy recognize `unshard` in this jax
+    version? `_is_unshard` reads a jax-internal attribute; if that ever changes, ZeRO-2/ZeRO-3
+    would silently swap memory behaviour, so fully_shard refuses to run instead."""
+    seen = []
+
+    def probe(prim, *_, **params):
+        seen.append(_is_unshard(prim, params))
+        return False
+
+    layout, comm = Layout((2,), jnp.dtype(jnp.float32), 1), Comm((), 1.0, None, None)
+    f = jax.checkpoint(lambda x: jnp.sum(unshard(x, layout, comm) ** 2), policy=probe)
+    jax.eval_shape(jax.grad(f), jax.ShapeDtypeStruct((2,), jnp.float32))
+    return any(seen)
+
+
+def checkpoint_policy(remat: str, reshard_after_forward: bool):
+    """What the backward pass of a unit may reuse from its forward pass.
+
+    remat: 'none' saves every activation, 'full' saves only the unit's input, 'dots' saves matmul
+    outputs and recomputes the elementwise work (`jfsdp.config.policy.REMAT_POLICIES`). On top of that,
+    a gathered parameter (the output of `unshard`) is never saved when resharding after forward (ZeRO-3:
+    the backward pass gathers it again) and always saved when not (ZeRO-2). The decision is made on
+    `unshard` itself: naming its output would not do, because remat then saves the nearest saveable
+    producer, which is the same gathered array."""
+    base = getattr(jax.checkpoint_policies, REMAT_POLICIES[check_remat(remat)])
+    if not _policy_sees_unshard():
+        raise RuntimeError(f"jfsdp cannot identify its all-gather inside jax.checkpoint on jax {jax.__version__}; "
+                           "reshard_after_forward cannot be honoured (please report this)")
+    keep_unsharded = not reshard_after_forward
+
+    def policy(prim, *avals, **params):
+        if _is_unshard(prim, params):
+            return keep_unsharded
+        return base(prim, *avals, **params)
+    return policy
+
+
+def scan_stage(compute: Callable, h, shards, policy, keeps_shape: bool = True):
+    """A stage's units under one `lax.scan` over their stacked shards: `compute(h, unit_shards) -> h`
+    gathers one unit (`unshard_tree`), applies it and lets the gathered copy die; `policy`
+    (`checkpoint_policy`) says what its backward pass recomputes."""
+    body = jax.checkpoint(compute, policy=policy, prevent_cse=False)
+    if keeps_shape:
+        return lax.scan(lambda c, p: (body(c, p), None), h, shards)[0]
+    # one unit that changes the width: still a scan (of one), so that its gathered parameters
+    # live in the loop's own scope like every other unit's
+    return lax.scan(lambda c, p: (c, body(h, p)), None, shards)[1][0]
