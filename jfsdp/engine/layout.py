@@ -122,6 +122,12 @@ def is_layout(x):
     return isinstance(x, Layout)
 
 
+def stored_bytes(layouts, dtype=None) -> int:
+    """Bytes of one unsharded (gathered, padded) copy of these layouts, in `dtype` (default: their own)."""
+    return sum(math.prod(l.stored_shape) * jnp.dtype(dtype or l.dtype).itemsize
+               for l in jax.tree.leaves(layouts, is_leaf=is_layout))
+
+
 def tree_shapes(h):
     """The shape of h, or the tree of its leaves' shapes when h is a pytree."""
     return h.shape if hasattr(h, "shape") else jax.tree.map(lambda a: tuple(a.shape), h)

@@ -35,42 +35,27 @@ out of the comparison). 'auto' takes the cheaper; a tie goes to gather. Gatherin
 tokens outweigh the experts (many tokens, small experts), sending tokens when the experts outweigh
 them. 'ep' also needs S to divide E.
 
-Adaptive pipelining, how: chunk i+1's dispatch all-to-all is issued beside chunk i's expert
-compute and the two are joined by an optimization barrier (`expert_parallel`). Written as k
-independent chunks instead, XLA:GPU merges the k chunks' expert matmuls into one matmul over the
-concatenated chunks, so all k dispatches finish before any expert computes: measured on the H100
-compile-only target (bf16, dim 1024, 4096 tokens per device), k = 4 left 131 MiB of a step's 210 MiB
-of all-to-all with no matmul in flight against 87.5 MiB with k = 1. With the barrier each chunk's
-dispatch can run under the previous chunk's experts, and its combine under the next chunk's.
-
-The chunk count for 'auto' (`auto_chunks`): 1 off GPUs (XLA:CPU's collectives are synchronous:
-nothing to overlap). On GPUs the largest power of two k <= 16 (and <= the slots per device) such
-that each chunk's all-to-all still sends at least 256 KiB from each device:
-
-    k = max{2^j <= min(16, slots) : a2a_bytes / 2^j >= 256 KiB}     a2a_bytes = X * p * f
-
-The first dispatch and the last combine of a call have nothing of the call to hide behind, about
-1/k of its bytes, so more chunks hide more; the floor keeps chunks from becoming latency-bound
-messages and small matmuls (a judgement: per-message latency is not measured here, no GPU).
-Measured on the H100 target (benchmarks/moe.py, README): the chosen k exposes less all-to-all
-than k = 1 on each of three shapes, though not monotonically in k (XLA's latency-hiding scheduler
-runs one all-to-all at a time and in the remat backward it issues several back to back).
+Adaptive pipelining, how: chunk i+1's dispatch all-to-all is issued beside chunk i's expert compute
+and the two are joined by an optimization barrier (`expert_parallel`): written as k independent chunks,
+XLA:GPU merges their expert matmuls into one, so every dispatch finishes before any expert computes.
+The chunk count for 'auto' (`auto_chunks`): 1 off GPUs (XLA:CPU's collectives are synchronous);
+on GPUs the largest power of two k <= 16 (and <= the slots per device) whose chunks still send at least
+256 KiB from each device (a2a_bytes = X * p * f; a2a_bytes / k >= 256 KiB), so that chunks do not become
+latency-bound messages and small matmuls. The measured exposure by k is in docs/moe.md.
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from jfsdp.config.errors import ConfigError
-from jfsdp.config.mesh import FSDP_AXIS
 from jfsdp.config.policy import wire_dtype
+from jfsdp.engine.layout import is_layout, stored_bytes
 
 MODES = ("auto", "gather", "ep")
 
@@ -115,7 +100,7 @@ class StageMoE:
     why: str
 
 
-def _path_keys(path) -> tuple:
+def path_keys(path) -> tuple:
     return tuple(getattr(k, "key", getattr(k, "name", k)) for k in path)
 
 
@@ -132,7 +117,7 @@ def find_site(unit, h, local_rows: int, total_rows: int, selector: MoE):
 
     local = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] * local_rows // total_rows, *a.shape[1:]), a.dtype), h)
     with nn.intercept_methods(spy):
-        p = jax.eval_shape(lambda k: unit.init(k, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), local))["params"],
+        jax.eval_shape(lambda k: unit.init(k, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), local))["params"],
                            jax.random.key(0))
     if not found:
         return None
@@ -148,8 +133,7 @@ def find_site(unit, h, local_rows: int, total_rows: int, selector: MoE):
 
 def expert_bytes(layouts, site: Site, dtype) -> int:
     """Bytes of one unit's expert parameters (stored, padded shape) in `dtype`."""
-    return sum(math.prod(l.stored_shape) * jnp.dtype(dtype or l.dtype).itemsize
-               for l in jax.tree.leaves(expert_leaves(layouts, site), is_leaf=lambda x: hasattr(x, "stored_shape")))
+    return stored_bytes(expert_leaves(layouts, site), dtype)
 
 
 def expert_leaves(layouts, site: Site):
@@ -179,7 +163,7 @@ def costs(plan, site: Site, layouts, n_units: int, backend: str | None = None) -
     p = wire_dtype(plan.mp.param_dtype or jnp.float32, backend).itemsize
     r = wire_dtype(plan.mp.reduce_dtype or plan.mp.param_dtype or jnp.float32, backend).itemsize
     W = sum(math.prod(l.stored_shape) for l in jax.tree.leaves(expert_leaves(layouts, site),
-                                                                 is_leaf=lambda x: hasattr(x, "stored_shape")))
+                                                                 is_leaf=is_layout))
     g = 2 if (plan.strategy.reshard_after_forward or S == 1) else 1
     X = math.prod(site.buckets)
     xb = wire_dtype(plan.mp.param_dtype or site.dtype, backend).itemsize
@@ -263,93 +247,6 @@ def resolve(plan, option: MoE | None) -> list:
 
 
 # ---------------------------------------------------------------- inside the sharded forward
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def local_shard(shard, comm, dtype):
-    """An expert shard used where it lives: cast to param_dtype, no gather. Its gradient is summed
-    over the replica axes (the `data` axis of a hybrid mesh) only, and scaled like every gradient;
-    `dtype` is the shard's own (master) dtype."""
-    return shard.astype(comm.param_dtype or shard.dtype)
-
-
-def _local_fwd(shard, comm, dtype):
-    return local_shard(shard, comm, dtype), None
-
-
-def _local_bwd(comm, dtype, _, g):
-    g = g.astype(comm.reduce_dtype or g.dtype)
-    if comm.reduce_axes:
-        g = lax.psum(g, comm.reduce_axes)
-    return ((g * comm.scale).astype(dtype),)
-
-
-local_shard.defvjp(_local_fwd, _local_bwd)
-
-
-def place_params(unshard_fn, shards, layouts, site: Site, comm):
-    """The unit's parameters for an expert-parallel unit: everything gathered, except the experts'
-    leaves, which are the local shards (cast)."""
-    def one(path, l, x):
-        if _path_keys(path)[: len(site.path)] == site.path:
-            return local_shard(x, comm, jnp.dtype(x.dtype))
-        return unshard_fn(x, l)
-    return jax.tree_util.tree_map_with_path(one, layouts, shards, is_leaf=lambda x: hasattr(x, "stored_shape"))
-
-
-def _chunks(n: int, k: int) -> list:
-    bounds = [round(i * n / k) for i in range(k + 1)]
-    return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
-
-
-def expert_parallel(buckets, compute, shards: int, chunks: int):
-    """buckets (E, n, d) on every device -> (E, n, d): each chunk of slots all-to-all'ed over `fsdp`
-    to the devices holding its experts ((E/S, S*c, d) there), computed with the local experts, sent back.
-
-    With k > 1 chunks the chunks form a software pipeline: chunk i+1's dispatch is issued next to
-    chunk i's expert compute, and an optimization barrier ties the two together (chunk i+1's
-    experts take the barrier's output, which waits for chunk i's). Without it XLA:GPU merges the k
-    chunks' expert matmuls into one over the concatenated chunks, so every dispatch must finish
-    before any compute starts and nothing is overlapped (measured, module docstring). The barrier is
-    the identity on values (and on gradients), so the result is the same for every k."""
-    parts = [buckets[:, a:b] for a, b in _chunks(buckets.shape[1], chunks)]
-
-    def send(x):
-        return lax.all_to_all(x, FSDP_AXIS, 0, 1, tiled=True) if shards > 1 else x
-
-    def back(y):
-        return lax.all_to_all(y, FSDP_AXIS, 1, 0, tiled=True) if shards > 1 else y
-
-    outs = []
-    x = send(parts[0])
-    for i in range(len(parts)):
-        y = compute(x)
-        if i + 1 < len(parts):
-            y, x = lax.optimization_barrier((y, send(parts[i + 1])))
-        outs.append(back(y))
-    return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
-
-
-def interceptor(stage: StageMoE, selector: MoE, shards: int):
-    """The flax method interceptor that runs the experts module expert-parallel."""
-    local_n = stage.site.n_experts // shards
-    inside = []   # the local experts' own call passes through (it is the same module class)
-
-    def hook(next_fun, args, kwargs, context):
-        mod = context.module
-        if inside or context.method_name != "__call__" or not selector.matches(mod):
-            return next_fun(*args, **kwargs)
-        local = mod.variables["params"]
-        clone = mod.clone(parent=None, n_experts=local_n)
-
-        def compute(x):
-            inside.append(True)
-            try:
-                return clone.apply({"params": local}, x)
-            finally:
-                inside.pop()
-        return expert_parallel(args[0], compute, shards, stage.chunks)
-    return hook
-
 
 def describe(plan) -> list:
     """Lines for the planner: each MoE stage's mode, chunks and why."""

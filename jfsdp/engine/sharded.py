@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jfsdp.config.errors import ConfigError
 from jfsdp.config.mesh import AXES, DATA_AXIS, mesh_shape, platform
 from jfsdp.config.policy import MixedPrecision, Strategy, resolve_prefetch
-from jfsdp.engine import moe as moe_engine
+from jfsdp.engine import expert_parallel, moe as moe_engine
 from jfsdp.engine.fsdp import Comm, checkpoint_policy, scan_stage, unshard, unshard_tree
 from jfsdp.engine.layout import check_model, is_layout, tree_shapes
 from jfsdp.engine.params import ParamLayout
@@ -62,8 +62,8 @@ class FSDP(ParamLayout):
         def compute(h, shards):
             if ep:
                 unshard_one = lambda x, l: unshard(x, l, self.comm)
-                params = moe_engine.place_params(unshard_one, shards, layouts, moe.site, self.comm)
-                with nn.intercept_methods(moe_engine.interceptor(moe, self.moe, self.shards)):
+                params = expert_parallel.place_params(unshard_one, shards, layouts, moe.site, self.comm)
+                with nn.intercept_methods(expert_parallel.interceptor(moe, self.moe, self.shards)):
                     return unit.apply({"params": params}, h)
             return unit.apply({"params": unshard_tree(shards, layouts, self.comm)}, h)
         keeps_shape = tree_shapes(self.h_shapes[j]) == tree_shapes(self.h_shapes[j + 1])
