@@ -21,7 +21,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jfsdp.io import hf
-from jfsdp.io.checkpoint import (STATE, CheckpointError, Checkpointer, _ignore_closed_loop_callbacks, _short, logical_params)
+from jfsdp.io.checkpoint import (STATE, CheckpointError, Checkpointer, ignore_closed_loop_callbacks, logical_params,
+                                 one_line_error)
 from jfsdp.config.errors import ConfigError
 from jfsdp.config.zoo import repo_models
 
@@ -49,7 +50,7 @@ def read_params(ckpt_dir: str, step: int | None = None):
     try:
         cfg = models.LlamaConfig(**mc)
     except (TypeError, ValueError) as e:   # another model's configuration (unknown or missing fields)
-        raise ConfigError(not_llama.format(f"model_config {_short(e)}")) from None
+        raise ConfigError(not_llama.format(f"model_config {one_line_error(e)}")) from None
     # the layouts (logical shapes) of this model; a 1x1 plan is only a way to compute them
     import jax.numpy as jnp
     from jfsdp.io.checkpoint import param_signature
@@ -66,7 +67,7 @@ def read_params(ckpt_dir: str, step: int | None = None):
         raise ConfigError(not_llama.format(f"its parameters differ from the Llama of its model_config, "
                                            f"first at {diff[0]}"))
     path = c.step_dir(step) / STATE
-    _ignore_closed_loop_callbacks()
+    ignore_closed_loop_callbacks()
     try:
         with ocp.PyTreeCheckpointer() as ckptr:
             stored = ckptr.metadata(path).item_metadata.tree["params"]
@@ -76,7 +77,7 @@ def read_params(ckpt_dir: str, step: int | None = None):
                                                                    restore_args={"params": args},
                                                                    partial_restore=True))["params"]
     except Exception as e:
-        raise CheckpointError(f"{path}: cannot be read ({_short(e)}): checkpoint {step} is corrupt or partial") from None
+        raise CheckpointError(f"{path}: cannot be read ({one_line_error(e)}): checkpoint {step} is corrupt or partial") from None
     return logical_params(plan, got), meta, step
 
 

@@ -72,8 +72,8 @@ def test_init_from_and_export_match_transformers(tmp_path, tied, monkeypatch, ca
 
     # in: streamed straight into shards. Every read from the file is one device's rows (at most 1/8
     # of a tensor on 8 shards), and each leaf arrives placed (259 vocabulary rows -> 33 per device)
-    reads, real_read = [], hf._read_slice
-    monkeypatch.setattr(hf, "_read_slice", lambda f, name, tr, rows, rest: reads.append(
+    reads, real_read = [], hf.read_slice
+    monkeypatch.setattr(hf, "read_slice", lambda f, name, tr, rows, rest: reads.append(
         (name, rows.stop - rows.start)) or real_read(f, name, tr, rows, rest))
     params = hf.load_params(plan, str(src))
     assert reads and all(n <= -(-{"embed": 259, "gate_": 96, "up_pr": 96, "down_": 200}.get(
@@ -107,7 +107,7 @@ def test_tokenizer_json_drives_train_py(tmp_path):
     from tokenizers import Tokenizer, models as tm, pre_tokenizers, trainers, decoders
     src = tmp_path / "hf"
     make_hf_model(src, tied=True)
-    text = (Path(jfsdp.__file__).parent / "core.py").read_text() * 2
+    text = Path(__file__).read_text() * 2      # Python source, as train.py's default corpus
     data = tmp_path / "some.txt"
     data.write_text(text)
     tok = Tokenizer(tm.BPE(unk_token=None))

@@ -197,7 +197,7 @@ def _tensor_files(folder: str) -> dict:
     return where
 
 
-def _read_slice(files: dict, name: str, transpose: bool, rows: slice, rest: tuple) -> np.ndarray:
+def read_slice(files: dict, name: str, transpose: bool, rows: slice, rest: tuple) -> np.ndarray:
     """Rows `rows` of our layout of HF tensor `name` (then `rest` of the other dims): only that
     region is read from the file. Our rows of a transposed (out, in) tensor are its columns."""
     from safetensors import safe_open
@@ -243,7 +243,7 @@ def load_params(plan, folder: str):
             out = []
             for i in layers:
                 name, tr = srcs[i]
-                x = _read_slice(files, name, tr, slice(r0, min(r1, layout.rows)), rest)
+                x = read_slice(files, name, tr, slice(r0, min(r1, layout.rows)), rest)
                 pad = [(0, max(0, r1 - max(r0, layout.rows)))] + [(0, 0)] * (x.ndim - 1)
                 out.append(np.pad(x.astype(layout.dtype), pad))
             return np.stack(out) if stacked else out[0]
