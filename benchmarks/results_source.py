@@ -70,11 +70,16 @@ def load(name: str) -> dict:
 
 
 def source(name: str, d: dict) -> list[str]:
-    """The lines that say where a table comes from: file, command, device, date, versions."""
-    versions = ", ".join(f"{k} {d[k]}" for k in ("jax", "torch", "orbax") if k in d)
+    """The lines that say where a table comes from: file, command, device, date, versions, wall time."""
     commands = d["command"] if isinstance(d["command"], list) else [d["command"]]
+    when = f"Device: {d['device']}. Date: {d['date']}."
+    versions = ", ".join(f"{k} {d[k]}" for k in ("jax", "torch", "orbax") if k in d)
+    if versions:
+        when += f" Versions: {versions}."
+    if "wall_s" in d:
+        when += f" Wall time of the command: {d['wall_s']:.0f} s."
     out = [f"Source: [`benchmarks/results/{name}`](../../benchmarks/results/{name}), written by",
-           ", then ".join(f"`{c}`" for c in commands) + ".", f"Device: {d['device']}. Date: {d['date']}." + (f" Versions: {versions}." if versions else "")]
+           ", then ".join(f"`{c}`" for c in commands) + ".", when]
     if d.get("note"):
         out.append(f"Note recorded in the file: {d['note']}")
     return out + [""]
