@@ -7,7 +7,6 @@ with Adam). Here each unit's update runs as soon as its gradient shard is reduce
 backward loop (`FSDP.stage_passes`, jfsdp/engine/pipeline.py: the stacked parameters and moments are the loop's carry,
 updated in place row by row), and the gradient shard dies with it: one unit's gradient at a time,
 plus the root's (held from the head's backward to the embedding's).
-
 Exactness with global-norm clipping: the scale needs the norm of the whole gradient before the first
 update. With a clipped optimizer (`jfsdp.adamw(clip_norm=c)`) the backward loop runs twice: first
 for the norm alone (each unit's gradient squared, summed, dropped), then for the updates with the
