@@ -29,8 +29,7 @@ def _added(existing: str | None, flags: dict) -> str:
 # XLA:CPU schedules for concurrency by default (breadth-first): every buffer with nothing to wait for,
 # such as the zeros that the backward scan's stacked gradient outputs start from, is created at the
 # start of the step and lives through the head's backward. Its memory-minimizing scheduler creates
-# them where they are needed (measured, llama-1b, 1 x 2048 tokens: one device 19.53 -> 19.39 GiB,
-# SHARD_GRAD_OP on 8 8.57 -> 8.10; the default train.py run no slower on the 2-core VM). XLA:CPU
+# them where they are needed (the figures: docs/planner.md). XLA:CPU
 # reads this option from XLA_FLAGS only (per-compilation options left the buffer assignment
 # unchanged), so a process sets it before jax starts its backend. GPUs have their own scheduler.
 CPU_FLAGS = {"xla_cpu_enable_concurrency_optimized_scheduler": "false"}
@@ -50,8 +49,7 @@ def cpu_xla_flags(existing: str | None = None) -> str:
 GPU_FLAGS = {
     # FSDP's prefetch: XLA:GPU pipelines the all-gather of the scan's next iteration into the current
     # one (the next unit is gathered while this one computes); without it each unit's gather waits
-    # at the top of the loop body with nothing to hide behind (measured: only a convert between
-    # start and done).
+    # at the top of the loop body with nothing to hide behind (only a convert between start and done).
     "xla_gpu_enable_pipelined_all_gather": True,
     # The same for the backward scan's reduce-scatter: issued in one iteration, finished in the next,
     # so a unit's gradient is reduced while the next unit's backward computes.
@@ -62,10 +60,10 @@ GPU_FLAGS = {
 
 # For a plan on jfsdp's own prefetch pipeline (`fully_shard(prefetch=...)`, on by default on GPUs with
 # remat 'full' and a resharding strategy), which issues each unit's gather and reduce-scatter where
-# it can overlap. Measured on llama-1b 1x8 compiled for H100 (README, "On GPUs"):
+# it can overlap (the figures: docs/gpus.md):
 PREFETCH_GPU_FLAGS = {
     # Off: XLA's collective pipeliner, applied on top of jfsdp's pipeline, peels loop iterations
-    # whose gathers then run exposed (1.78 GiB exposed per step with it, 1.68 without).
+    # whose gathers then run exposed.
     "xla_gpu_enable_pipelined_all_gather": False,
     "xla_gpu_enable_pipelined_reduce_scatter": False,
     "xla_gpu_enable_pipelined_all_reduce": True,
@@ -73,8 +71,7 @@ PREFETCH_GPU_FLAGS = {
     # thresholds XLA splits a unit's collectives (llama-1b: four gathers, three feed-forward
     # matrices and the other leaves combined; 8B: four reduce-scatters), and the latency-hiding
     # scheduler, which runs one collective at a time, leaves the last one of each unit with no
-    # compute to hide behind (measured: 17.5 MiB exposed per unit on llama-1b, 196 MiB on the 8B).
-    # 2 GiB / 4 GiB cover a unit of the 70B shape in bf16 (1.6 GiB) / fp32 (3.2 GiB).
+    # compute to hide behind. 2 GiB / 4 GiB cover a unit of the 70B shape in bf16 / fp32.
     "xla_gpu_all_gather_combine_threshold_bytes": 2 * 2**30,
     "xla_gpu_reduce_scatter_combine_threshold_bytes": 4 * 2**30,
 }

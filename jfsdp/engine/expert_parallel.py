@@ -63,7 +63,7 @@ def expert_parallel(buckets, compute, shards: int, chunks: int):
     chunk i's expert compute, and an optimization barrier ties the two together (chunk i+1's
     experts take the barrier's output, which waits for chunk i's). Without it XLA:GPU merges the k
     chunks' expert matmuls into one over the concatenated chunks, so every dispatch must finish
-    before any compute starts and nothing is overlapped (measured, module docstring). The barrier is
+    before any compute starts and nothing is overlapped (jfsdp/engine/moe.py). The barrier is
     the identity on values (and on gradients), so the result is the same for every k."""
     parts = [buckets[:, a:b] for a, b in _chunks(buckets.shape[1], chunks)]
 
