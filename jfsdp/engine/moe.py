@@ -153,21 +153,21 @@ def _per_stage(value, n, name):
     return [value] * n
 
 
-def costs(plan, site: Site, layouts, n_units: int, backend: str | None = None) -> dict:
+def costs(sharded, site: Site, layouts, n_units: int, backend: str | None = None) -> dict:
     """The cost model (module docstring): bytes each device sends per step for the stage's expert
     parameters in gather mode and for its tokens in expert-parallel mode, with the backend's wire
     dtypes (XLA:CPU widens bf16 to f32: `memory.wire_dtype`)."""
-    S = plan.shards
+    S = sharded.shards
     f = (S - 1) / S if S > 1 else 0.0
     backend = backend or jax.default_backend()
-    p = wire_dtype(plan.mp.param_dtype or jnp.float32, backend).itemsize
-    r = wire_dtype(plan.mp.reduce_dtype or plan.mp.param_dtype or jnp.float32, backend).itemsize
+    p = wire_dtype(sharded.mp.param_dtype or jnp.float32, backend).itemsize
+    r = wire_dtype(sharded.mp.reduce_dtype or sharded.mp.param_dtype or jnp.float32, backend).itemsize
     W = sum(math.prod(l.stored_shape) for l in jax.tree.leaves(expert_leaves(layouts, site),
                                                                  is_leaf=is_layout))
-    g = 2 if (plan.strategy.reshard_after_forward or S == 1) else 1
+    g = 2 if (sharded.strategy.reshard_after_forward or S == 1) else 1
     X = math.prod(site.buckets)
-    xb = wire_dtype(plan.mp.param_dtype or site.dtype, backend).itemsize
-    a = 4 if plan.remat == "none" else 6
+    xb = wire_dtype(sharded.mp.param_dtype or site.dtype, backend).itemsize
+    a = 4 if sharded.remat == "none" else 6
     return {"gather": n_units * W * (g * p + r) * f, "ep": n_units * a * X * xb * f,
             "weights": n_units * W, "tokens": n_units * X, "all_to_alls": a, "gathers": g, "units": n_units,
             "a2a_bytes": X * xb * f}
@@ -179,7 +179,7 @@ MAX_CHUNKS = 16
 MIN_CHUNK_BYTES = 256 * 2**10
 
 
-def auto_chunks(plan, site: Site, cost: dict, backend: str | None = None) -> int:
+def auto_chunks(sharded, site: Site, cost: dict, backend: str | None = None) -> int:
     """k for 'auto' (module docstring): 1 where collectives are synchronous (any backend but 'gpu');
     on GPUs the largest power of two k <= MAX_CHUNKS (and <= the slots per device) such that one
     chunk's all-to-all still sends MIN_CHUNK_BYTES from each device."""
@@ -191,18 +191,18 @@ def auto_chunks(plan, site: Site, cost: dict, backend: str | None = None) -> int
     return k
 
 
-def resolve(plan, option: MoE | None) -> list:
+def resolve(sharded, option: MoE | None) -> list:
     """Per stage: None (no experts, or no `moe=` option: gather as FSDP does) or a StageMoE."""
-    n = len(plan.model.stages)
+    n = len(sharded.model.stages)
     if option is None:
         return [None] * n
     if not isinstance(option, MoE):
         raise ConfigError(f"moe must be a jfsdp.MoE(mode=..., chunks=...), got {type(option).__name__}")
     modes, chunks = _per_stage(option.mode, n, "mode"), _per_stage(option.chunks, n, "chunks")
-    rows = plan.example_inputs.shape[0]
-    local_rows = rows // plan.n_devices if rows % plan.n_devices == 0 else rows
+    rows = sharded.example_inputs.shape[0]
+    local_rows = rows // sharded.n_devices if rows % sharded.n_devices == 0 else rows
     out = []
-    for j, (st, h, mode, k) in enumerate(zip(plan.model.stages, plan.h_shapes, modes, chunks)):
+    for j, (st, h, mode, k) in enumerate(zip(sharded.model.stages, sharded.h_shapes, modes, chunks)):
         site = find_site(st.unit, h, local_rows, rows, option)
         if site is None:
             if isinstance(option.mode, (tuple, list)) and mode is not None:
@@ -213,10 +213,10 @@ def resolve(plan, option: MoE | None) -> list:
             raise ConfigError(f"stage {j}: unknown moe mode {mode!r}; choose from {', '.join(MODES)}")
         if not (k == "auto" or (isinstance(k, int) and not isinstance(k, bool) and k >= 1)):
             raise ConfigError(f"stage {j}: moe chunks must be 'auto' or an integer of at least 1, got {k!r}")
-        layouts = plan.split(plan.layouts)[1][j]
-        cost = costs(plan, site, layouts, st.n_units, option.backend)
-        S, E = plan.shards, site.n_experts
-        ep_ok = plan.strategy.sharded and E % S == 0
+        layouts = sharded.split(sharded.layouts)[1][j]
+        cost = costs(sharded, site, layouts, st.n_units, option.backend)
+        S, E = sharded.shards, site.n_experts
+        ep_ok = sharded.strategy.sharded and E % S == 0
         cheaper = "ep" if cost["ep"] < cost["gather"] else "gather"
         figures = f"gather {cost['gather'] / 2**20:.2f} MiB vs all-to-all {cost['ep'] / 2**20:.2f} MiB per step"
         if mode == "auto":
@@ -226,16 +226,16 @@ def resolve(plan, option: MoE | None) -> list:
         else:
             why = f"set by moe=; cost model would pick {cheaper}: {figures}"
         if mode == "ep":
-            if not plan.strategy.sharded:
+            if not sharded.strategy.sharded:
                 raise ConfigError(f"stage {j}: expert parallelism needs the experts sharded over fsdp; strategy "
-                                  f"{plan.strategy.value} keeps them whole (use gather mode or a sharded strategy)")
+                                  f"{sharded.strategy.value} keeps them whole (use gather mode or a sharded strategy)")
             if E % S:
                 raise ConfigError(f"stage {j}: expert parallelism needs the {E} experts to divide over the {S} fsdp "
                                   f"shards (each device holds E/S whole experts); use gather mode or a mesh whose fsdp "
                                   f"size divides {E}")
             if k != "auto" and k > site.buckets[1]:
                 raise ConfigError(f"stage {j}: {k} chunks for {site.buckets[1]} slots per device; use at most that many")
-            k = auto_chunks(plan, site, cost, option.backend) if k == "auto" else k
+            k = auto_chunks(sharded, site, cost, option.backend) if k == "auto" else k
         else:
             if k not in ("auto", 1):
                 raise ConfigError(f"stage {j}: chunks={k} applies to expert-parallel mode, not gather")
@@ -248,13 +248,13 @@ def resolve(plan, option: MoE | None) -> list:
 
 # ---------------------------------------------------------------- inside the sharded forward
 
-def describe(plan) -> list:
+def describe(sharded) -> list:
     """Lines for the planner: each MoE stage's mode, chunks and why."""
     lines = []
-    for j, s in enumerate(getattr(plan, "moe_stages", None) or []):
+    for j, s in enumerate(getattr(sharded, "moe_stages", None) or []):
         if s is None:
             continue
-        lines.append(f"stage {j} ({plan.stage_sizes[j]} MoE units, {s.site.n_experts} experts, buckets "
+        lines.append(f"stage {j} ({sharded.stage_sizes[j]} MoE units, {s.site.n_experts} experts, buckets "
                      f"{'x'.join(map(str, s.site.buckets))} per device): {s.mode}"
                      + (f", {s.chunks} chunk(s)" if s.mode == "ep" else "") + f" -- {s.why}")
     return lines

@@ -15,45 +15,45 @@ from jfsdp.train import update_in_backward as in_backward
 
 class TrainState(NamedTuple):
     step: jax.Array
-    params: Any      # shards, as placed by the plan
+    params: Any      # shards, as placed by the sharded
     opt_state: Any   # shards too: optax's elementwise state follows the parameters' sharding
 
 
-def state_shardings(plan: FSDP, optimizer: optax.GradientTransformation) -> TrainState:
+def state_shardings(sharded: FSDP, optimizer: optax.GradientTransformation) -> TrainState:
     """Where every leaf of the train state lives: optimizer leaves that mirror a parameter (Adam's
     moments) are sharded like it, the rest (step counts) replicated. Fixing these for the step's
     inputs and outputs means one compilation, and lets the planner lower with abstract inputs."""
-    replicated = NamedSharding(plan.mesh, P())
-    opt = optax.tree_map_params(optimizer, lambda _, s: s, jax.eval_shape(optimizer.init, plan.abstract_params()),
-                                plan.param_shardings, transform_non_params=lambda _: replicated)
-    return TrainState(replicated, plan.param_shardings, opt)
+    replicated = NamedSharding(sharded.mesh, P())
+    opt = optax.tree_map_params(optimizer, lambda _, s: s, jax.eval_shape(optimizer.init, sharded.abstract_params()),
+                                sharded.param_shardings, transform_non_params=lambda _: replicated)
+    return TrainState(replicated, sharded.param_shardings, opt)
 
 
-def abstract_state(plan: FSDP, optimizer: optax.GradientTransformation) -> TrainState:
+def abstract_state(sharded: FSDP, optimizer: optax.GradientTransformation) -> TrainState:
     """The train state as ShapeDtypeStructs with shardings: lower and compile without allocating."""
-    params = plan.abstract_params()
-    shardings = state_shardings(plan, optimizer)
+    params = sharded.abstract_params()
+    shardings = state_shardings(sharded, optimizer)
     opt = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                        jax.eval_shape(optimizer.init, params), shardings.opt_state)
     return TrainState(jax.ShapeDtypeStruct((), jnp.int32, sharding=shardings.step), params, opt)
 
 
-def init_state(plan: FSDP, optimizer: optax.GradientTransformation, rng=None, params=None) -> TrainState:
+def init_state(sharded: FSDP, optimizer: optax.GradientTransformation, rng=None, params=None) -> TrainState:
     """Sharded state: parameters from deferred init (`rng`) or from `params`, and optimizer state
     placed like them.
 
-    `params` may be full parameters in the plan's layout (host or device arrays, unpadded:
+    `params` may be full parameters in the sharded's layout (host or device arrays, unpadded:
     {'root': ..., 'units': stacked} for `Stacked`, {'root': ..., 'stages': [...]} for `Staged`;
-    `plan.from_layers(root, layers)` builds it from per-layer trees) or this plan's shards (from
-    `plan.shard` / `plan.init`). Either way the state gets its own copy: the train step donates
+    `sharded.from_layers(root, layers)` builds it from per-layer trees) or this sharded's shards (from
+    `sharded.shard` / `sharded.init`). Either way the state gets its own copy: the train step donates
     its input state, and the arrays passed here stay valid."""
     if params is None:
         if rng is None:
             raise ConfigError("init_state needs rng (deferred initialization) or params= (existing weights)")
-        params = plan.init(rng)
+        params = sharded.init(rng)
     else:
-        params = plan.place(params)
-    shardings = state_shardings(plan, optimizer)
+        params = sharded.place(params)
+    shardings = state_shardings(sharded, optimizer)
     opt_state = jax.jit(optimizer.init, out_shardings=shardings.opt_state)(params)
     return TrainState(jax.device_put(jnp.zeros((), jnp.int32), shardings.step), params, opt_state)
 
@@ -61,18 +61,18 @@ def init_state(plan: FSDP, optimizer: optax.GradientTransformation, rng=None, pa
 class TrainStep:
     """The jitted train step `(state, batch) -> (new state, {'loss', 'grad_norm'})`.
 
-    The batch is checked first (`plan.check_batch`: a dict with 'inputs', rows dividing over the
+    The batch is checked first (`sharded.check_batch`: a dict with 'inputs', rows dividing over the
     devices and into the micro-batches), so a bad batch is a ConfigError, host arrays included.
     With donate=True (the default) the input state's buffers are reused for the new state: the
     state passed in is deleted, keep only the returned one (`state, m = step(state, batch)`);
     passing a donated state again is a ConfigError. `lower` checks the batch too; other attributes of
     the jitted function pass through."""
 
-    def __init__(self, jitted, plan: FSDP, grad_accum: int, donate: bool):
-        self._jitted, self.plan, self.grad_accum, self.donate = jitted, plan, grad_accum, donate
+    def __init__(self, jitted, sharded: FSDP, grad_accum: int, donate: bool):
+        self._jitted, self.sharded, self.grad_accum, self.donate = jitted, sharded, grad_accum, donate
 
     def __call__(self, state: TrainState, batch):
-        self.plan.check_batch(batch, self.grad_accum)
+        self.sharded.check_batch(batch, self.grad_accum)
         # checked before the call: jax 0.10.2 on CPU crashed the process (segmentation fault) when a
         # sharded program was given deleted buffers, instead of raising. A few dozen leaves: ~µs.
         if self.donate and _donated(state):
@@ -83,7 +83,7 @@ class TrainStep:
 
     def lower(self, state, batch):
         """Lower for given (possibly abstract) inputs, after the same batch check as a call."""
-        self.plan.check_batch(batch, self.grad_accum)
+        self.sharded.check_batch(batch, self.grad_accum)
         return self._jitted.lower(state, batch)
 
     def __getattr__(self, name):
@@ -99,7 +99,7 @@ def _donated(state) -> bool:
     return any(deleted(x) for x in jax.tree.leaves(state))
 
 
-def make_train_step(plan: FSDP, optimizer: optax.GradientTransformation, loss_fn: Callable,
+def make_train_step(sharded: FSDP, optimizer: optax.GradientTransformation, loss_fn: Callable,
                     grad_accum: int = 1, donate: bool = True, update_in_backward: bool = False) -> TrainStep:
     """(state, batch) -> (state, {'loss', 'grad_norm'}), jitted (see `TrainStep`).
 
@@ -113,18 +113,18 @@ def make_train_step(plan: FSDP, optimizer: optax.GradientTransformation, loss_fn
     remat 'full', grad_accum 1, a resharding strategy (or one shard) and an elementwise optimizer
     (`jfsdp.adamw`, optax's adam/sgd family); with clipping the units' backward runs twice (norm,
     then updates)."""
-    shardings = state_shardings(plan, optimizer)
+    shardings = state_shardings(sharded, optimizer)
     if update_in_backward:
-        why = in_backward.unsupported(plan, grad_accum)
+        why = in_backward.unsupported(sharded, grad_accum)
         if why:
             raise ConfigError(f"update_in_backward: {why}")
-        fused = in_backward.make_step(plan, optimizer, loss_fn, jax.tree.map(lambda s: s.spec, shardings.opt_state))
+        fused = in_backward.make_step(sharded, optimizer, loss_fn, jax.tree.map(lambda s: s.spec, shardings.opt_state))
 
         def step(state: TrainState, batch):
             params, opt_state, loss, norm = fused(state.params, state.opt_state, batch)
             return TrainState(state.step + 1, params, opt_state), {"loss": loss, "grad_norm": norm}
     else:
-        loss_and_grad = plan.loss_and_grad(loss_fn, grad_accum)
+        loss_and_grad = sharded.loss_and_grad(loss_fn, grad_accum)
 
         def step(state: TrainState, batch):
             loss, grads = loss_and_grad(state.params, batch)
@@ -132,6 +132,6 @@ def make_train_step(plan: FSDP, optimizer: optax.GradientTransformation, loss_fn
             params = optax.apply_updates(state.params, updates)
             return TrainState(state.step + 1, params, opt_state), {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
-    jitted = jax.jit(step, in_shardings=(shardings, plan.batch_sharding), out_shardings=(shardings, shardings.step),
+    jitted = jax.jit(step, in_shardings=(shardings, sharded.batch_sharding), out_shardings=(shardings, shardings.step),
                      donate_argnums=(0,) if donate else ())
-    return TrainStep(jitted, plan, grad_accum, donate)
+    return TrainStep(jitted, sharded, grad_accum, donate)

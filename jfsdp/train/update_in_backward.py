@@ -39,17 +39,17 @@ from jfsdp.engine.sharded import FSDP
 from jfsdp.train.optim import Clipped, check_elementwise
 
 
-def unsupported(plan: FSDP, grad_accum: int) -> str | None:
-    """Why `update_in_backward` cannot run this plan (None: it can)."""
+def unsupported(sharded: FSDP, grad_accum: int) -> str | None:
+    """Why `update_in_backward` cannot run this model (None: it can)."""
     if grad_accum != 1:
         return (f"it applies each unit's update as soon as its gradient is reduced, so it cannot accumulate "
                 f"{grad_accum} micro-batches (use grad_accum=1)")
-    if plan.remat != "full":
-        return f"its backward loop recomputes each unit from the unit's input (remat 'full'), got remat '{plan.remat}'"
-    if plan.shards > 1 and not plan.strategy.reshard_after_forward:
-        return (f"{plan.strategy.value} keeps gathered units from forward to backward; use full_shard or "
+    if sharded.remat != "full":
+        return f"its backward loop recomputes each unit from the unit's input (remat 'full'), got remat '{sharded.remat}'"
+    if sharded.shards > 1 and not sharded.strategy.reshard_after_forward:
+        return (f"{sharded.strategy.value} keeps gathered units from forward to backward; use full_shard or "
                 f"hybrid_shard (units are gathered again in the backward loop)")
-    if any(m is not None and m.mode == "ep" for m in plan.moe_stages):
+    if any(m is not None and m.mode == "ep" for m in sharded.moe_stages):
         return "an expert-parallel MoE stage keeps its experts local (use jfsdp.MoE('gather'))"
     return None
 
