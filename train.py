@@ -3,8 +3,9 @@
     python train.py --mesh 2x8                      # the default run: 16 fake CPU devices if no GPU
     python train.py --mesh 1x8 --model llama-small --precision bf16 --steps 2000 --data my_text/
 
-The command is `jfsdp.cli` (flags, checks, devices; it imports jax only after faking the devices a
-CPU-only machine needs) and `jfsdp.run` (model, plan, data, loop, checkpoints, summary, sample).
+The command is `jfsdp.cli` (flags, checks, devices; it imports jax only after choosing the platform and
+faking the devices a CPU-only machine needs) and `jfsdp.runtime.run` (model, sharding, data, loop,
+checkpoints, summary, sample).
 Bad input ends with one line `error: ...` and exit status 2; Ctrl-C and SIGTERM save (with
 --ckpt-dir) and exit 130 and 143. See README.md (Training, Checkpoints) for every flag.
 """

@@ -3,81 +3,32 @@
     python train.py --mesh 2x8                      # the default run: 16 fake CPU devices if no GPU
     python train.py --mesh 1x8 --model llama-small --precision bf16 --steps 2000 --data my_text/
 
-Nothing here imports jax at import time (nor does `import jfsdp`, whose names load lazily): without
-an accelerator the devices the mesh needs are faked on the CPU (XLA's host device count, which has
-to be set before jax starts), so the flags are parsed and checked first and jax is imported after.
-Bad input (and a diverged loss, and an unusable checkpoint) ends with one line `error: ...` and exit
-status 2 (`fail`). Ctrl-C (SIGINT) and SIGTERM finish the current step, save a checkpoint if
---ckpt-dir is set, and exit with 130 and 143 (128 + the signal number, the shell's convention).
-The run itself (model, plan, data, loop, checkpoints, summary, sample) is `jfsdp/run.py`.
+Nothing here imports jax before `setup_devices` has chosen the platform and set XLA_FLAGS: without an
+accelerator the devices the mesh needs are faked on the CPU (XLA's host device count, which has to be
+set before jax starts), and JAX_PLATFORMS=cpu keeps jax from loading the plugins of accelerators that
+are not there. So the flags are parsed and checked with jax-free modules only (`jfsdp.config`,
+`jfsdp.runtime.config`, `jfsdp.runtime.console`; `import jfsdp` loads its names lazily), and jax is
+imported after. Bad input (and a diverged loss, and an unusable checkpoint) ends with one line
+`error: ...` and exit status 2 (`jfsdp.runtime.console.fail`). Ctrl-C (SIGINT) and SIGTERM finish the
+current step, save a checkpoint if --ckpt-dir is set, and exit with 130 and 143.
+The run itself (model, plan, data, loop, checkpoints, summary, sample) is `jfsdp.runtime.run`.
 See README.md (Training, Checkpoints) for every flag, the data formats and what the progress line shows.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import os
 import re
 import shutil
-import sys
 
-EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_TERMINATED = 2, 130, 143
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-    # parallelism and model
-    mesh: str = "2x8"
-    strategy: str = "full_shard"
-    model: str = "llama-tiny"
-    precision: str = "fp32"
-    remat: str = "none"
-    loss: str = "fused"
-    moe: str = "auto"               # MoE models: gather / ep / auto per stage (jfsdp/moe.py)
-    moe_chunks: str = "auto"
-    # optimization
-    steps: int = 300
-    batch_size: int = 16            # global, in sequences
-    seq_len: int = 256
-    grad_accum: int = 1
-    lr: float = 3e-3
-    warmup: int = 30
-    weight_decay: float = 0.1
-    clip: float = 1.0               # global gradient norm; 0 turns clipping off
-    update_in_backward: bool = False  # optimizer per unit inside the backward pass (jfsdp/backward_update.py)
-    seed: int = 0
-    # data
-    data: str | None = None         # None: the Python standard library (see jfsdp/data.py)
-    data_dtype: str | None = None   # for .bin token files (default uint16)
-    # evaluation, logging, sampling
-    eval_every: int = 50
-    eval_iters: int = 4
-    log_every: int = 10
-    metrics_out: str | None = "out/metrics.jsonl"
-    prompt: str | None = None
-    gen_tokens: int = 100
-    temperature: float = 0.8
-    # checkpoints (see jfsdp/checkpoint.py), profiling, devices
-    ckpt_dir: str | None = None
-    save_every: int = 0
-    keep: int = 3
-    resume: bool = False
-    stop_after: int = 0
-    init_from: str | None = None
-    profile: str | None = None
-    cpu_devices: int = 0
-    # more than one process (jfsdp/distributed.py); none given and no cluster launcher: one process
-    coordinator: str | None = None
-    num_processes: int | None = None
-    process_id: int | None = None
-    init_timeout: float = 60.0
-    heartbeat_timeout: int = 30
-
-
-class ArgParser(argparse.ArgumentParser):
-    def error(self, message):  # one line, like every other bad input (argparse prints usage + error)
-        fail(f"{message} (see --help)")
+from jfsdp.config.args import ArgParser
+from jfsdp.config.errors import ConfigError
+from jfsdp.config.mesh import mesh_spec
+from jfsdp.config.policy import Strategy, prefetch_by_default
+from jfsdp.config.xla_flags import cpu_xla_flags, gpu_xla_flags
+from jfsdp.runtime.config import TrainConfig
+from jfsdp.runtime.console import EXIT_INTERRUPTED, fail, note
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -91,6 +42,13 @@ def parse_args(argv=None) -> TrainConfig:
     d = TrainConfig()
     p = ArgParser(description="Train a language model with Fully Sharded Data Parallel (jfsdp).",
                   formatter_class=HelpFormatter)
+    for add_flags in (model_flags, optimization_flags, data_flags, reporting_flags, checkpoint_flags,
+                      process_flags):
+        add_flags(p, d)
+    return TrainConfig(**vars(p.parse_args(argv)))
+
+
+def model_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
     g = p.add_argument_group("parallelism and model")
     g.add_argument("--mesh", default=d.mesh, help="device mesh RxS: R replicas (data axis) of S shards (fsdp axis); "
                    "1xN = full sharding, Nx1 = data parallel, both > 1 = hybrid sharding")
@@ -105,13 +63,16 @@ def parse_args(argv=None) -> TrainConfig:
                    help="activation checkpointing per unit: none, full (save only the unit input), "
                    "dots (save matmul outputs)")
     g.add_argument("--loss", default=d.loss, choices=("fused", "plain"),
-                   help="fused: output head and cross-entropy in chunks of tokens (jfsdp.train.losses.linear_cross_entropy), "
-                   "the logits of the batch never exist; plain: logits, then log_softmax")
+                   help="fused: output head and cross-entropy in chunks of tokens (jfsdp.train.losses."
+                   "linear_cross_entropy), the logits of the batch never exist; plain: logits, then log_softmax")
     g.add_argument("--moe", default=d.moe, choices=("auto", "gather", "ep"),
                    help="MoE models: gather the experts' weights (FSDP) or send the tokens to them (expert "
-                   "parallel, all-to-all); auto: per stage by jfsdp's cost model (jfsdp/moe.py)")
+                   "parallel, all-to-all); auto: per stage by jfsdp's cost model (jfsdp/engine/moe.py)")
     g.add_argument("--moe-chunks", default=d.moe_chunks,
                    help="MoE expert-parallel stages: split the tokens into k chunks (an integer, or auto)")
+
+
+def optimization_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
     g = p.add_argument_group("optimization")
     g.add_argument("--steps", type=int, default=d.steps, help="optimizer steps")
     g.add_argument("--batch-size", type=int, default=d.batch_size,
@@ -130,12 +91,18 @@ def parse_args(argv=None) -> TrainConfig:
                    "same result; needs --remat full, --grad-accum 1, full_shard or hybrid_shard; with --clip the "
                    "units' backward runs twice (norm, then updates)")
     g.add_argument("--seed", type=int, default=d.seed, help="seed of the initialization and the data order")
+
+
+def data_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
     g = p.add_argument_group("data")
     g.add_argument("--data", default=d.data, help="a text file, a folder of text files, a .jsonl file (field "
                    "'text'), or a token array (.bin raw uint16 nanoGPT-style, or .npy); default: the Python "
                    "standard library's source (byte-level, no download)")
     g.add_argument("--data-dtype", default=d.data_dtype, choices=("uint16", "uint32"),
                    help="token dtype of a .bin file (default uint16); .npy files carry their own")
+
+
+def reporting_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
     g = p.add_argument_group("evaluation, logging and sampling")
     g.add_argument("--eval-every", type=int, default=d.eval_every,
                    help="validation loss every N steps (and at step 0 and at the end); 0 = only those two")
@@ -148,6 +115,9 @@ def parse_args(argv=None) -> TrainConfig:
                    "a validation document)")
     g.add_argument("--gen-tokens", type=int, default=d.gen_tokens, help="tokens to generate at the end; 0 = none")
     g.add_argument("--temperature", type=float, default=d.temperature, help="sampling temperature; 0 = greedy")
+
+
+def checkpoint_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
     g = p.add_argument_group("checkpoints, profiling, devices")
     g.add_argument("--ckpt-dir", default=d.ckpt_dir, metavar="DIR", help="save checkpoints here (at --save-every, "
                    "at the end, and on Ctrl-C/SIGTERM); a folder that already holds checkpoints needs --resume")
@@ -165,6 +135,9 @@ def parse_args(argv=None) -> TrainConfig:
                    help="write a jax.profiler trace of 3 steps to DIR (view with TensorBoard / XProf)")
     g.add_argument("--cpu-devices", type=int, default=d.cpu_devices, metavar="N",
                    help="on a CPU-only machine, fake N devices instead of the number the mesh needs")
+
+
+def process_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
     g = p.add_argument_group("more than one process (see README: Multi-process runs)")
     g.add_argument("--coordinator", default=d.coordinator, metavar="HOST:PORT",
                    help="address of process 0's coordinator; with --num-processes and --process-id. Without "
@@ -175,41 +148,14 @@ def parse_args(argv=None) -> TrainConfig:
                    help="seconds to wait for the coordinator and for every process to join")
     g.add_argument("--heartbeat-timeout", type=int, default=d.heartbeat_timeout, metavar="S",
                    help="seconds without a peer's heartbeat before the run is stopped (a process died)")
-    return TrainConfig(**vars(p.parse_args(argv)))
 
 
-# ---- failing and noticing: one line each ---------------------------------------------------------
-
-_ON_FAIL = []   # what to close before exiting on an error (the checkpointer: its pending save and threads)
-
-
-def on_fail(close) -> None:
-    """Have `fail` call `close()` before it exits (the run's checkpointer registers its close)."""
-    _ON_FAIL.append(close)
-
-
-def fail(message: str):
-    for close in _ON_FAIL:
-        try:
-            close()
-        except Exception:   # already failing: the one-line message below is what matters
-            pass
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    sys.exit(EXIT_BAD_INPUT)
-
-
-QUIET = False   # set in processes other than 0 of a multi-process run: only process 0 reports
-
-
-def note(message: str):
-    if not QUIET:
-        print(message, file=sys.stderr, flush=True)
-
+# ---- before jax: the checks and the devices -----------------------------------------------------
 
 def check_flags(c: TrainConfig) -> int | None:
     """What can be checked before jax is imported (so bad input fails in a fraction of a second).
     Returns the number of devices the mesh needs in this process, or None if the mesh is malformed
-    (jfsdp then reports it, with the one authoritative message)."""
+    (the run then reports it, with the one authoritative message)."""
     for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_iters", "log_every"):
         if getattr(c, name) < 1:
             fail(f"--{name.replace('_', '-')} must be positive, got {getattr(c, name)}")
@@ -224,10 +170,10 @@ def check_flags(c: TrainConfig) -> int | None:
         fail(f"--keep must be at least 1, got {c.keep}")
     if (c.resume or c.save_every) and not c.ckpt_dir:
         fail(f"{'--resume' if c.resume else '--save-every'} needs --ckpt-dir")
-    m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", c.mesh)
-    if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
+    try:
+        n = mesh_spec(c.mesh).devices
+    except ConfigError:
         return None
-    n = int(m.group(1)) * int(m.group(2))
     if c.batch_size % n:
         fail(f"--batch-size {c.batch_size} does not divide over the {n} devices of mesh {c.mesh}")
     if (c.batch_size // n) % c.grad_accum:
@@ -241,16 +187,13 @@ def check_flags(c: TrainConfig) -> int | None:
     return n // procs
 
 
-def _prefetches(c: TrainConfig) -> bool:
-    """Whether the plan will run jfsdp's prefetch pipeline on these GPUs (jfsdp.core's rule; jax is
-    imported but its backend not yet started). Bad input here is reported once the run starts."""
-    from jfsdp.config.policy import prefetch_by_default
-    from jfsdp.config.errors import ConfigError
-    from jfsdp.config.policy import Strategy
+def prefetches(c: TrainConfig) -> bool:
+    """Whether the plan will run jfsdp's prefetch pipeline on these GPUs (`fully_shard`'s default,
+    jfsdp.config.policy.prefetch_by_default), decided before jax starts. Bad input here is reported
+    once the run starts."""
     try:
-        return prefetch_by_default(Strategy.parse(c.strategy), c.remat, int(c.mesh.lower().partition("x")[2]),
-                                   on_gpu=True)
-    except (ConfigError, ValueError):
+        return prefetch_by_default(Strategy.parse(c.strategy), c.remat, mesh_spec(c.mesh).shards, on_gpu=True)
+    except ConfigError:
         return False
 
 
@@ -263,14 +206,14 @@ def setup_devices(c: TrainConfig, n_needed: int | None) -> None:
     if not on_cpu:
         if c.cpu_devices:
             fail("--cpu-devices only applies on a machine without an accelerator (or with JAX_PLATFORMS=cpu)")
-        from jfsdp.config.xla_flags import gpu_xla_flags  # FSDP prefetch on GPUs; XLA reads the flags when jax starts
-        os.environ["XLA_FLAGS"] = gpu_xla_flags(prefetch=_prefetches(c) or c.update_in_backward)
+        # FSDP's prefetch on GPUs: XLA reads the flags when jax starts
+        os.environ["XLA_FLAGS"] = gpu_xla_flags(prefetch=prefetches(c) or c.update_in_backward)
         return
     if n_needed is None and not c.cpu_devices:
         return  # a malformed mesh: jfsdp.parse_mesh reports it once jax is imported; nothing to fake
     n = c.cpu_devices or n_needed
     flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", ""))
-    from jfsdp.config.xla_flags import cpu_xla_flags   # XLA:CPU's memory-minimizing scheduler (jfsdp.config.xla_flags.CPU_FLAGS)
+    # XLA:CPU's memory-minimizing scheduler (jfsdp.config.xla_flags.CPU_FLAGS)
     os.environ["XLA_FLAGS"] = cpu_xla_flags(f"{flags} --xla_force_host_platform_device_count={n}".strip())
     os.environ.setdefault("JAX_PLATFORMS", "cpu")   # don't probe for GPU/TPU plugins
     why = "JAX_PLATFORMS=cpu" if requested else "no accelerator found"
@@ -284,12 +227,12 @@ def main(argv=None) -> int:
     c = parse_args(argv)
     n_needed = check_flags(c)
     setup_devices(c, n_needed)
-    from jfsdp.runtime import distributed
+    from jfsdp.runtime import distributed   # jax from here on
     try:
         procs = distributed.detect(c.coordinator, c.num_processes, c.process_id,
                                    init_timeout=c.init_timeout, heartbeat_timeout=c.heartbeat_timeout)
         distributed.initialize(procs, cpu=os.environ.get("JAX_PLATFORMS", "").startswith("cpu"))
-    except distributed.ConfigError as e:
+    except ConfigError as e:
         fail(str(e))
     try:
         from jfsdp.runtime import run

@@ -19,6 +19,8 @@ import subprocess
 import sys
 import time
 
+from jfsdp.config.args import ArgParser
+
 
 def free_port(host: str) -> int:
     with socket.socket() as s:
@@ -27,7 +29,7 @@ def free_port(host: str) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m jfsdp.launch", description=__doc__.split("\n\n")[0])
+    p = ArgParser(prog="python -m jfsdp.launch", description=__doc__.split("\n\n")[0])
     p.add_argument("-n", "--num-processes", type=int, required=True, help="processes to start")
     p.add_argument("--host", default="127.0.0.1", help="coordinator address (this machine)")
     p.add_argument("--port", type=int, default=0, help="coordinator port (default: a free one)")
@@ -36,8 +38,7 @@ def main(argv=None) -> int:
     p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
     a = p.parse_args(argv)
     if a.num_processes < 1:
-        print(f"error: -n must be at least 1, got {a.num_processes}", file=sys.stderr)
-        return 2
+        p.error(f"-n must be at least 1, got {a.num_processes}")
     address = f"{a.host}:{a.port or free_port(a.host)}"
     procs = []
     for i in range(a.num_processes):

@@ -138,17 +138,17 @@ def test_cli_imports_no_jax():
 def test_a_models_own_step_metrics_are_logged():
     """Scalars a train step returns beside loss and grad_norm (an MoE auxiliary loss, say) are
     averaged over the logged steps and shown after the loss; without them the line is unchanged."""
-    from jfsdp.runtime import run
+    from jfsdp.runtime import metrics, progress
     steps = [{"loss": 2.0, "grad_norm": 1.0, "aux_loss": 0.25, "dropped": 0.0},
              {"loss": 1.0, "grad_norm": 0.5, "aux_loss": 0.75, "dropped": 0.5}]
-    assert run.extra_metrics(steps) == {"aux_loss": 0.5, "dropped": 0.25}
-    assert run.extra_metrics([{"loss": 1.0, "grad_norm": 1.0}]) == {}
+    assert progress.extra_metrics(steps) == {"aux_loss": 0.5, "dropped": 0.25}
+    assert progress.extra_metrics([{"loss": 1.0, "grad_norm": 1.0}]) == {}
     rec = {"step": 2, "loss": 1.5, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_sec": 1000.0, "tflops_per_device": 1e-3,
            "mfu": None, "memory_bytes": 2e6, "epoch": 0.1, "time_s": 1.0}
-    plain = run.progress_line(rec, "cpu")
+    plain = progress.progress_line(rec, "cpu")
     assert plain == ("loss 1.5000 | lr 1.00e-03 | 1,000 tok/s | 0.001 TFLOP/s/dev | MFU n/a (CPU) | "
-                     f"mem {run.jm.fmt_bytes(2e6)}/dev")
-    extra = run.progress_line({**rec, "aux_loss": 0.5, "dropped": 0.25}, "cpu")
+                     f"mem {metrics.fmt_bytes(2e6)}/dev")
+    extra = progress.progress_line({**rec, "aux_loss": 0.5, "dropped": 0.25}, "cpu")
     assert extra == plain.replace("loss 1.5000 |", "loss 1.5000 | aux_loss 0.5 | dropped 0.25 |")
 
 

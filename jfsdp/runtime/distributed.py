@@ -33,13 +33,12 @@ import sys
 import threading
 import time
 
-from jfsdp.config.mesh import AXES, parse_mesh
-
 from jfsdp.config.errors import ConfigError
+from jfsdp.config.mesh import AXES, parse_mesh
+from jfsdp.runtime.console import EXIT_BAD_INPUT
 
 DEFAULT_INIT_TIMEOUT = 60      # seconds to wait for the coordinator and for every process to join
 DEFAULT_HEARTBEAT_TIMEOUT = 30  # seconds without heartbeats before a peer is declared dead
-EXIT_BAD_INPUT = 2
 
 
 @dataclasses.dataclass(frozen=True)

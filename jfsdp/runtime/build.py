@@ -1,0 +1,128 @@
+"""What a training run is made of, before anything is compiled: the model to train, the devices and
+processes, the sharded model (`fully_shard`), its model metrics, the checkpoints and what a checkpoint
+must share with the run to be resumed by it. `jfsdp.runtime.run.Run` puts them together; every
+ConfigError or ValueError raised here is bad input (one `error:` line).
+
+The model definitions come from the repository's `models` package, imported when a run builds its
+model (`jfsdp` never imports `models` at import time; pip installs only `jfsdp`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+
+import jfsdp
+from jfsdp.config.zoo import repo_models
+from jfsdp.io import checkpoint as jckpt
+from jfsdp.io import hf as jhf
+from jfsdp.runtime import console
+from jfsdp.runtime.config import TrainConfig
+from jfsdp.runtime.console import note
+
+
+def load_models():
+    """The repository's model definitions, imported when a run needs them."""
+    return repo_models("train.py")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelChoice:
+    """The model a run trains: its config, the name it is shown by, whether it is a Mixture of Experts,
+    and the tokenizer that comes with it (a Hugging Face folder's; None: byte-level)."""
+    config: object
+    name: str
+    is_moe: bool
+    tokenizer: str | None
+
+
+def choose_model(c: TrainConfig, models) -> ModelChoice:
+    """--model (or --init-from's config), checked against --seq-len."""
+    if c.init_from:
+        mcfg, name = models.LlamaConfig(**jhf.read_config(c.init_from)), f"{c.init_from} (Hugging Face)"
+    else:
+        mcfg, name = models.get_config(c.model), c.model
+    is_moe = isinstance(mcfg, models.MoEConfig)
+    if not isinstance(mcfg, models.LlamaConfig) and not is_moe:
+        raise jfsdp.ConfigError(f"model '{c.model}' is not a language model; train.py trains the llama-* "
+                                "and MoE models")
+    if c.seq_len > mcfg.max_seq_len:
+        raise jfsdp.ConfigError(f"--seq-len {c.seq_len} exceeds the model's max_seq_len {mcfg.max_seq_len}")
+    tokenizer = jhf.tokenizer_path(c.init_from) if c.init_from else None
+    return ModelChoice(mcfg, name, is_moe, tokenizer)
+
+
+def report_from_lead(c: TrainConfig) -> tuple[TrainConfig, bool]:
+    """(the config this process runs, whether it is process 0). One process reports: the others print
+    nothing but errors and write no files."""
+    lead = jax.process_index() == 0
+    if not lead:
+        console.set_quiet()
+        sys.stdout = open(os.devnull, "w")
+        c = dataclasses.replace(c, metrics_out=None)
+    return c, lead
+
+
+def take_devices(c: TrainConfig, r: int, s: int) -> list:
+    """The devices of an R x S mesh: the first R*S of `jax.devices()`."""
+    devices = jax.devices()
+    if len(devices) < r * s:
+        raise jfsdp.ConfigError(f"mesh {c.mesh} needs {r * s} devices but {len(devices)} "
+                                f"{devices[0].platform.upper()} device(s) are present")
+    if len(devices) > r * s:
+        note(f"using {r * s} of the {len(devices)} {devices[0].platform} devices")
+    return devices[: r * s]
+
+
+def shard_model(c: TrainConfig, models, model: ModelChoice, mesh, strategy, mp) -> tuple:
+    """(the sharded model the loss trains, the sharded model that returns logits, the loss function).
+    The fused loss takes (hidden, head weight) from the root; sampling needs logits: a second sharded
+    model over the same parameters with the plain head (nothing is compiled until it is used)."""
+    # an MoE model's cost model reads the tokens per device from the example: one micro-batch
+    rows = max(1, c.batch_size // c.grad_accum) if model.is_moe else 1
+    example = jax.ShapeDtypeStruct((rows, c.seq_len), jnp.int32)
+    loss_fn = None
+
+    def shard(head):
+        nonlocal loss_fn
+        module, moe, loss_fn = models.factory.language_model(model.config, c.loss, c.moe, c.moe_chunks, head=head)
+        return jfsdp.fully_shard(module, mesh, example, strategy=strategy, mp_policy=mp, remat=c.remat, moe=moe)
+    logits_sharded = shard("head")
+    sharded = shard(None) if c.loss == "fused" else logits_sharded
+    return sharded, logits_sharded, loss_fn
+
+
+def model_metrics(models, model: ModelChoice) -> dict:
+    """A model's own metrics, measured at each logged step on that step's batch (one forward pass)."""
+    if not model.is_moe:
+        return {}
+    return {"moe_aux_loss": models.moe.aux_loss, "moe_dropped": models.moe.dropped_fraction}
+
+
+def open_checkpoints(c: TrainConfig) -> tuple:
+    """(the checkpointer, the step to resume from): (None, None) without --ckpt-dir. A folder that
+    holds checkpoints needs --resume."""
+    if not c.ckpt_dir:
+        return None, None
+    ckpt = jckpt.Checkpointer(c.ckpt_dir, keep=c.keep)
+    console.on_fail(ckpt.close)
+    resume_step = ckpt.latest_step()
+    if resume_step is not None and not c.resume:
+        raise jfsdp.ConfigError(f"--ckpt-dir {c.ckpt_dir} already holds checkpoints (latest: step "
+                                f"{resume_step}); pass --resume to continue from it, or use another folder")
+    if ckpt.partial_writes():
+        note(f"{c.ckpt_dir}: ignoring unfinished checkpoint write(s) "
+             f"{', '.join(ckpt.partial_writes())} (a save that was killed)")
+    if c.resume and resume_step is None:
+        note(f"--resume: no checkpoint in {c.ckpt_dir} yet: starting at step 0")
+    return ckpt, resume_step
+
+
+def identity(c: TrainConfig, model: ModelChoice) -> dict:
+    """What a checkpoint must share with this run to be resumed by it (mesh and strategy may differ)."""
+    return {"model_config": dataclasses.asdict(model.config), "precision": c.precision,
+            "data": c.data or "stdlib", "data_dtype": c.data_dtype, "tokenizer": model.tokenizer,
+            "batch_size": c.batch_size, "seq_len": c.seq_len, "seed": c.seed}

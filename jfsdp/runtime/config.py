@@ -1,0 +1,55 @@
+"""`TrainConfig`: every setting of a training run, as `python train.py`'s flags give them (`jfsdp.cli`)
+and the run reads them (`jfsdp.runtime.run`). jax-free."""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    # parallelism and model
+    mesh: str = "2x8"
+    strategy: str = "full_shard"
+    model: str = "llama-tiny"
+    precision: str = "fp32"
+    remat: str = "none"
+    loss: str = "fused"
+    moe: str = "auto"               # MoE models: gather / ep / auto per stage (jfsdp/engine/moe.py)
+    moe_chunks: str = "auto"
+    # optimization
+    steps: int = 300
+    batch_size: int = 16            # global, in sequences
+    seq_len: int = 256
+    grad_accum: int = 1
+    lr: float = 3e-3
+    warmup: int = 30
+    weight_decay: float = 0.1
+    clip: float = 1.0               # global gradient norm; 0 turns clipping off
+    update_in_backward: bool = False  # optimizer per unit inside the backward pass (jfsdp/train/update_in_backward.py)
+    seed: int = 0
+    # data
+    data: str | None = None         # None: the Python standard library (see jfsdp/io/data.py)
+    data_dtype: str | None = None   # for .bin token files (default uint16)
+    # evaluation, logging, sampling
+    eval_every: int = 50
+    eval_iters: int = 4
+    log_every: int = 10
+    metrics_out: str | None = "out/metrics.jsonl"
+    prompt: str | None = None
+    gen_tokens: int = 100
+    temperature: float = 0.8
+    # checkpoints (see jfsdp/io/checkpoint.py), profiling, devices
+    ckpt_dir: str | None = None
+    save_every: int = 0
+    keep: int = 3
+    resume: bool = False
+    stop_after: int = 0
+    init_from: str | None = None
+    profile: str | None = None
+    cpu_devices: int = 0
+    # more than one process (jfsdp/runtime/distributed.py); none given and no cluster launcher: one process
+    coordinator: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+    init_timeout: float = 60.0
+    heartbeat_timeout: int = 30
