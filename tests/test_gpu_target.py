@@ -17,6 +17,7 @@ import jfsdp
 
 import jfsdp.engine.sharded
 import models
+from jfsdp.config import xla_flags
 from jfsdp.planning import hlo
 
 # jax's CUDA plugin (the gpu-target extra) has Linux wheels only; CI runs on Linux, where these run.
@@ -72,7 +73,7 @@ def test_gpu_flags_are_overridable(monkeypatch):
     assert "xla_gpu_enable_pipelined_all_gather" not in opts  # the user's XLA_FLAGS wins
     assert "xla_gpu_enable_pipelined_all_reduce" not in opts and opts["xla_gpu_x"] == 3
     assert opts["xla_gpu_enable_pipelined_reduce_scatter"] is True
-    flags = targets.gpu_xla_flags()
+    flags = xla_flags.gpu_xla_flags()
     assert flags.startswith("--xla_gpu_enable_pipelined_all_gather=false --foo=1")
     assert "--xla_gpu_enable_pipelined_reduce_scatter=true" in flags and flags.count("pipelined_all_gather") == 1
 
@@ -91,7 +92,7 @@ def test_throughput_sets_the_flags_train_py_sets(monkeypatch, capsys):
     monkeypatch.delenv("JAX_PLATFORMS", raising=False)
     monkeypatch.delenv("JFSDP_PREFETCH", raising=False)
     pipeline = "--xla_gpu_enable_pipelined_all_gather=false"
-    assert pipeline in targets.gpu_xla_flags("", prefetch=True) and pipeline not in targets.gpu_xla_flags("")
+    assert pipeline in xla_flags.gpu_xla_flags("", prefetch=True) and pipeline not in targets.gpu_xla_flags("")
 
     def flags(setup, argv):
         monkeypatch.setenv("XLA_FLAGS", "")
