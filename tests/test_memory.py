@@ -7,7 +7,6 @@ counts from the model config's own `num_params`)."""
 import dataclasses
 import functools
 import json
-import math
 import os
 import subprocess
 import sys
@@ -22,6 +21,7 @@ import jfsdp.train.step
 import models
 from jfsdp.planning import hlo
 from jfsdp.planning import memory
+from jfsdp.planning.sizes import stored_bytes
 from jfsdp.plan import largest_batch, parse_bytes
 
 # Width 256 so that parameters, gathered units and activations all weigh in the peak; vocab 259
@@ -126,7 +126,7 @@ def test_full_shard_memory_flat_in_depth_with_remat():
     _, _, _, c4 = compiled_case("1x16", "full_shard", "full", "fp32", 4)
     _, plan, _, c8 = compiled_case("1x16", "full_shard", "full", "fp32", 8)
     temp4, temp8 = memory.measure(c4)["temp"], memory.measure(c8)["temp"]
-    unit_gathered = memory._stored_bytes(plan.layouts["units"])
+    unit_gathered = stored_bytes(plan.layouts["units"])
     assert (temp8 - temp4) / 4 < 0.35 * unit_gathered
 
 
