@@ -34,9 +34,10 @@ import jax.numpy as jnp  # noqa: E402
 
 import jfsdp  # noqa: E402
 import models  # noqa: E402
+from jfsdp.config.xla_flags import GPU_FLAGS  # noqa: E402
 from jfsdp.planning import hlo  # noqa: E402
-from jfsdp.planning import memory
-from jfsdp.planning import targets
+from jfsdp.planning import memory  # noqa: E402
+from jfsdp.planning import targets  # noqa: E402
 
 GiB = 2**30
 
@@ -98,7 +99,7 @@ def main(argv=None) -> int:
     show("FULL_SHARD against depth (llama-1b width), 1x8", rows,
          ["n_layers", "compiled_gib", "temp_gib", "state_gib", "estimate_gib"])
 
-    off = {k: None for k in targets.GPU_FLAGS}
+    off = {k: None for k in GPU_FLAGS}
     rows = [dict(compile_case(a.target, one_b, "1x8", "full_shard", "full", 8, 2048), options="prefetch pipeline"),
             dict(compile_case(a.target, one_b, "1x8", "full_shard", "full", 8, 2048, prefetch=False),
                  options="plain scan + flags"),

@@ -32,8 +32,8 @@ import jax.numpy as jnp  # noqa: E402
 
 import jfsdp  # noqa: E402
 from jfsdp.planning import hlo  # noqa: E402
-from jfsdp.planning import memory
-from jfsdp.planning import targets
+from jfsdp.planning import memory  # noqa: E402
+from jfsdp.planning import targets  # noqa: E402
 from models import moe  # noqa: E402
 from models.llama import lm_loss  # noqa: E402
 

@@ -19,10 +19,11 @@ import jfsdp.engine.sharded
 import models
 from jfsdp.config import xla_flags
 from jfsdp.planning import hlo
-
-# jax's CUDA plugin (the gpu-target extra) has Linux wheels only; CI runs on Linux, where these run.
 from jfsdp.planning import memory
 from jfsdp.planning import targets
+from jfsdp.planning.sizes import stored_bytes
+
+# jax's CUDA plugin (the gpu-target extra) has Linux wheels only; CI runs on Linux, where these run.
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="jax-cuda13-plugin: Linux wheels only")
 
 S = 8
@@ -52,7 +53,7 @@ def h100():
     layers on the plain scan with jfsdp's XLA pipelining flags (what remat none / dots get)."""
     cases = {4: _case(4), 8: _case(8)}
     assert cases[4][1].prefetch and cases[8][1].prefetch  # the default on GPUs for remat full
-    off = {k: None for k in targets.GPU_FLAGS}
+    off = {k: None for k in xla_flags.GPU_FLAGS}
     cases["plain"] = _case(8, off, prefetch=False)
     cases["flags"] = _case(4, prefetch=False)
     return cases
@@ -92,7 +93,7 @@ def test_throughput_sets_the_flags_train_py_sets(monkeypatch, capsys):
     monkeypatch.delenv("JAX_PLATFORMS", raising=False)
     monkeypatch.delenv("JFSDP_PREFETCH", raising=False)
     pipeline = "--xla_gpu_enable_pipelined_all_gather=false"
-    assert pipeline in xla_flags.gpu_xla_flags("", prefetch=True) and pipeline not in targets.gpu_xla_flags("")
+    assert pipeline in xla_flags.gpu_xla_flags("", prefetch=True) and pipeline not in xla_flags.gpu_xla_flags("")
 
     def flags(setup, argv):
         monkeypatch.setenv("XLA_FLAGS", "")
@@ -135,14 +136,14 @@ def test_missing_plugin_is_one_config_error(monkeypatch):
         raise RuntimeError("Unknown backend cuda")
     monkeypatch.setattr(topologies, "get_topology_desc", no_plugin)
     monkeypatch.setattr(targets, "plugin_available", lambda: False)
-    targets._topology_devices.cache_clear()
+    targets.topology_devices.cache_clear()
     try:
         with pytest.raises(jfsdp.ConfigError) as e:
             targets.devices("h200", "1x2")
         assert "pip install" in str(e.value) and "jax-cuda13-plugin==" + jax.__version__ in str(e.value)
         assert "\n" not in str(e.value)
     finally:
-        targets._topology_devices.cache_clear()
+        targets.topology_devices.cache_clear()
 
 
 def test_gathers_are_bf16_and_reduce_scatters_fp32_on_gpu(h100):
@@ -175,9 +176,9 @@ def test_full_shard_memory_flat_in_depth(h100):
     _, plan, _, c4, _ = h100[4]
     _, _, _, c8, _ = h100[8]
     per_unit = (memory.measure(c8)["temp"] - memory.measure(c4)["temp"]) / 4
-    gathered_unit = memory._stored_bytes(plan.layouts["units"], jnp.bfloat16)
+    gathered_unit = stored_bytes(plan.layouts["units"], jnp.bfloat16)
     saved_input = BATCH // S * SEQ * CFG.dim * 2
-    grad_shard = memory._stored_bytes(plan.layouts["units"], jnp.float32) // S
+    grad_shard = stored_bytes(plan.layouts["units"], jnp.float32) // S
     assert per_unit < 0.35 * gathered_unit, (per_unit, gathered_unit)
     assert per_unit <= 1.15 * (grad_shard + saved_input), (per_unit, grad_shard, saved_input)
 
@@ -207,8 +208,8 @@ def test_prefetch_overlap_in_steady_state(h100):
     backward), the root's gather and reduce-scatter and unit 0's reduce-scatter (the last of the
     step) are exposed: per step, 2 units' gathers and 1 unit's reduce-scatter beyond the root's,
     whatever the depth; the other 2n-2 gathers and n-1 reduce-scatters are hidden."""
-    root_ag = memory._stored_bytes(h100[4][1].layouts["root"], jnp.bfloat16) * (S - 1) / S
-    root_rs = memory._stored_bytes(h100[4][1].layouts["root"], jnp.float32) * (S - 1) / S
+    root_ag = stored_bytes(h100[4][1].layouts["root"], jnp.bfloat16) * (S - 1) / S
+    root_rs = stored_bytes(h100[4][1].layouts["root"], jnp.float32) * (S - 1) / S
     for n in (4, 8):
         *_, text = h100[n]
         ov = hlo.overlap(text, S)
@@ -237,7 +238,7 @@ def test_prefetch_costs_at_most_one_gathered_unit(h100):
     _, plan, _, prefetched, _ = h100[8]
     _, _, _, without, _ = h100["plain"]
     extra = memory.measure(prefetched)["total"] - memory.measure(without)["total"]
-    assert extra <= memory._stored_bytes(plan.layouts["units"], jnp.bfloat16)
+    assert extra <= stored_bytes(plan.layouts["units"], jnp.bfloat16)
 
 
 def test_prefetch_option():

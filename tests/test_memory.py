@@ -7,7 +7,6 @@ counts from the model config's own `num_params`)."""
 import dataclasses
 import functools
 import json
-import math
 import os
 import subprocess
 import sys
@@ -21,8 +20,10 @@ import jfsdp
 import jfsdp.train.step
 import models
 from jfsdp.planning import hlo
+from jfsdp.plan import parse_bytes
 from jfsdp.planning import memory
-from jfsdp.plan import largest_batch, parse_bytes
+from jfsdp.planning.report import largest_batch
+from jfsdp.planning.sizes import stored_bytes
 
 # Width 256 so that parameters, gathered units and activations all weigh in the peak; vocab 259
 # pads on 8 and 16 shards (259 -> 264 or 272 rows), so padding is exercised.
@@ -126,7 +127,7 @@ def test_full_shard_memory_flat_in_depth_with_remat():
     _, _, _, c4 = compiled_case("1x16", "full_shard", "full", "fp32", 4)
     _, plan, _, c8 = compiled_case("1x16", "full_shard", "full", "fp32", 8)
     temp4, temp8 = memory.measure(c4)["temp"], memory.measure(c8)["temp"]
-    unit_gathered = memory._stored_bytes(plan.layouts["units"])
+    unit_gathered = stored_bytes(plan.layouts["units"])
     assert (temp8 - temp4) / 4 < 0.35 * unit_gathered
 
 
@@ -164,14 +165,14 @@ def test_plan_mesh_that_does_not_fit_the_fake_devices():
 def test_plan_compiles_with_train_py_cpu_flags(monkeypatch):
     """The planner's CPU compile is the step train.py runs: XLA:CPU's memory-minimizing scheduler
     (jfsdp.config.xla_flags.CPU_FLAGS; XLA reads it from XLA_FLAGS only), a device count already set winning."""
-    from jfsdp.plan import _force_devices
+    from jfsdp.plan import set_fake_cpu_devices
     monkeypatch.setenv("XLA_FLAGS", "")
-    _force_devices(64)
+    set_fake_cpu_devices(64)
     flags = os.environ["XLA_FLAGS"].split()
     assert "--xla_force_host_platform_device_count=64" in flags
     assert "--xla_cpu_enable_concurrency_optimized_scheduler=false" in flags
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
-    _force_devices(64)
+    set_fake_cpu_devices(64)
     assert "device_count=64" not in os.environ["XLA_FLAGS"] and "scheduler=false" in os.environ["XLA_FLAGS"]
 
 

@@ -1,14 +1,16 @@
-"""The command lines' argument parser. jax-free."""
+"""The command lines' argument parser: a bad flag is one `error: ...` line and exit status 2, like every
+other bad input (argparse's own prints the usage and the error). jax-free."""
 from __future__ import annotations
 
 import argparse
 import sys
 
+EXIT_BAD_INPUT = 2   # the exit status of every bad input (a ConfigError at the command line)
+
 
 class ArgParser(argparse.ArgumentParser):
-    """argparse's parser, but bad arguments end like every other bad input: one line `error: ...` on
-    stderr and exit status 2 (argparse prints the usage first)."""
+    """argparse's parser; a bad flag ends like every other bad input."""
 
     def error(self, message):
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(2)
+        print(f"error: {message} (see --help)", file=sys.stderr, flush=True)
+        sys.exit(EXIT_BAD_INPUT)

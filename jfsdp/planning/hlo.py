@@ -4,7 +4,7 @@ overlap with compute in the scheduled program, and per-device memory from
 
 Both backends' forms are read: XLA:CPU's synchronous collectives, and XLA:GPU's async pairs
 (`all-gather-start` ... `all-gather-done`) whose start may combine several collectives into one op
-of several operands (measured: one 9-operand all-gather per unit)."""
+of several operands (a unit's all-gathers, combined into one)."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,131 +12,9 @@ import math
 import re
 from collections import Counter
 
+from jfsdp.planning.hlo_text import Instr, array_bytes, array_types, group_size, parse, tuple_elements, walk
+
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
-                "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1}
-_COMP = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
-_ARRAY = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\]")
-_COMMENT = re.compile(r"/\*.*?\*/")
-_CALLS = re.compile(r"(?:body|condition|to_apply|calls|branch_computations|called_computations)=\{?([^}\s,]+(?:,\s*%[\w.\-]+)*)")
-
-
-@dataclasses.dataclass(frozen=True)
-class Instr:
-    """One instruction of an HLO computation, in the order the text lists it (for a scheduled module,
-    the order it runs in)."""
-    name: str
-    shape: str       # the result type, e.g. 'f32[8,16]{1,0}' or a (nested) tuple of them
-    opcode: str      # e.g. 'fusion', 'all-gather-start'
-    line: str
-
-
-def _split_type(rest: str) -> tuple[str, str]:
-    """'<type> <opcode>(...)...' -> (type, remainder): the type is one token or a balanced (...)."""
-    if rest.startswith("("):
-        depth = 0
-        for i, ch in enumerate(rest):
-            depth += ch == "("
-            depth -= ch == ")"
-            if depth == 0:
-                return rest[: i + 1], rest[i + 1:].lstrip()
-    cut = rest.find(" ")
-    return (rest, "") if cut < 0 else (rest[:cut], rest[cut + 1:].lstrip())
-
-
-def _parse_instr(line: str) -> Instr | None:
-    m = _NAME.match(line)
-    if not m:
-        return None
-    shape, rem = _split_type(_COMMENT.sub("", line[m.end():]))
-    op = re.match(r"([\w\-]+)\(", rem)
-    return Instr(m.group(1), shape, op.group(1) if op else "", line) if op else None
-
-
-def _tuple_elements(shape: str) -> list[str] | None:
-    """Top-level elements of a tuple type '(a, (b, c), d)', or None for an array type."""
-    shape = shape.strip()
-    if not shape.startswith("("):
-        return None
-    out, depth, cur = [], 0, ""
-    for ch in shape[1:-1]:
-        if ch in "({[":
-            depth += 1
-        elif ch in ")}]":
-            depth -= 1
-        if ch == "," and depth == 0:
-            out.append(cur.strip())
-            cur = ""
-        else:
-            cur += ch
-    if cur.strip():
-        out.append(cur.strip())
-    return out
-
-
-def _result_type(kind: str, start: bool, shape: str) -> str:
-    """The part of a collective's type that is its result. A `-start` of an all-gather, reduce-scatter,
-    all-to-all or collective-permute returns (operands, results[, scratch]): operands and results are
-    each an array, or a tuple when XLA combined several collectives into one op (measured on
-    XLA:GPU: one `all-gather-start` of 9 operands per unit). An `all-reduce-start` returns its
-    result(s) alone, like the synchronous ops."""
-    if not start or kind == "all-reduce":
-        return shape
-    parts = _tuple_elements(shape)
-    return parts[1] if parts and len(parts) >= 2 else shape
-
-
-def _group_size(line: str, n_devices: int | None) -> int:
-    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", line)
-    if m:
-        return int(m.group(2))
-    m = re.search(r"replica_groups=\{\{([\d,]*)\}", line)
-    if m:
-        return len(m.group(1).split(","))
-    # the mesh form of newer XLA: replica_groups=mesh['axis_0'=2,'axis_1'=8] {'axis_1'}
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
-    if m:
-        sizes = dict(re.findall(r"'([^']+)'=(\d+)", m.group(1)))
-        axes = re.findall(r"'([^']+)'", m.group(2))
-        if axes and all(a in sizes for a in axes):
-            return math.prod(int(sizes[a]) for a in axes)
-    return n_devices or 0
-
-
-@dataclasses.dataclass(frozen=True)
-class Module:
-    """An optimized HLO module as text, split into computations of instructions."""
-    comps: dict          # name -> [Instr] in listed (scheduled) order
-    entry: str
-    calls: dict          # name -> set of computations it calls
-    bodies: dict         # name -> set of while bodies it calls
-
-
-def parse(hlo_text: str) -> Module:
-    comps: dict[str, list[Instr]] = {}
-    entry, cur = None, None
-    for line in hlo_text.splitlines():
-        m = _COMP.match(line)
-        if m and not line.startswith(" "):
-            cur = m.group(1)
-            comps[cur] = []
-            if line.startswith("ENTRY"):
-                entry = cur
-        elif cur is not None:
-            ins = _parse_instr(line)
-            if ins is not None:
-                comps[cur].append(ins)
-    calls, bodies = {}, {}
-    for name, instrs in comps.items():
-        calls[name], bodies[name] = set(), set()
-        for ins in instrs:
-            for group in _CALLS.findall(ins.line):
-                calls[name].update(c.strip().lstrip("%") for c in group.split(","))
-            b = re.search(r"\bbody=%?([\w.\-]+)", ins.line) if ins.opcode == "while" else None
-            if b:
-                bodies[name].add(b.group(1))
-    return Module(comps, entry, calls, bodies)
 
 
 def _collective_kind(opcode: str) -> tuple[str | None, bool]:
@@ -149,20 +27,16 @@ def _collective_kind(opcode: str) -> tuple[str | None, bool]:
     return None, False
 
 
-def _walk(mod: Module):
-    """(computation, enclosing while bodies) for every computation reachable from the entry."""
-    out = []
-
-    def walk(name, loops, seen):
-        if name in seen or name not in mod.comps:
-            return
-        seen = seen | {name}
-        out.append((name, loops))
-        for callee in sorted(mod.calls[name]):
-            walk(callee, loops + ((callee,) if callee in mod.bodies[name] else ()), seen)
-
-    walk(mod.entry, (), frozenset())
-    return out
+def _result_type(kind: str, start: bool, shape: str) -> str:
+    """The part of a collective's type that is its result. A `-start` of an all-gather, reduce-scatter,
+    all-to-all or collective-permute returns (operands, results[, scratch]): operands and results are
+    each an array, or a tuple when XLA combined several collectives into one op (XLA:GPU combines a
+    unit's all-gathers into one `all-gather-start` of several operands). An `all-reduce-start`
+    returns its result(s) alone, like the synchronous ops."""
+    if not start or kind == "all-reduce":
+        return shape
+    parts = tuple_elements(shape)
+    return parts[1] if parts and len(parts) >= 2 else shape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,20 +68,17 @@ class Collective:
         return float(b)
 
 
-def _array_bytes(type_text: str) -> int:
-    total = 0
-    for dt, dims in _ARRAY.findall(type_text):
-        total += _DTYPE_BYTES[dt] * math.prod(int(d) for d in dims.split(",") if d)
-    return total
 
 
 def _collective(ins: Instr, comp: str, loops: tuple, n_devices: int | None) -> Collective | None:
+    """The collective that instruction `ins` (of computation `comp`, inside `loops`) starts; None for
+    any other instruction."""
     kind, start = _collective_kind(ins.opcode)
     if kind is None:
         return None
     res = _result_type(kind, start, ins.shape)
-    arrays = _ARRAY.findall(res)
-    return Collective(kind, _array_bytes(res), _group_size(ins.line, n_devices), loops,
+    arrays = array_types(res)
+    return Collective(kind, array_bytes(res), group_size(ins.line, n_devices), loops,
                       tuple(sorted({a[0] for a in arrays})), ins.name, comp, max(1, len(arrays)), start)
 
 
@@ -217,7 +88,7 @@ def collectives(hlo_text: str, n_devices: int | None = None) -> list[Collective]
     collective, as XLA:GPU emits them) counts once with the bytes of all its results."""
     mod = parse(hlo_text) if isinstance(hlo_text, str) else hlo_text
     found: list[Collective] = []
-    for name, loops in _walk(mod):
+    for name, loops in walk(mod):
         for ins in mod.comps[name]:
             c = _collective(ins, name, loops, n_devices)
             if c is not None:
@@ -283,7 +154,7 @@ def per_step(hlo_text: str, n_devices: int | None = None) -> dict:
 def emitted_collectives(closed_jaxpr) -> Counter:
     """{(primitive, dtype): count} of the collectives in a jaxpr, nested jaxprs included: the program
     jfsdp hands to XLA. Use it for dtypes: XLA:CPU upcasts bf16 collectives to f32 during
-    compilation (measured, jax 0.10.2), so on CPU the optimized HLO cannot show the bf16 all-gather
+    compilation (jax 0.10.2), so on CPU the optimized HLO cannot show the bf16 all-gather
     that a GPU runs."""
     names = {"all_gather", "reduce_scatter", "psum", "all_to_all", "ppermute", "psum_scatter"}
     found: Counter = Counter()
@@ -350,7 +221,7 @@ def overlap(hlo_text: str, n_devices: int | None = None) -> list[Overlap]:
     mod = parse(hlo_text)
     trips = trip_counts(hlo_text)
     out = []
-    for name, loops in _walk(mod):
+    for name, loops in walk(mod):
         times = math.prod(trips.get(b, 1) for b in loops)
         instrs = mod.comps[name]
         done_at = {}

@@ -134,7 +134,10 @@ def plugin_available() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _topology_devices(target: str, n: int):
+def topology_devices(target: str, n: int) -> tuple:
+    """n compile-only devices of `target` (lower-case name), built once per process and target
+    (`topology_devices.cache_clear()` forgets them). ConfigError, in one line, where jax's CUDA plugin
+    is missing or cannot build the topology."""
     from jax.experimental import topologies
     t = get(target)
     try:
@@ -157,7 +160,7 @@ def devices(target: str, mesh) -> list:
     from jfsdp.config.mesh import parse_mesh
     r, s = parse_mesh(mesh) if isinstance(mesh, str) else mesh
     get(target)
-    return list(_topology_devices(str(target).strip().lower(), r * s))
+    return list(topology_devices(str(target).strip().lower(), r * s))
 
 
 def compiler_options(overrides: dict | None = None, prefetch: bool = False) -> dict:

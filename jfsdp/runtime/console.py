@@ -11,9 +11,10 @@ from __future__ import annotations
 import contextlib
 import sys
 
+from jfsdp.config.args import EXIT_BAD_INPUT  # noqa: F401  (the one exit status of bad input)
 from jfsdp.config.errors import ConfigError
 
-EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_TERMINATED = 2, 130, 143
+EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143
 
 _on_fail = []   # what to close before exiting on an error (the checkpointer: its pending save and threads)
 _quiet = False  # set in processes other than 0 of a multi-process run: only process 0 reports

@@ -1,0 +1,85 @@
+"""Activation bytes per device, read from the traced model (so it works for any model handed to
+`fully_shard`): what each unit's checkpoint policy saves, what one unit's backward needs at once,
+and what the embedding, head and loss keep for the backward pass. Nothing is compiled."""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jfsdp.config.policy import REMAT_POLICIES, wire_dtype
+from jfsdp.engine.sharded import FSDP
+from jfsdp.planning.sizes import as_shapes, nbytes, tree_bytes
+
+
+def residual_bytes(f, *args, skip_args=True) -> int:
+    """Bytes of the values JAX saves from f's forward for its backward (its checkpoint policy
+    applied). Arguments are skipped: the caller accounts for them."""
+    from jax._src.ad_checkpoint import saved_residuals  # public only as print_saved_residuals
+    total = 0
+    for aval, where in saved_residuals(f, *args):
+        if skip_args and where.startswith("from the argument"):
+            continue
+        total += int(math.prod(aval.shape)) * jnp.dtype(aval.dtype).itemsize
+    return total
+
+
+def activation_estimate(plan: FSDP, loss_fn: Callable, local_batch, backend: str | None = None,
+                        widen: bool = True) -> dict:
+    """Activation bytes per device, from the traced model on one device's batch, per stage:
+    `per_unit`: saved by a unit's checkpoint policy (plus the unit's input, which the scan keeps);
+    `unit_working`: everything one unit's backward needs at once (its activations with nothing
+    recomputed away); and `head`: values the embedding, head and loss keep for backward.
+    `stages` lists {'per_unit', 'unit_working'} of each stage; the top-level `per_unit` and
+    `unit_working` are the first stage's (the whole answer for a one-stage model).
+    `widen=False`: in param_dtype as the program writes it, not as the backend computes it
+    (`wire_dtype`): what XLA:CPU stores from the forward pass (see `jfsdp.planning.estimate`)."""
+    m = plan.model
+    pdt = jnp.dtype(plan.mp.param_dtype or jnp.float32)
+    pdt = wire_dtype(pdt, backend or jax.default_backend()) if widen else pdt
+    root_layouts, stage_layouts = plan.split(plan.layouts)
+    root_p = as_shapes(root_layouts, pdt)
+    h = jax.eval_shape(lambda r, x: m.root.apply({"params": r}, x, method=m.embed_method), root_p,
+                       local_batch["inputs"])
+    stages, h = _unit_activations(plan, stage_layouts, pdt, h)
+    head = _head_activations(plan, loss_fn, local_batch, root_p, h)
+    return {**stages[0], "head": head, "stages": stages}
+
+
+def _unit_activations(plan: FSDP, stage_layouts, pdt, h):
+    """([{'per_unit', 'unit_working'} per stage], the last stage's output shape), from the
+    embedding's output shape `h`."""
+    policy = getattr(jax.checkpoint_policies, REMAT_POLICIES[plan.remat])
+    stages = []
+    for st, layouts in zip(plan.model.stages, stage_layouts):
+        unit_p = as_shapes(layouts, pdt)
+        unit_fn = lambda x, p, unit=st.unit: unit.apply({"params": p}, x)
+        stages.append({"per_unit": residual_bytes(jax.checkpoint(unit_fn, policy=policy), h, unit_p) + tree_bytes(h),
+                       "unit_working": residual_bytes(unit_fn, h, unit_p) + tree_bytes(h)})
+        h = jax.eval_shape(unit_fn, h, unit_p)
+    return stages, h
+
+
+def _head_activations(plan: FSDP, loss_fn: Callable, local_batch, root_p, h) -> int:
+    """What the head and the loss keep for their backward, and the gradients their backward makes."""
+    m = plan.model
+
+    def head(x, r):
+        return m.root.apply({"params": r}, x, method=m.head_method)
+
+    out = jax.eval_shape(head, h, root_p)
+    total = residual_bytes(lambda x, r, batch: loss_fn(plan.mp.cast_output(head(x, r)), batch), h, root_p, local_batch)
+    if isinstance(out, jax.ShapeDtypeStruct):   # logits: + the output's cotangent in fp32
+        return total + 2 * nbytes(out)
+    # a fused head + loss (hidden, weight): the weight's gradient (one buffer of its dtype, written
+    # block by block), and the hidden states' fp32 gradient accumulator and the product added into it
+    *hs, w = jax.tree.leaves(out)
+    total += nbytes(w) + 2 * sum(math.prod(x.shape) * 4 for x in hs)
+    chunk = getattr(loss_fn, "chunk", None)
+    if chunk:   # jfsdp.train.losses.lm_loss: a few (chunk, vocabulary) fp32 buffers at a time
+        vocab = w.shape[0] if getattr(loss_fn, "vocab_major", False) else w.shape[-1]
+        tokens = math.prod(local_batch["inputs"].shape)
+        total += 2 * min(chunk, tokens) * vocab * 4
+    return total

@@ -1,0 +1,239 @@
+"""The analytic answer to "will it fit?": a breakdown of the bytes per device at the peak of one train
+step, from the plan's parameter layouts (sizes, dtypes, padding, shards), the optimizer's state shapes
+and the activations that the unit's checkpoint policy saves (`jfsdp.planning.activations`). Nothing
+is compiled; `jfsdp.planning.memory.measure` is the compiled answer it is checked against."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jfsdp.config.policy import wire_dtype
+from jfsdp.engine.layout import is_layout
+from jfsdp.engine.sharded import FSDP
+from jfsdp.planning.activations import activation_estimate
+from jfsdp.planning.sizes import elements, stages, stored_bytes, tree_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Breakdown:
+    """Bytes per device. `params`, `grads`, `optimizer` count real elements only; `padding` is the
+    padding rows of all three. `gathered`: unsharded copies in param_dtype (root + one unit, two
+    with prefetch; every unit for SHARD_GRAD_OP). `grad_buffers`: unsharded gradients before they
+    are reduce-scattered (a ZeRO-2 unit's; root weights' whose reduce-scatter waits: a tied weight's,
+    an untied embedding table's in its backward, on CPU an untied head's). `activations`: what the
+    remat policy keeps for all units, the head's saved values, and the working set of one unit's
+    backward."""
+    params: int
+    grads: int
+    optimizer: int
+    padding: int
+    gathered: int
+    grad_buffers: int
+    activations: int
+    batch: int
+
+    persistent_padding: int = 0  # the part of `padding` in parameters and optimizer state
+
+    @property
+    def persistent(self) -> int:
+        """Held between steps: parameters, optimizer state and their padding."""
+        return self.params + self.optimizer + self.persistent_padding
+
+    @property
+    def total(self) -> int:
+        return (self.params + self.grads + self.optimizer + self.padding + self.gathered + self.grad_buffers
+                + self.activations + self.batch)
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["persistent"], d["total"] = self.persistent, self.total
+        return d
+
+
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    """What the peak candidates are made of (bytes per device)."""
+    params: int           # the real elements of the master parameters' shard
+    pad_grads: int        # the padding of the gradient shards
+    gathered: int         # gathered copies at the head's backward (root + units)
+    units_gathered: int   # the units' part of it
+    one_unit: int         # one gathered unit (0 where nothing is gathered)
+    grad_buffers: int     # unsharded unit gradients (ZeRO-2)
+    saved: int            # the units' saved activations, as the backward pass holds them
+    saved_fwd: int        # the same, as the forward pass wrote them
+    recompute: int        # what one unit's backward recomputes on top of them
+    head: int             # the head's and the loss's activations
+
+
+def estimate(plan: FSDP, optimizer, loss_fn: Callable, batch, *, prefetch: bool = False,
+             backend: str | None = None, update_in_backward: bool = False) -> Breakdown:
+    """Analytic per-device bytes at the peak of one train step of `plan` on the global `batch`
+    (a tree of shapes): the state plus the largest of what is live at four points of the step, the
+    head's backward, the units' backward, the embedding's backward and the update (`_peak_points`).
+    `backend`: whose dtypes ('cpu' widens bf16 compute to f32: `wire_dtype`) and whose scheduling
+    the figure is for; the compiled CPU figure assumes XLA:CPU's memory-minimizing scheduler
+    (jfsdp.config.xla_flags.CPU_FLAGS, as train.py and the planner compile).
+    `update_in_backward`: the step of `make_train_step(update_in_backward=True)`, which runs the
+    prefetch pipeline's loops (two gathered units) and never holds the units' whole gradient."""
+    backend = backend or jax.default_backend()
+    N = plan.n_devices
+    params, optimizer_b, pad_state, pad_grads = _state(plan, optimizer)
+    gathered, units_gathered, one_unit, grad_buffers = _gathered(plan, backend, prefetch or update_in_backward)
+    local = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // N, *a.shape[1:]), a.dtype), batch)
+    saved, saved_fwd, recompute, head = _activations(plan, loss_fn, local, backend)
+    step = _Step(params, pad_grads, gathered, units_gathered, one_unit, grad_buffers, saved, saved_fwd, recompute,
+                 head)
+    points = _peak_points(plan, backend, step)
+    if update_in_backward:
+        points.update(_update_in_backward_points(plan, step, points["embed"]))
+    name = max(points, key=lambda k: sum(points[k]))
+    grads, gath, buffers, activations, pad_g = points[name]
+    return Breakdown(params=params, grads=grads, optimizer=optimizer_b, padding=pad_state + pad_g,
+                     persistent_padding=pad_state, gathered=gath, grad_buffers=buffers,
+                     activations=activations, batch=tree_bytes(local))
+
+
+def _state(plan: FSDP, optimizer) -> tuple[int, int, int, int]:
+    """(parameters, optimizer state, padding of both, padding of the gradients) of one shard."""
+    S = plan.shards
+    master = max(jnp.dtype(l.dtype).itemsize for l in jax.tree.leaves(plan.layouts, is_leaf=is_layout))
+    real, pad = elements(plan)
+    params = real * master // S
+    opt_total = tree_bytes(jax.eval_shape(optimizer.init, plan.abstract_params()))
+    opt_per_byte = opt_total / ((real + pad) * master)  # AdamW: 2.0 (two fp32 moments)
+    optimizer_b = int(round(params * opt_per_byte))
+    pad_state = int(round(pad * master * (1 + opt_per_byte) / S))
+    return params, optimizer_b, pad_state, pad * master // S
+
+
+def _root_leaves(plan: FSDP) -> list:
+    return jax.tree.leaves(plan.split(plan.layouts)[0], is_leaf=is_layout)
+
+
+def _gathered_units(plan: FSDP, gdt) -> list:
+    """Bytes of one gathered unit of each stage, in `gdt`. An expert-parallel MoE stage's experts
+    are not gathered: they stay a cast local shard."""
+    S, st = plan.shards, stages(plan)
+    unit_g = [stored_bytes(l, gdt) for l, _ in st]
+    for j, m in enumerate(getattr(plan, "moe_stages", None) or []):
+        if m is not None and m.mode == "ep":
+            from jfsdp.engine import moe
+            unit_g[j] -= moe.expert_bytes(st[j][0], m.site, gdt) * (S - 1) // S
+    return unit_g
+
+
+def _gathered(plan: FSDP, backend: str, two_units: bool) -> tuple[int, int, int, int]:
+    """(gathered at the head's backward, the units' part of it, one gathered unit, unsharded unit
+    gradients) per device. `two_units`: the prefetch pipeline keeps the next unit gathered too."""
+    S, st = plan.shards, stages(plan)
+    pdt = plan.mp.param_dtype or jnp.float32
+    rdt = plan.mp.reduce_dtype or pdt
+    gdt = wire_dtype(pdt, backend)
+    # the root leaves the head reads stay gathered to its backward (the peak); those only the
+    # embedding reads are gathered and freed at the start (FSDP.root_use)
+    leaves = _root_leaves(plan)
+    root_g = stored_bytes([leaves[i] for i in sorted(plan.root_use[1])], gdt)
+    unit_g = _gathered_units(plan, gdt)
+    if S > 1:
+        # ZeRO-3 keeps one gathered unit at a time (two with prefetch): the largest of any stage. Its
+        # unsharded gradient needs no room of its own: each leaf's gradient is reduce-scattered as
+        # soon as it is complete and the gathered leaf dies after its last use, so one takes the
+        # place of the other (the compiled peak holds root + one unit, not root + unit + gradient).
+        # ZeRO-2 keeps every unit from the forward scans (stacked buffers, freed only when each
+        # backward scan ends), so the unit being differentiated needs a gradient buffer besides.
+        # A one-unit stage is kept like the root: XLA removes a loop of one iteration and merges
+        # its forward and backward gathers.
+        if plan.strategy.reshard_after_forward:
+            single = sum(u for u, (_, n) in zip(unit_g, st) if n == 1)
+            looped = max([u for u, (_, n) in zip(unit_g, st) if n > 1], default=0)
+            gathered = root_g + single + looped * (2 if two_units else 1)
+            grad_buffers = 0
+        else:
+            gathered = root_g + sum(u * n for u, (_, n) in zip(unit_g, st))
+            grad_buffers = max(stored_bytes(l, rdt) for l, _ in st)
+    else:
+        # One shard (NO_SHARD, or any strategy on an Rx1 mesh): unshard is at most a cast, which the
+        # backward pass redoes rather than keeps (FSDP), so a param_dtype copy exists for the root
+        # and one unit at a time, and only where compute runs in another dtype than the master.
+        # The gradient all-reduce runs in place (no second full gradient: the optimizer's clipping
+        # makes no copy of the gradients).
+        gathered = 0 if gdt == jnp.dtype(jnp.float32) else root_g + max(unit_g)
+        grad_buffers = 0
+    units_gathered = gathered - (root_g if S > 1 or gathered else 0)
+    one_unit = max(unit_g) if S > 1 or gathered else 0
+    return gathered, units_gathered, one_unit, grad_buffers
+
+
+def _activations(plan: FSDP, loss_fn: Callable, local, backend: str) -> tuple[int, int, int, int]:
+    """(saved unit activations in the backward pass, the same in the forward pass, one unit's
+    recomputation, the head's activations) per device for the local batch `local`."""
+    st = stages(plan)
+    act = activation_estimate(plan, loss_fn, local, backend)
+    recompute = max(s["unit_working"] - s["per_unit"] for s in act["stages"])
+    saved = sum(n * s["per_unit"] for s, (_, n) in zip(act["stages"], st))
+    # Until the backward scan starts, the saved activations are held in the dtype the forward wrote:
+    # XLA:CPU widens a bf16 plan's arithmetic, not the forward scan's stacked outputs; it converts
+    # the whole stack to f32 just before the backward scan.
+    saved_fwd = saved
+    pdt = plan.mp.param_dtype or jnp.float32
+    if wire_dtype(pdt, backend) != jnp.dtype(pdt):
+        act_fwd = activation_estimate(plan, loss_fn, local, backend, widen=False)
+        saved_fwd = sum(n * s["per_unit"] for s, (_, n) in zip(act_fwd["stages"], st))
+    return saved, saved_fwd, recompute, act["head"]
+
+
+def _peak_points(plan: FSDP, backend: str, s: _Step) -> dict:
+    """The four candidates for the peak, each (gradient shards, gathered, unsharded gradients,
+    activations, padding of the gradients); the largest is the estimate.
+    (a) the head's backward: the gathered root and the head's working set; no gradient shard
+        exists yet (XLA:CPU's memory-minimizing scheduler makes the units' stacked gradient buffers
+        just before the backward scan: jfsdp.config.xla_flags.CPU_FLAGS).
+    (b) the units' backward: every unit's gradient shard (one stacked buffer per stage), the
+        unsharded gradient of a root weight the embedding also reads (a tied weight: reduced once,
+        after the embedding's backward), the gathered unit(s) and what remat recomputes. On CPU
+        also the unsharded gradient of the root leaves only the head reads (an untied output
+        weight, in param_dtype as the head writes it): XLA:CPU's scheduler reduce-scatters it after
+        the backward scan, XLA:GPU right after the head's backward.
+    (c) the embedding's backward, once the units' are done: every unit's gradient shard, the
+        unsharded gradient of the root leaves only the embedding reads (an untied table: the
+        lookup's gradient is a scatter-add into a whole table, in param_dtype, and its cast to
+        reduce_dtype for the reduce-scatter) and one gathered unit (XLA:GPU overlaps the last
+        unit's backward with it and reduces both in one combined reduce-scatter).
+    (d) the update: the state and every gradient shard."""
+    pdt = plan.mp.param_dtype or jnp.float32
+    rdt = plan.mp.reduce_dtype or pdt
+    gdt = wire_dtype(pdt, backend)
+    unit_grads = sum(n * stored_bytes(l) for l, n in stages(plan)) // plan.shards
+    leaves = _root_leaves(plan)
+    embed_reads, head_reads = plan.root_use
+    shared = [leaves[i] for i in sorted(embed_reads & head_reads)]
+    head_only = [leaves[i] for i in sorted(head_reads - embed_reads)]
+    embed_only = [leaves[i] for i in sorted(embed_reads - head_reads)]
+    held = stored_bytes(head_only, pdt) if backend == "cpu" else 0
+    rdt_wire = wire_dtype(rdt, backend)
+    table = stored_bytes(embed_only, gdt) + (stored_bytes(embed_only, rdt_wire) if rdt_wire != gdt else 0)
+    return {
+        "head": (0, s.gathered, s.grad_buffers, s.saved_fwd + s.head, 0),
+        "units": (unit_grads, s.units_gathered, s.grad_buffers + stored_bytes(shared, gdt) + held,
+                  s.saved + s.recompute, 0),
+        "embed": (unit_grads, s.one_unit if embed_only else 0, held + table, 0, 0),
+        "update": (s.params, 0, 0, 0, s.pad_grads),
+    }
+
+
+def _update_in_backward_points(plan: FSDP, s: _Step, embed: tuple) -> dict:
+    """The units', embedding's and update's candidates when the optimizer runs inside the backward
+    pass. No stacked gradient: each unit's gradient shard is consumed (one leaf's rows at a time: its
+    gradient and new parameter and moment rows) inside the backward loop. The root's gradient
+    shards, reduced right after the head's backward, are held to the root's update at the end (the
+    tied weight's head gradient is reduced then too: no unsharded gradient is held)."""
+    S = plan.shards
+    root_grads = stored_bytes(_root_leaves(plan)) // S
+    unit_leaves = [x for l, _ in stages(plan) for x in jax.tree.leaves(l, is_leaf=is_layout)]
+    rows = 4 * max(stored_bytes([x]) for x in unit_leaves) // S
+    return {"units": (root_grads + rows, s.units_gathered, s.grad_buffers, s.saved + s.recompute, 0),
+            "embed": (root_grads,) + embed[1:],
+            "update": (root_grads, 0, 0, 0, 0)}

@@ -1,0 +1,199 @@
+"""The planner's report for a named model (`python -m jfsdp.plan`): the plan built from abstract inputs
+(nothing allocated), its memory per device estimated for the target and measured from the compiled
+train step, its communication per step (formula and compiled HLO), whether it fits, and the largest
+global batch that fits. The command line (`jfsdp.plan`) parses the arguments, sets up the devices
+before jax starts and prints the report.
+
+The model names come from the repository's `models` package, imported here inside `build` only
+(`jfsdp.config.zoo.repo_models`): the rest of the library does not depend on it."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+
+from jfsdp.config.errors import ConfigError
+from jfsdp.planning import hlo, memory, targets
+
+DEFAULT_MEMORY = 80 * 2**30   # per device, where neither --device-memory nor a named GPU says
+
+
+def build(model_name, mesh_spec, strategy, precision, remat, batch_size, seq_len, devices=None, attention=None,
+          loss="fused", moe="auto", moe_chunks="auto", backend=None):
+    """(cfg, plan, optimizer, loss_fn, batch shapes) for a named model; nothing allocated.
+    `devices`: the mesh's devices (default: all local ones); `attention`: override the config's."""
+    import jax
+    import jax.numpy as jnp
+
+    import jfsdp
+    from jfsdp.config.zoo import repo_models
+    models = repo_models("python -m jfsdp.plan")
+    try:
+        cfg = models.get_config(model_name)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if not isinstance(cfg, (models.LlamaConfig, models.MoEConfig)):
+        raise ConfigError(f"model '{model_name}' is not a language model; the planner takes the llama-* and MoE "
+                          "configs")
+    if attention:
+        cfg = dataclasses.replace(cfg, attention=attention)
+    mesh = jfsdp.make_mesh(mesh_spec, devices)
+    n = mesh.size
+    batch_size = n if batch_size is None else batch_size
+    if batch_size < 1 or seq_len < 1:
+        raise ConfigError("batch size and sequence length must be at least 1")
+    x = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
+    if batch_size % n:
+        raise ConfigError(f"batch size {batch_size} does not divide over the {n} devices of the mesh")
+    model, moe_opt, loss_fn = models.factory.language_model(cfg, loss, moe, moe_chunks, backend)
+    plan = jfsdp.fully_shard(model, mesh, x, strategy=strategy, mp_policy=jfsdp.MixedPrecision.parse(precision),
+                             remat=remat, moe=moe_opt)
+    return cfg, plan, jfsdp.adamw(1e-4), loss_fn, {"inputs": x, "targets": x}
+
+
+def largest_batch(fits, start: int = 1, limit: int = 1 << 20) -> int:
+    """Largest b >= 1 with fits(b) (fits monotone decreasing in b), 0 if none: doubling then bisection."""
+    if not fits(start):
+        return 0
+    lo, hi = start, start * 2
+    while hi <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    if hi > limit:
+        return lo
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def xla_option(text: str) -> tuple:
+    """'NAME=VALUE' (--xla-option) -> (name, value): true/false/none as True/False/None, integers as int."""
+    k, _, v = text.partition("=")
+    if not k or not v:
+        raise ConfigError(f"--xla-option '{text}' is not NAME=VALUE")
+    low = v.strip().lower()
+    val = {"true": True, "false": False, "none": None}.get(low, v)
+    if isinstance(val, str):
+        try:
+            val = int(val)
+        except ValueError:
+            pass
+    return k.strip().lstrip("-"), val
+
+
+@dataclasses.dataclass
+class _Case:
+    """One plan under study, and the backends it is estimated and compiled for."""
+    plan: object
+    optimizer: object
+    loss_fn: object
+    batch: dict
+    gpu: bool          # a named GPU target: compiled by XLA:GPU for it
+    backend: str       # whose estimate decides (fits, largest batch): 'gpu', 'tpu' or 'cpu'
+    here: str          # what the step is compiled for: the named GPU, else this process's backend
+
+
+def report(a, budget: int | None = None) -> dict:
+    """The report for `a` (the command line's arguments) as a dict. `budget`: bytes per device
+    (default: the named GPU's memory, else DEFAULT_MEMORY)."""
+    import jax
+
+    gpu = a.target in targets.TARGETS
+    if a.xla_option and not gpu:
+        raise ConfigError("--xla-option applies to a named GPU target (--target h100, ...)")
+    # a named GPU: its devices, and cuDNN's fused attention where it applies (bf16 compute, head_dim a
+    # multiple of 8 up to 128)
+    devices, attention = (targets.devices(a.target, a.mesh), "cudnn") if gpu else (None, None)
+    backend = "gpu" if gpu else a.target
+    with targets.tracing_for(a.target) if gpu else contextlib.nullcontext():
+        cfg, plan, opt, loss_fn, batch = build(a.model, a.mesh, a.strategy, a.precision, a.remat, a.batch_size,
+                                               a.seq_len, devices, attention, a.loss, a.moe, a.moe_chunks, backend)
+        case = _Case(plan, opt, loss_fn, batch, gpu, backend, a.target if gpu else jax.default_backend())
+        if budget is None:
+            budget = targets.get(a.target).memory_bytes if gpu else DEFAULT_MEMORY
+        if a.update_in_backward:
+            from jfsdp.train import update_in_backward as backward_update
+            why = backward_update.unsupported(plan, 1)
+            if why:
+                raise ConfigError(f"--update-in-backward: {why}")
+        rep = _estimates(a, cfg, case, budget)
+        if not a.no_compile:
+            rep.update(_compiled(a, case))
+        rep["fits"] = rep["estimate"]["total"] <= budget
+        rep["largest_global_batch"] = _largest_global_batch(a, case, budget)
+    return rep
+
+
+def _estimate(a, case: _Case, batch, backend: str, prefetch: bool):
+    return memory.estimate(case.plan, case.optimizer, case.loss_fn, batch, prefetch=prefetch, backend=backend,
+                           update_in_backward=a.update_in_backward)
+
+
+def _estimates(a, cfg, case: _Case, budget: int) -> dict:
+    """The report's header, the estimates (for the target, and for the compiling backend where it is
+    another), the communication formula and the MoE stages' modes."""
+    import jax.numpy as jnp
+
+    from jfsdp.engine import moe
+
+    plan, here = case.plan, case.here
+    est = _estimate(a, case, case.batch, case.backend, a.prefetch or case.gpu)
+    rep = {"model": a.model, "params": cfg.num_params(), "mesh": a.mesh, "devices": plan.n_devices,
+           "strategy": plan.strategy.value, "precision": a.precision, "remat": a.remat,
+           "update_in_backward": a.update_in_backward,
+           "batch_size": case.batch["inputs"].shape[0], "seq_len": a.seq_len, "device_memory": budget,
+           "target": a.target, "estimate": est.as_dict()}
+    if case.gpu:
+        import models.llama
+        rep["attention"] = models.llama.attention_impl(cfg.llama() if hasattr(cfg, "llama") else cfg,
+                                                       plan.mp.param_dtype or jnp.float32, a.seq_len)
+        rep["xla_options"] = targets.compiler_options(dict(xla_option(o) for o in a.xla_option),
+                                                      plan.prefetch or a.update_in_backward)
+        rep["prefetch"] = plan.prefetch
+    if here != a.target:
+        rep[f"estimate_{here}"] = _estimate(a, case, case.batch, here, a.prefetch).as_dict()
+    rep["comm_formula"] = memory.comm_formula(plan, backend=case.backend)
+    if any(plan.moe_stages):
+        rep["moe"] = moe.describe(plan)
+    return rep
+
+
+def _compiled(a, case: _Case) -> dict:
+    """The compiled train step's memory and communication, and on a named GPU the overlap of its
+    collectives with compute and the dtypes they carry."""
+    plan, here = case.plan, case.here
+    t = time.time()
+    if case.gpu:
+        compiled = targets.compile_step(a.target, plan, case.optimizer, case.loss_fn, case.batch,
+                                        overrides=dict(xla_option(o) for o in a.xla_option),
+                                        update_in_backward=a.update_in_backward)
+    else:
+        compiled = memory.compile_step(plan, case.optimizer, case.loss_fn, case.batch,
+                                       update_in_backward=a.update_in_backward)
+    rep = {"compile_s": round(time.time() - t, 1), "compiled": {"backend": here, **memory.measure(compiled)},
+           "comm_compiled": {"backend": here, **memory.comm_measured(compiled, plan.n_devices)}}
+    if here != a.target:
+        rep[f"comm_formula_{here}"] = memory.comm_formula(plan, backend=here)
+    if case.gpu:
+        text = compiled.as_text()
+        ov = hlo.overlap(text, plan.n_devices)
+        rep["overlap"] = hlo.overlap_summary(ov)
+        rep["overlap_table"] = hlo.render_overlap(ov)
+        rep["collective_dtypes"] = sorted({(c.kind, d) for c in hlo.collectives(text, plan.n_devices)
+                                           for d in c.dtypes})
+    return rep
+
+
+def _largest_global_batch(a, case: _Case, budget: int) -> int:
+    """The largest global batch (a multiple of the device count) whose estimate fits in `budget`."""
+    import jax
+    import jax.numpy as jnp
+
+    n = case.plan.n_devices
+
+    def fits(per_device):
+        shape = jax.ShapeDtypeStruct((per_device * n, a.seq_len), jnp.int32)
+        b = {"inputs": shape, "targets": shape}
+        return _estimate(a, case, b, case.backend, a.prefetch or case.gpu).total <= budget
+
+    return largest_batch(fits) * n

@@ -1,0 +1,48 @@
+"""Bytes of the things the planner counts: arrays, trees of them, and the parameter layouts of a plan
+(`jfsdp.engine.layout.Layout`: shape, dtype, padding, the stored shape that shards evenly)."""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jfsdp.engine.layout import is_layout
+
+GiB = 1 << 30
+
+
+def nbytes(x) -> int:
+    """Bytes of one array or shape (anything with .shape and .dtype)."""
+    return int(math.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
+
+
+def tree_bytes(tree) -> int:
+    return sum(nbytes(x) for x in jax.tree.leaves(tree))
+
+
+def stored_bytes(layouts, dtype=None) -> int:
+    """Bytes of one unsharded (gathered, padded) copy of these layouts, in `dtype` (default: own)."""
+    return sum(math.prod(l.stored_shape) * jnp.dtype(dtype or l.dtype).itemsize
+               for l in jax.tree.leaves(layouts, is_leaf=is_layout))
+
+
+def as_shapes(layouts, dtype=None):
+    """The layouts' (real, unpadded) shapes as ShapeDtypeStructs in `dtype` (default: own)."""
+    return jax.tree.map(lambda l: jax.ShapeDtypeStruct(l.shape, dtype or l.dtype), layouts, is_leaf=is_layout)
+
+
+def stages(plan) -> list:
+    """[(layouts of one unit, number of units)] for every stage of the plan."""
+    return list(zip(plan.split(plan.layouts)[1], plan.stage_sizes))
+
+
+def elements(plan) -> tuple[int, int]:
+    """(real elements, padding elements) of all parameters, whole model (each stage's unit counted
+    n times)."""
+    real = pad = 0
+    for layouts, mult in [(plan.split(plan.layouts)[0], 1)] + stages(plan):
+        for l in jax.tree.leaves(layouts, is_leaf=is_layout):
+            real += mult * math.prod(l.shape)
+            pad += mult * l.padding
+    return real, pad
