@@ -7,7 +7,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jfsdp.engine.layout import is_layout
+from jfsdp.engine.layout import is_layout, stored_bytes  # noqa: F401  (one rule, the engine's; planning reads it here)
 
 GiB = 1 << 30
 
@@ -19,12 +19,6 @@ def nbytes(x) -> int:
 
 def tree_bytes(tree) -> int:
     return sum(nbytes(x) for x in jax.tree.leaves(tree))
-
-
-def stored_bytes(layouts, dtype=None) -> int:
-    """Bytes of one unsharded (gathered, padded) copy of these layouts, in `dtype` (default: own)."""
-    return sum(math.prod(l.stored_shape) * jnp.dtype(dtype or l.dtype).itemsize
-               for l in jax.tree.leaves(layouts, is_leaf=is_layout))
 
 
 def as_shapes(layouts, dtype=None):
