@@ -78,7 +78,7 @@ def main(argv=None) -> int:
     t0 = time.time()
     one_b = models.get_config("llama-1b")
     out = {"date": datetime.date.today().isoformat(), "target": a.target, "jax": jax.__version__,
-           "device": f"compiled for {a.target} (jfsdp.targets) on a CPU machine, no GPU",
+           "device": f"compiled for {a.target} (jfsdp.planning.targets) on a CPU machine, no GPU",
            "xla_options": targets.compiler_options(), "xla_options_prefetch": targets.compiler_options(prefetch=True)}
 
     def show(title, rows, cols):

@@ -6,7 +6,7 @@
    expert sizes, the per-step communication (bytes sent per device: the cost model's figure for the
    MoE stage, and the whole step's collectives read from the compiled HLO) and compiled memory
    (XLA's buffer assignment) of both modes, and the mode `MoE(mode='auto')` chooses.
-2. H100 compile-only target (jfsdp.targets; needs jax's CUDA plugin, no GPU): an expert-parallel
+2. H100 compile-only target (jfsdp.planning.targets; needs jax's CUDA plugin, no GPU): an expert-parallel
    model in bf16, all-to-all bytes per step left exposed (no matmul or loop scheduled while in
    flight: jfsdp.planning.hlo.overlap) with k = 1 against the k the cost model chooses ('auto'), and every
    k in 1, 2, 4, 8, 16, on three shapes (model width = expert width, tokens per device).

@@ -78,7 +78,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jfsdp  # noqa: E402
 import models  # noqa: E402
 from models.factory import language_model  # noqa: E402
-from jfsdp.train import update_in_backward as backward_update  # noqa: E402
+from jfsdp.train import update_in_backward as in_backward  # noqa: E402
 from jfsdp.io import hf
 from jfsdp.planning import memory
 
@@ -134,7 +134,7 @@ def grid(kind: str) -> list[Cell]:
 
 def _target_devices(target: str, mesh: str):
     """Devices jfsdp compiles for. 'cpu': fake XLA:CPU devices. A named GPU (h100, ...): compile-only
-    devices of jfsdp.targets (no GPU needed; XLA:GPU's buffer assignment, bf16 kept as bf16)."""
+    devices of jfsdp.planning.targets (no GPU needed; XLA:GPU's buffer assignment, bf16 kept as bf16)."""
     if target == "cpu":
         r, s = jfsdp.parse_mesh(mesh)
         return jax.devices()[: r * s]
@@ -155,7 +155,7 @@ def jfsdp_cell(cfg, cell: Cell, target: str = "cpu", loss: str = "fused", update
     plan = jfsdp.fully_shard(model, mesh, x, strategy=cell.strategy, remat=cell.remat,
                              mp_policy=jfsdp.MixedPrecision.parse(cell.precision))
     opt = jfsdp.adamw(1e-4, mask=plan.decay_mask())
-    if update_in_backward and backward_update.unsupported(plan, 1):
+    if update_in_backward and in_backward.unsupported(plan, 1):
         update_in_backward = False   # (shard_grad_op, remat none/dots): the usual step, and the row says so
     for f in glob.glob(os.path.join(DUMP_DIR, "*")):  # one cell's dump at a time
         shutil.rmtree(f) if os.path.isdir(f) else os.remove(f)
@@ -490,7 +490,7 @@ def main(argv=None):
     p.add_argument("--match", default="", help="only cells whose key matches this regex (development)")
     p.add_argument("--model", default="llama-1b")
     p.add_argument("--jfsdp-target", default="cpu", help="where jfsdp compiles: cpu (fake XLA:CPU devices) or a "
-                   "compile-only GPU target of jfsdp.targets (h100, h200, a100, b200)")
+                   "compile-only GPU target of jfsdp.planning.targets (h100, h200, a100, b200)")
     p.add_argument("--no-torch", action="store_true", help="jfsdp's side only")
     p.add_argument("--torch-from", default=None, metavar="JSON",
                    help="take FSDP2's memory figures from an earlier run's --json instead of measuring them again")

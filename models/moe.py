@@ -205,7 +205,7 @@ class MoERoot(nn.Module):
         return self.lm.embed(tokens), jnp.zeros((tokens.shape[0], 3), jnp.float32)
 
     # 'moe_stats' sorts before 'out': the head weight stays the last leaf of the outputs, where a
-    # planner looking at a fused head's outputs (jfsdp.memory) finds it
+    # planner looking at a fused head's outputs (jfsdp.planning.estimate) finds it
     def head(self, h):
         x, stats = h
         return {"out": self.lm.head(x), "moe_stats": stats}
@@ -220,7 +220,7 @@ def loss(inner, aux_coef: float):
     logits or head features) + aux_coef x the mean over rows of the summed load-balancing losses."""
     def fn(outputs, batch):
         return inner(outputs["out"], batch) + aux_coef * jnp.mean(outputs["moe_stats"][:, AUX])
-    fn.chunk = getattr(inner, "chunk", None)              # what jfsdp.memory reads of a fused loss
+    fn.chunk = getattr(inner, "chunk", None)              # what jfsdp.planning.estimate reads of a fused loss
     fn.vocab_major = getattr(inner, "vocab_major", False)
     return fn
 

@@ -1,4 +1,4 @@
-"""Mixture of Experts (models/moe.py, jfsdp/moe.py): the MoE Llama on 1x8, 2x4 and 8x1 in gather mode
+"""Mixture of Experts (models/moe.py, jfsdp/engine/moe.py): the MoE Llama on 1x8, 2x4 and 8x1 in gather mode
 and expert-parallel mode with 1 and 2 chunks against a plain single-device MoE written without jfsdp
 (tests/moe_reference.py: every expert on every token, no dispatch); routing and capacity against a
 numpy loop; each mode's communication read from the compiled program against its formula; the cost
@@ -63,7 +63,7 @@ def references():
     return get
 
 
-TRAIN_METRICS = {"aux": moe.aux_loss, "dropped": moe.dropped_fraction}   # jfsdp/run.py's model metrics
+TRAIN_METRICS = {"aux": moe.aux_loss, "dropped": moe.dropped_fraction}   # the run's model metrics (jfsdp/runtime/build.py)
 
 
 @pytest.mark.parametrize("mesh_spec,mode,chunks", CASES)

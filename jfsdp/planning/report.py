@@ -112,8 +112,8 @@ def report(a, budget: int | None = None) -> dict:
         if budget is None:
             budget = targets.get(a.target).memory_bytes if gpu else DEFAULT_MEMORY
         if a.update_in_backward:
-            from jfsdp.train import update_in_backward as backward_update
-            why = backward_update.unsupported(plan, 1)
+            from jfsdp.train import update_in_backward
+            why = update_in_backward.unsupported(plan, 1)
             if why:
                 raise ConfigError(f"--update-in-backward: {why}")
         rep = _estimates(a, cfg, case, budget)

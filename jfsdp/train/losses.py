@@ -151,5 +151,5 @@ def lm_loss(*, vocab_major: bool, chunk: int = 256):
     def loss_fn(outputs, batch):
         h, w = outputs
         return linear_cross_entropy(h, w, batch["targets"], chunk=chunk, vocab_major=vocab_major)
-    loss_fn.chunk, loss_fn.vocab_major = chunk, vocab_major   # for the planner's estimate (jfsdp.memory)
+    loss_fn.chunk, loss_fn.vocab_major = chunk, vocab_major   # for the planner's estimate (jfsdp.planning.estimate)
     return loss_fn
