@@ -12,7 +12,7 @@ imported after. Bad input (and a diverged loss, and an unusable checkpoint) ends
 `error: ...` and exit status 2 (`jfsdp.runtime.console.fail`). Ctrl-C (SIGINT) and SIGTERM finish the
 current step, save a checkpoint if --ckpt-dir is set, and exit with 130 and 143.
 The run itself (model, plan, data, loop, checkpoints, summary, sample) is `jfsdp.runtime.run`.
-See README.md (Training, Checkpoints) for every flag, the data formats and what the progress line shows.
+See docs/training.md and docs/checkpoints.md for every flag, the data formats and what the progress line shows.
 """
 from __future__ import annotations
 
@@ -138,7 +138,7 @@ def checkpoint_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
 
 
 def process_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
-    g = p.add_argument_group("more than one process (see README: Multi-process runs)")
+    g = p.add_argument_group("more than one process (see docs/multi-process.md)")
     g.add_argument("--coordinator", default=d.coordinator, metavar="HOST:PORT",
                    help="address of process 0's coordinator; with --num-processes and --process-id. Without "
                    "them, a SLURM or Open MPI launch is detected; otherwise the run is one process")

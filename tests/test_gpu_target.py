@@ -187,7 +187,7 @@ def test_estimate_against_the_gpu_compile(h100):
     """The analytic GPU estimate (prefetch: two gathered units) against XLA:GPU's buffer assignment.
     Measured 0.60 (4 units) and 0.69 (8 units) here: at this tiny width XLA:GPU's untuned Triton gemms
     split K and keep f32 partial products (1-1.4 MB each, read from the buffer assignment), which the
-    estimate does not model; on llama-1b (README, "On GPUs") the ratio is near 1. The bound is the
+    estimate does not model; on llama-1b (docs/gpus.md) the ratio is near 1. The bound is the
     measured spread with a margin, and the gap must shrink with depth (fixed workspaces)."""
     ratios = []
     for n in (4, 8):

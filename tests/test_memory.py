@@ -177,11 +177,10 @@ def test_plan_compiles_with_train_py_cpu_flags(monkeypatch):
 
 
 def test_plan_json_report_llama70b_on_64_devices(tmp_path):
-    """The README's llama-70b plan over all 64 devices (bf16, untied embedding and head, 80 units,
+    """The llama-70b plan of docs/planner.md over all 64 devices (bf16, untied embedding and head, 80 units,
     one sequence per device), its flags spelled out: the JSON report, and the CPU estimate against
-    XLA:CPU's compiled step. When the planner compiled with XLA:CPU's default scheduler instead of
-    train.py's CPU flags this was 0.81 (28.83 against 35.64 GiB: the units' stacked gradients and
-    the embedding's made at the step's start)."""
+    XLA:CPU's compiled step, which the planner compiles with train.py's CPU flags (XLA:CPU's default
+    scheduler makes the units' stacked gradients and the embedding's at the step's start)."""
     out = tmp_path / "plan.json"
     p = _plan("--model", "llama-70b", "--mesh", "1x64", "--precision", "bf16", "--batch-size", "64",
               "--seq-len", "2048", "--device-memory", "80GiB", "--target", "cpu", "--json", str(out))
