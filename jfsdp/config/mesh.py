@@ -24,13 +24,8 @@ class MeshSpec:
         return self.replicas * self.shards
 
     def describe(self) -> str:
-        """What the mesh means for sharding, in words."""
-        r, s = self.replicas, self.shards
-        if s == 1:
-            return f"{r}x1: plain data parallel over {r} device{'s' * (r > 1)}"
-        if r == 1:
-            return f"1x{s}: fully sharded over {s} devices"
-        return f"{r}x{s}: hybrid sharding, {r} replicas of {s} shards"
+        """'2x8 (2 replicas x 8 shards)': the spec and what its axes are."""
+        return f"{self.replicas}x{self.shards} ({self.replicas} replicas x {self.shards} shards)"
 
 
 def parse_mesh(spec: str) -> tuple[int, int]:

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 import jfsdp
+from jfsdp.config.mesh import MeshSpec
 from jfsdp.io import checkpoint as jckpt
 from jfsdp.io import data as jdata
 from jfsdp.io import hf as jhf
@@ -80,7 +81,7 @@ class Run:
         """The run's first lines: model and mesh, processes, data, batch and schedule."""
         c, mcfg = self.c, self.model.config
         print(f"model {self.model.name}: {mcfg.num_params() / 1e6:.2f}M params, {self.n_units} units | mesh "
-              f"{c.mesh} ({self.r} replicas x {self.s} shards) on {self.n_dev} {self.platform} devices | "
+              f"{MeshSpec(self.r, self.s).describe()} on {self.n_dev} {self.platform} devices | "
               f"{self.strategy.value}, {c.precision}, remat {c.remat}")
         if jax.process_count() > 1:
             print(f"processes {jax.process_count()}, {len(self.mesh.local_devices)} devices each | "
