@@ -88,13 +88,15 @@ def run_jfsdp(case, mesh_spec, strategy, remat="none", mp=None, grad_accum=1):
 
 
 def assert_params_close(got, want, before, rtol):
-    """Per leaf: max |got - want| <= rtol * max |want|; and the step moved the leaf (so the
+    """Per leaf: max |got - want| <= rtol * max |want| + ref.PARAM_ATOL (the Adam-amplified part of
+    the noise floor after STEPS steps, tests/reference.py); and the step moved the leaf (so the
     comparison is not between two untouched initializations)."""
     moved = 0.0
     for path, g, w, b in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(got),
                              jax.tree.leaves(want), jax.tree.leaves(before)):
         err = np.max(np.abs(np.asarray(g, np.float64) - w))
-        assert err <= rtol * np.max(np.abs(w)), f"{jax.tree_util.keystr(path[0])}: max error {err:.3g}"
+        assert err <= rtol * np.max(np.abs(w)) + ref.PARAM_ATOL, \
+            f"{jax.tree_util.keystr(path[0])}: max error {err:.3g}"
         moved = max(moved, np.max(np.abs(w - b)))
     assert moved > 1e-3, "reference parameters did not move; the comparison would prove nothing"
 
@@ -166,12 +168,15 @@ def test_gradient_accumulation_matches(case, mesh_spec, strategy):
 # bf16 parameters and compute, fp32 reduction and loss. Both sides round the same fp32 parameters to
 # bf16, but the sharded run sums gradients in another order and its bf16 matmuls see other tilings,
 # so the two agree to bf16's resolution (8 mantissa bits: 2^-8 ~ 0.4% per rounding), not exactly.
-# Measured on llama-test (2x8 full_shard, 1x16 shard_grad_op): losses within 5e-5 relative; the
-# parameter updates (final - initial) within 4% in L2 per leaf (Adam turns small bf16 gradient
-# differences into sign-sized update differences on elements whose gradient is near zero).
-# Tolerances: losses 1e-3 relative, updates 10% in L2 per leaf. That the unit really is gathered
-# and computed in bf16 is asserted on the compiled program in test_collectives.py.
-BF16_LOSS_RTOL, BF16_UPDATE_RTOL = 1e-3, 0.10
+# The noise floor, the bf16 reference against itself with the batch in 2 to 16 micro-batches (natively
+# and under --xla_cpu_max_isa=SSE4_2, docs/numerics.md): losses within 1.1e-4 relative, the parameter
+# updates (final - initial) within 5.7% in L2 per leaf (resmlp's biases and norm scales: Adam turns
+# small bf16 gradient differences into sign-sized update differences on elements whose gradient is
+# near zero). Tolerances 3.5x or more above it: losses 1e-3 relative, updates 20% in L2 per leaf; a
+# missing data-axis reduce lands 5x above both. These cannot tell bf16 compute from fp32 (the update
+# differs by less than the floor): that the unit really is gathered and computed in bf16 is asserted
+# on the compiled program in test_collectives.py.
+BF16_LOSS_RTOL, BF16_UPDATE_RTOL = 1e-3, 0.20
 
 
 @pytest.mark.parametrize("mesh_spec,strategy", [("2x8", "full_shard"), ("1x16", "shard_grad_op"), ("4x4", "no_shard")])

@@ -59,12 +59,13 @@ def test_fused_loss_equals_plain_reference(case, mesh_spec):
         plan.shard(case["init"]), plan.put_batch(b0))
     for a, b in zip(jax.tree.leaves(plan.gather(g)), jax.tree.leaves(ref_g)):
         assert np.max(np.abs(a - b)) <= 1e-5 * np.max(np.abs(b))
-    # parameters after 3 AdamW steps: Adam turns 1e-7-level reassociation of the head's gradient
-    # (chunked sums) into larger updates where a gradient is near eps (measured 1.3e-4 of the leaf's
-    # largest magnitude on the untied head), hence 2e-4 here
-    got = plan.gather(state.params)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(case["final"])):
-        assert np.max(np.abs(a - b)) <= 2e-4 * max(np.max(np.abs(b)), 1e-6)
+    # parameters after 3 AdamW steps, within tests/reference.py's parameter tolerance. Adam turns
+    # summation-order noise in the gradient (the chunked head, the mesh's reduction) into lr-sized
+    # update differences where a gradient is near eps; the untied embedding (gradient only from the
+    # tokens that occur) is the most sensitive leaf measured: the reference against itself
+    # reassociated differs by up to 3.1e-4 of its largest magnitude (2.8e-3 x 3 lr), a third of the
+    # tolerance there; a missing data-axis reduce lands >100x above it (docs/numerics.md)
+    ref.close(plan.gather(state.params), case["final"], ref.PARAM_RTOL, "param", ref.PARAM_ATOL)
 
 
 def test_fused_loss_bf16_close_to_reference(case):

@@ -11,7 +11,8 @@ Both sides: global batch 8 x 16 tokens (2 sequences per rank, loss = mean over t
 FSDP2 averages gradients over the 4 data-parallel ranks of equal batches), clipping at global norm
 1.0, AdamW lr 3e-3, betas (0.9, 0.95), eps 1e-6 (tests/reference.py says why not 1e-8), weight
 decay 0.1 on matrices only. Asserted: losses within 1e-5 relative at every step, final parameters
-within 1e-4 of each leaf's largest magnitude, and the parameters moved.
+within tests/reference.py's parameter tolerance after 10 steps (1e-4 of each leaf's largest magnitude
+plus the Adam-amplified part, 1e-2 x 10 lr; docs/numerics.md), and the parameters moved.
 """
 import dataclasses
 import threading
@@ -105,6 +106,7 @@ def test_final_params_match_fsdp2(parity, i):
         w, g = np.asarray(w, np.float64), np.asarray(g, np.float64)
         assert g.shape == w.shape, jax.tree_util.keystr(path)
         err = np.max(np.abs(g - w))
-        assert err <= 1e-4 * np.max(np.abs(w)), f"{jax.tree_util.keystr(path)}: max error {err:.3g}"
+        assert err <= ref.PARAM_RTOL * np.max(np.abs(w)) + ref.param_atol(STEPS), \
+            f"{jax.tree_util.keystr(path)}: max error {err:.3g}"
         moved = max(moved, np.max(np.abs(w - b)))
     assert moved > 1e-3, "FSDP2's parameters did not move; the comparison would prove nothing"
