@@ -21,7 +21,7 @@ from jfsdp.config import xla_flags
 from jfsdp.planning import hlo
 from jfsdp.planning import memory
 from jfsdp.planning import targets
-from jfsdp.planning.sizes import stored_bytes
+from jfsdp.engine.layout import stored_bytes
 
 # jax's CUDA plugin (the gpu-target extra) has Linux wheels only; CI runs on Linux, where these run.
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="jax-cuda13-plugin: Linux wheels only")

@@ -23,7 +23,7 @@ from jfsdp.planning import hlo
 from jfsdp.plan import parse_bytes
 from jfsdp.planning import memory
 from jfsdp.planning.report import largest_batch
-from jfsdp.planning.sizes import stored_bytes
+from jfsdp.engine.layout import stored_bytes
 
 # Width 256 so that parameters, gathered units and activations all weigh in the peak; vocab 259
 # pads on 8 and 16 shards (259 -> 264 or 272 rows), so padding is exercised.

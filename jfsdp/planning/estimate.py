@@ -14,7 +14,8 @@ from jfsdp.config.policy import wire_dtype
 from jfsdp.engine.layout import is_layout
 from jfsdp.engine.sharded import FSDP
 from jfsdp.planning.activations import activation_estimate
-from jfsdp.planning.sizes import elements, stages, stored_bytes, tree_bytes
+from jfsdp.engine.layout import stored_bytes
+from jfsdp.planning.sizes import elements, stages, tree_bytes
 
 
 @dataclasses.dataclass(frozen=True)

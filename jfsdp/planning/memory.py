@@ -23,7 +23,8 @@ from jfsdp.config.policy import wire_dtype
 from jfsdp.engine.sharded import FSDP
 from jfsdp.planning import hlo
 from jfsdp.planning.estimate import Breakdown, estimate
-from jfsdp.planning.sizes import elements, stages, stored_bytes
+from jfsdp.engine.layout import stored_bytes
+from jfsdp.planning.sizes import elements, stages
 from jfsdp.train.step import abstract_state, make_train_step
 
 __all__ = ["Breakdown", "abstract_batch", "comm_formula", "comm_measured", "compile_step", "device_peak", "estimate",

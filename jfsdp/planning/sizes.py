@@ -7,7 +7,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jfsdp.engine.layout import is_layout, stored_bytes  # noqa: F401  (one rule, the engine's; planning reads it here)
+from jfsdp.engine.layout import is_layout
 
 GiB = 1 << 30
 
