@@ -159,7 +159,8 @@ def fp32_section(name):
                       f"({r['param'][1]}; {r['param/(n lr)']:.1e} of n lr)")
         for b, (o, data) in bugs(opt, bs).items():
             r = compare(run(o, loss, params, data, [1] * n), want, n)
-            print(f"  bug, {b}: param {r['param'][0]:.0f} ({r['param'][1]}), grad {r['grad']:.0f}, loss {r['loss']:.1f}")
+            print(f"  bug, {b}: param {r['param'][0]:.0f} ({r['param'][1]}), grad {r['grad']:.0f}, "
+                  f"loss {r['loss']:.1f}")
 
 
 def bf16_section():
@@ -227,10 +228,12 @@ def ops_section():
         ks = jax.random.split(jax.random.key(1), 4)
         q, do = jax.random.normal(ks[0], (2, 37, 6, 16)), jax.random.normal(ks[3], (2, 37, 6, 16))
         k, v = jax.random.normal(ks[1], (2, 37, 2, 16)), jax.random.normal(ks[2], (2, 37, 2, 16))
-        for what, f in [("plain", lambda h, w: plain(h, w, t)), ("fused", lambda h, w: linear_cross_entropy(h, w, t, chunk=16))]:
+        fused = lambda h, w: linear_cross_entropy(h, w, t, chunk=16)
+        for what, f in [("plain", lambda h, w: plain(h, w, t)), ("fused", fused)]:
             f32 = jax.value_and_grad(f, (0, 1))(h, w)
             with jax.enable_x64(True):
-                f64 = jax.value_and_grad(lambda h, w: plain(h, w, t), (0, 1))(h.astype(jnp.float64), w.astype(jnp.float64))
+                h64, w64 = h.astype(jnp.float64), w.astype(jnp.float64)
+                f64 = jax.value_and_grad(lambda h, w: plain(h, w, t), (0, 1))(h64, w64)
                 print(f"  loss {what} f32: loss {rel(f32[0], f64[0]) / OP_RTOL:.3f}  "
                       f"dh {rel(f32[1][0], f64[1][0]) / OP_RTOL:.3f}  dw {rel(f32[1][1], f64[1][1]) / OP_RTOL:.3f}")
         for what, f in [("plain", plain_attention), ("blockwise", lambda *a: blockwise_attention(*a, block=8))]:
