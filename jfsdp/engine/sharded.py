@@ -92,6 +92,18 @@ class FSDP(ParamLayout):
             return frozenset(i for i, v in enumerate(jaxpr.invars[:len(layouts)]) if id(v) in refs)
         return reads(m.embed_method, self.example_inputs), reads(m.head_method, self.h_shapes[-1])
 
+    def root_tree(self, shards, reads, gathered=None):
+        """The root's parameter tree for a method that reads the leaves `reads` (indices into the flat
+        root shards): those gathered (once, when `gathered` caches them across methods), the others
+        placeholders that XLA drops."""
+        layouts, treedef = jax.tree.flatten(self.split(self.layouts)[0], is_leaf=is_layout)
+        gathered = {} if gathered is None else gathered
+        for i in sorted(reads - set(gathered)):
+            gathered[i] = unshard(shards[i], layouts[i], self.comm)
+        return jax.tree.unflatten(treedef, [gathered[i] if i in reads else
+                                            jnp.zeros(l.shape, self.comm.param_dtype or l.dtype)
+                                            for i, l in enumerate(layouts)])
+
     def forward(self, params, inputs):
         """The model's outputs for one device's inputs, from shards (inside shard_map)."""
         m = self.model
@@ -107,13 +119,7 @@ class FSDP(ParamLayout):
         shards = treedef.flatten_up_to(root_p)
         embed_reads, head_reads = self.root_use
         gathered = {}
-
-        def root(reads):   # leaves this method does not read are placeholders that XLA drops
-            for i in sorted(reads - set(gathered)):
-                gathered[i] = unshard(shards[i], layouts[i], self.comm)
-            return jax.tree.unflatten(treedef, [gathered[i] if i in reads else
-                                                jnp.zeros(l.shape, self.comm.param_dtype or l.dtype)
-                                                for i, l in enumerate(layouts)])
+        root = lambda reads: self.root_tree(shards, reads, gathered)
         h = m.root.apply({"params": root(embed_reads)}, inputs, method=m.embed_method)
         for j, (shards_j, layouts_j) in enumerate(zip(stage_p, stage_l)):
             h = self._stage(j, h, shards_j, layouts_j)

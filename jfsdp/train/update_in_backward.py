@@ -32,7 +32,6 @@ from jax.sharding import PartitionSpec as P
 
 from jfsdp.config.errors import ConfigError
 from jfsdp.config.mesh import AXES, FSDP_AXIS
-from jfsdp.engine.fsdp import unshard
 from jfsdp.engine.layout import at_row, is_layout
 from jfsdp.engine.pipeline import tie
 from jfsdp.engine.sharded import FSDP
@@ -129,14 +128,8 @@ class _InBackward:
         self.opt = _Optimizer(optimizer, sharded.abstract_params())
         root_k, stage_k = sharded.split(jax.tree.unflatten(self.opt.p_def, range(self.opt.p_def.num_leaves)))
         self.root_k, self.stage_k = jax.tree.leaves(root_k), [jax.tree.leaves(t) for t in stage_k]
-        self.r_layouts, self.r_def = jax.tree.flatten(sharded.split(sharded.layouts)[0], is_leaf=is_layout)
+        self.r_def = jax.tree.structure(sharded.split(sharded.layouts)[0], is_leaf=is_layout)
         self.passes = [sharded.stage_passes(j) for j in range(len(sharded.stage_sizes))]
-
-    def root_tree(self, shards, reads):
-        comm = self.sharded.comm
-        return jax.tree.unflatten(self.r_def, [unshard(shards[i], l, comm) if i in reads else
-                                               jnp.zeros(l.shape, comm.param_dtype or l.dtype)
-                                               for i, l in enumerate(self.r_layouts)])
 
     def forward(self, r_shards, stage_p, batch):
         """Forward and the head's backward: (loss, embedding's vjp, saved unit inputs, head's root
@@ -144,7 +137,7 @@ class _InBackward:
         sh, model = self.sharded, self.sharded.model
         embed_reads, head_reads = sh.root_use
         # the embedding (its vjp needs no weights), then each stage saving its units' inputs
-        embed = lambda shards: model.root.apply({"params": self.root_tree(shards, embed_reads)}, batch["inputs"],
+        embed = lambda shards: model.root.apply({"params": sh.root_tree(shards, embed_reads)}, batch["inputs"],
                                                 method=model.embed_method)
         h, embed_vjp = jax.vjp(embed, r_shards)
         saved = []
@@ -153,7 +146,7 @@ class _InBackward:
             saved.append(hs)
         # the head's weights gathered once h exists (not hoisted to the start of the step)
         head_shards, h = tie(r_shards, h, self.on_cpu)
-        head_loss = lambda shards, h: FSDP.scalar_loss(self.loss_fn(sh.head(self.root_tree(shards, head_reads), h),
+        head_loss = lambda shards, h: FSDP.scalar_loss(self.loss_fn(sh.head(sh.root_tree(shards, head_reads), h),
                                                                     batch))
         loss, head_vjp = jax.vjp(head_loss, head_shards, h)
         d_head, dh_top = head_vjp(jnp.ones((), jnp.float32))
