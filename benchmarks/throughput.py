@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import shutil
 import sys
 
 # `models` is the repository's own package, imported from the repository root (pip installs only jfsdp)
@@ -83,13 +82,12 @@ def gpu_prefetch(a) -> tuple[bool, list[str]]:
 def _setup_devices(a, n: int) -> str | None:
     """Before jax starts: fake n CPU devices where there is no accelerator; on GPUs, jfsdp's flags
     (`gpu_prefetch`). Returns the GPU flag set put in XLA_FLAGS ("prefetch" / "plain"; None off GPUs)."""
-    has_accel = bool(shutil.which("nvidia-smi")) or os.path.exists("/dev/nvidia0") or os.path.exists("/dev/accel0")
-    if os.environ.get("JAX_PLATFORMS", "").startswith("cpu") or not has_accel:
+    from jfsdp.config.xla_flags import accelerator_present, gpu_xla_flags   # jax-free
+    if os.environ.get("JAX_PLATFORMS", "").startswith("cpu") or not accelerator_present():
         flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", ""))
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         return None
-    from jfsdp.config.xla_flags import gpu_xla_flags  # imports jax, but XLA_FLAGS is read when the backend starts
     prefetch, left_out = gpu_prefetch(a)
     if left_out:
         print(f"note: XLA_FLAGS are per process and not every run here prefetches: {', '.join(left_out)} run(s) "

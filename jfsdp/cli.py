@@ -20,13 +20,12 @@ import argparse
 import math
 import os
 import re
-import shutil
 
 from jfsdp.config.args import ArgParser
 from jfsdp.config.errors import ConfigError
 from jfsdp.config.mesh import mesh_spec
 from jfsdp.config.policy import Strategy, prefetch_by_default
-from jfsdp.config.xla_flags import cpu_xla_flags, gpu_xla_flags
+from jfsdp.config.xla_flags import accelerator_present, cpu_xla_flags, gpu_xla_flags
 from jfsdp.runtime.config import TrainConfig
 from jfsdp.runtime.console import EXIT_INTERRUPTED, fail, note
 
@@ -201,8 +200,7 @@ def setup_devices(c: TrainConfig, n_needed: int | None) -> None:
     """Before jax is imported: on a machine without an accelerator, fake the mesh's devices on the CPU.
     An explicit JAX_PLATFORMS wins; NVIDIA GPUs (and TPUs) are detected without importing jax."""
     requested = os.environ.get("JAX_PLATFORMS", "").strip().lower()
-    has_accel = bool(shutil.which("nvidia-smi")) or os.path.exists("/dev/nvidia0") or os.path.exists("/dev/accel0")
-    on_cpu = requested.split(",")[0] == "cpu" if requested else not has_accel
+    on_cpu = requested.split(",")[0] == "cpu" if requested else not accelerator_present()
     if not on_cpu:
         if c.cpu_devices:
             fail("--cpu-devices only applies on a machine without an accelerator (or with JAX_PLATFORMS=cpu)")

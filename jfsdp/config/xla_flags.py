@@ -9,6 +9,13 @@ A flag the user already gave in XLA_FLAGS always wins.
 from __future__ import annotations
 
 import os
+import shutil
+
+
+def accelerator_present() -> bool:
+    """Whether this host has an NVIDIA GPU or a TPU, found without importing jax (which would start its
+    backend before the flags are set)."""
+    return bool(shutil.which("nvidia-smi")) or os.path.exists("/dev/nvidia0") or os.path.exists("/dev/accel0")
 
 
 def flags_in_env(existing: str | None = None) -> set:
