@@ -55,7 +55,7 @@ def read_params(ckpt_dir: str, step: int | None = None):
     import jax.numpy as jnp
     from jfsdp.io.checkpoint import param_signature
     from jfsdp.engine.layout import Stacked
-    from jfsdp.engine.sharded import fully_shard
+    from jfsdp.engine.entry import fully_shard
     from jfsdp.config.mesh import make_mesh
     root, unit, n = models.parts(cfg)
     plan = fully_shard(Stacked(root, unit, n), make_mesh("1x1", devices=jax.devices()[:1]),

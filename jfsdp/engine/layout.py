@@ -179,8 +179,9 @@ def unstack_units(stacked) -> list:
 def check_model(model):
     """ConfigError unless `model` is a well-formed Stacked or Staged of flax modules."""
     if not isinstance(model, (Stacked, Staged)):
-        raise ConfigError("fully_shard expects jfsdp.Stacked(root, unit, n_units) or, for units that are not all "
-                          f"alike, jfsdp.Staged(root, [(unit_a, n_a), (unit_b, n_b), ...]); got {type(model).__name__}")
+        raise ConfigError("fully_shard expects a Flax model as it is (a Linen or NNX module, with units=), "
+                          "jfsdp.Stacked(root, unit, n_units) or jfsdp.Staged(root, [(unit_a, n_a), ...]); "
+                          f"got {type(model).__name__}")
     if isinstance(model, Stacked) and not isinstance(model.unit, nn.Module):
         raise ConfigError(f"Stacked's unit must be one flax Module repeated n_units times, got {type(model.unit).__name__}; "
                           "for units that are not all alike use jfsdp.Staged(root, [(unit_a, n_a), (unit_b, n_b), ...])")

@@ -1,4 +1,5 @@
-"""What `fully_shard` returns: a model placed on a mesh with a strategy, and its sharded loss API.
+"""What `fully_shard` returns for a `Stacked`/`Staged` model: the model placed on a mesh with a strategy, and
+its sharded loss API (a model given as it is gets `AsIs`, as_is.py, the same engine).
 
 `FSDP` extends the parameter layout (params.py) with the engine: the forward pass inside `shard_map`
 gathers the root where it is used and runs each stage by the plain scan (fsdp.py), the prefetch pipeline
@@ -19,10 +20,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jfsdp.config.errors import ConfigError
 from jfsdp.config.mesh import AXES, DATA_AXIS, mesh_shape, platform
-from jfsdp.config.policy import MixedPrecision, Strategy, resolve_prefetch
+from jfsdp.config.policy import resolve_prefetch
 from jfsdp.engine import expert_parallel, moe as moe_engine
 from jfsdp.engine.fsdp import Comm, checkpoint_policy, scan_stage, unshard, unshard_tree
-from jfsdp.engine.layout import check_model, is_layout, tree_shapes
+from jfsdp.engine.layout import is_layout, tree_shapes
 from jfsdp.engine.params import ParamLayout
 from jfsdp.engine.pipeline import StagePasses, pipelined_stage
 
@@ -135,6 +136,11 @@ class FSDP(ParamLayout):
         """The root's head method on h, its outputs cast by the precision policy (`cast_output`)."""
         return self.mp.cast_output(self.model.root.apply({"params": root}, h, method=self.model.head_method))
 
+    def step_batch(self, batch, step):
+        """The batch a train step feeds to `loss_and_grad` at `step` (a model given as it is adds the rows
+        that carry the step's random numbers; a `Stacked`/`Staged` model draws none)."""
+        return batch
+
     def _check_rows(self, tree, grad_accum=1):
         for x in jax.tree.leaves(tree):
             if not np.ndim(x):
@@ -227,35 +233,3 @@ class FSDP(ParamLayout):
         self._check_rows(inputs)
         return self.shard_map(self.forward, (self.param_specs, P(AXES)), P(AXES))(params, inputs)
 
-
-def fully_shard(model, mesh, example_inputs, *, strategy="full_shard", mp_policy=None,
-                remat="none", reshard_after_forward=None, prefetch=None, moe=None) -> FSDP:
-    """Apply FSDP to a model (`Stacked` or `Staged`) from outside. `example_inputs` (an array or
-    ShapeDtypeStruct of the inputs' shape) fixes the parameter shapes. `reshard_after_forward=False`
-    turns FULL_SHARD into SHARD_GRAD_OP, as in FSDP2; a value that contradicts `strategy` is an error.
-
-    `prefetch`: run each stage as an explicit software pipeline (jfsdp/engine/pipeline.py): unit i+1's
-    all-gather in flight while unit i computes, unit i's reduce-scatter while unit i-1's backward
-    computes, at the cost of one more gathered unit. Supported with FULL_SHARD / HYBRID_SHARD and
-    remat 'full' (True elsewhere is a ConfigError); None (default) turns it on there when the mesh is
-    made of GPUs (or JFSDP_PREFETCH=1); other combinations use the plain scan (with XLA's own
-    pipelining flags on GPU, `jfsdp.config.xla_flags.GPU_FLAGS`). An expert-parallel MoE stage always uses
-    the plain scan.
-
-    `moe=jfsdp.MoE(mode, chunks)`: how units that call an experts module run (jfsdp/engine/moe.py: gather
-    the experts' weights, or send the tokens to them, per stage by a cost model or as set)."""
-    strategy = Strategy.parse(strategy)
-    if reshard_after_forward is not None:
-        if not strategy.sharded:
-            raise ConfigError("reshard_after_forward applies to sharded strategies, not no_shard")
-        if strategy is Strategy.FULL_SHARD and not reshard_after_forward:
-            strategy = Strategy.SHARD_GRAD_OP
-        elif strategy is Strategy.HYBRID_SHARD and not reshard_after_forward:
-            strategy = Strategy.HYBRID_SHARD_ZERO2
-        elif strategy.reshard_after_forward != reshard_after_forward:
-            raise ConfigError(f"strategy {strategy.value} contradicts reshard_after_forward={reshard_after_forward}")
-    check_model(model)
-    if not hasattr(example_inputs, "shape") or not hasattr(example_inputs, "dtype"):
-        raise ConfigError("example_inputs must be an array or jax.ShapeDtypeStruct of the inputs (batch['inputs']), "
-                          f"got {type(example_inputs).__name__}")
-    return FSDP(model, mesh, example_inputs, strategy, mp_policy or MixedPrecision(), remat, prefetch, moe)

@@ -47,6 +47,8 @@ def init_state(sharded: FSDP, optimizer: optax.GradientTransformation, rng=None,
     `sharded.from_layers(root, layers)` builds it from per-layer trees) or this sharded's shards (from
     `sharded.shard` / `sharded.init`). Either way the state gets its own copy: the train step donates
     its input state, and the arrays passed here stay valid."""
+    if params is None and rng is None and hasattr(sharded, "own_params"):
+        params = sharded.own_params()   # a concrete NNX model's own weights
     if params is None:
         if rng is None:
             raise ConfigError("init_state needs rng (deferred initialization) or params= (existing weights)")
@@ -127,7 +129,7 @@ def make_train_step(sharded: FSDP, optimizer: optax.GradientTransformation, loss
         loss_and_grad = sharded.loss_and_grad(loss_fn, grad_accum)
 
         def step(state: TrainState, batch):
-            loss, grads = loss_and_grad(state.params, batch)
+            loss, grads = loss_and_grad(state.params, sharded.step_batch(batch, state.step))
             updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
             return TrainState(state.step + 1, params, opt_state), {"loss": loss, "grad_norm": optax.tree.norm(grads)}

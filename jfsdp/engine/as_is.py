@@ -1,0 +1,251 @@
+"""A Flax model given as it is (Linen or NNX): FSDP units named by class or path, the model's own code.
+
+`AsIs` is the same engine as `FSDP` (it is one: the strategies, mixed precision, the loss contract,
+gradient accumulation, `loss_and_grad` and `loss` are FSDP's), with a different way to describe the
+model. Its parameters are the model's own tree, every leaf split by rows over the `fsdp` axis
+(`Layout`), none stacked. While the model's code runs (flax_models.py), each call of a unit instance
+goes to `call_unit` (unit_call.py): gathered just before, freed after, re-gathered in the backward
+pass, its gradient reduce-scattered. Every other parameter belongs to the root, gathered once per step
+and reduced once, like the root of a `Stacked` model.
+
+Random numbers: each step draws from `fold_in(seed, step)`, then per device and micro-batch (a batch
+row index), then per unit (Linen folds in the module path; NNX modules carry their own streams).
+A run is deterministic for a seed, a mesh and `grad_accum`; on another mesh the dropout masks differ.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jfsdp.config.errors import ConfigError
+from jfsdp.config.mesh import AXES, DATA_AXIS, FSDP_AXIS, mesh_shape, platform
+from jfsdp.engine.fsdp import Comm, checkpoint_policy, unshard, unshard_tree
+from jfsdp.engine.flax_models import Found, UnitMatcher, adapt, path_text
+from jfsdp.engine.layout import Layout, is_layout, listing, paths
+from jfsdp.engine.sharded import FSDP
+from jfsdp.engine.unit_call import call_unit
+
+RNG_ROWS = "jfsdp_rng"   # the batch key that carries (step, row) to the devices when the model draws random numbers
+
+
+def _abstract(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+
+
+def _unboxed(tree):
+    import flax.linen as nn
+    return nn.meta.unbox(tree)
+
+
+def _where(error) -> str:
+    """' at file:line' of the innermost frame of the failure outside jax, flax and jfsdp (the user's code)."""
+    import os
+    import traceback
+    frames = [f for f in traceback.extract_tb(error.__traceback__)
+              if not any(f"{os.sep}{pkg}{os.sep}" in f.filename for pkg in ("jax", "flax", "jfsdp", "jaxlib"))]
+    return f" at {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].name})" if frames else ""
+
+
+class AsIs(FSDP):
+    """A Flax model as it is, placed on a mesh with a strategy. Build it with `fully_shard(model, mesh,
+    example_batch, units=...)`."""
+
+    def __init__(self, model, mesh, example_batch, units, call, strategy, mp_policy, remat, seed=0,
+                 rng_streams=("dropout",), init=None):
+        r, s = mesh_shape(mesh)
+        self.model, self.mesh = adapt(model, call, rng_streams, init), mesh
+        self.shards = s if strategy.sharded else 1
+        self.strategy, self.mp, self.remat = strategy, mp_policy, remat
+        self.replicas, self.n_devices = r, r * s
+        reduce_axes = ((DATA_AXIS,) if r > 1 else ()) if strategy.sharded else tuple(a for a in AXES if mesh.shape[a] > 1)
+        self.comm = Comm(reduce_axes, 1.0 / self.n_devices, mp_policy.param_dtype, mp_policy.reduce_dtype)
+        self.policy = checkpoint_policy(remat, strategy.reshard_after_forward or self.shards == 1)
+        self.on_cpu = platform(mesh) == "cpu"
+        self.prefetch, self.moe, self.moe_stages, self.stage_sizes = False, None, (), ()
+        self.batch_sharding = NamedSharding(mesh, P(AXES))
+        self.seed = seed
+        self.example_batch = _abstract(example_batch if isinstance(example_batch, Mapping)
+                                       else {"inputs": example_batch})
+        self.matcher = UnitMatcher(units)
+        full = self._discover()
+        layout = lambda x: Layout(tuple(x.shape), jnp.dtype(x.dtype), self.shards)
+        self.layouts = jax.tree.map(layout, full)
+        row = FSDP_AXIS if strategy.sharded else None
+        self.param_specs = jax.tree.map(lambda _: P(row), self.layouts, is_leaf=is_layout)
+        self.param_shardings = jax.tree.map(lambda p: NamedSharding(mesh, p), self.param_specs)
+        self.unit_of = {k: self._unit_containing(p) for p, k in self._leaf_paths()}
+
+    # ---- what the model is made of
+    def _discover(self):
+        """Trace the model once (nothing computed): its parameters, its units, and the checks."""
+        found = Found()
+        m = self.model
+        try:
+            if m.kind == "linen":
+                variables = jax.eval_shape(lambda k: m.init_variables(k, self._zeros_batch(), self.matcher, found),
+                                           jax.random.key(0))
+                others = sorted(set(variables) - {"params"})
+                if others:
+                    raise ConfigError(f"the model has variable collections {', '.join(others)} besides 'params' (e.g. "
+                                      "batch statistics it writes during training): not supported, only 'params'")
+                params = _unboxed(variables.get("params", {}))
+            else:
+                params = _abstract(m.params())
+                jax.eval_shape(lambda b: m.trace_units(b, self.matcher, found), self.example_batch)
+        except ConfigError:
+            raise
+        except Exception as e:
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise ConfigError(f"call(model, batch) failed on the example batch{_where(e)}: {type(e).__name__}: {msg}") from e
+        if not found.unit_calls:
+            classes = sorted(set(found.modules.values()))
+            raise ConfigError(f"units= matched no submodule that the model calls; the modules found are: "
+                              f"{', '.join(classes) or 'none'}")
+        twice = sorted({p for p in found.unit_calls if found.unit_calls.count(p) > 1})
+        if twice:
+            raise ConfigError(f"unit {path_text(twice[0])} is called {found.unit_calls.count(twice[0])} times in one "
+                              "step: a unit shared between calls is gathered once per call here; make it part of the "
+                              "root (not a unit) so its weights are gathered once for all uses")
+        self.units = tuple(dict.fromkeys(found.unit_calls))
+        for path, leaf in paths(params).items():
+            if not jnp.issubdtype(leaf.dtype, jnp.floating):
+                raise ConfigError(f"parameter {path} has dtype {leaf.dtype}: FSDP shards and reduces float parameters only")
+        return params
+
+    def _zeros_batch(self):
+        return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self.example_batch)
+
+    def _leaf_paths(self):
+        flat = jax.tree_util.tree_flatten_with_path(self.layouts, is_leaf=is_layout)[0]
+        return [(tuple(getattr(k, "key", getattr(k, "idx", k)) for k in p), jax.tree_util.keystr(p)) for p, _ in flat]
+
+    def _unit_containing(self, path):
+        for u in self.units:
+            if path[:len(u)] == tuple(u):
+                return u
+        return None
+
+    # ---- the parameter layout: the model's own tree, every leaf its own row-sharded Layout
+    def split(self, tree):
+        return tree, []
+
+    def join(self, root, stages):
+        return root
+
+    def _conform(self, tree, stored: bool, what: str):
+        tree = _unboxed(tree)
+        if self.model.kind == "nnx" and hasattr(tree, "to_pure_dict"):
+            tree = tree.to_pure_dict()
+        want, got = paths(self.layouts, is_layout), paths(tree)
+        if set(want) != set(got):
+            raise ConfigError(f"{what} do not match the model's parameters: missing {listing(set(want) - set(got)) or 'none'}; "
+                              f"unexpected {listing(set(got) - set(want)) or 'none'}")
+        for k, l in want.items():
+            shape = l.stored_shape if stored else l.shape
+            if np.shape(got[k]) != shape:
+                raise ConfigError(f"{what}{k} has shape {np.shape(got[k])}, expected {shape}")
+        return jax.tree.unflatten(jax.tree.structure(self.layouts, is_leaf=is_layout), [got[k] for k in want])
+
+    def _init_full(self, rng, _inputs=None):
+        m = self.model
+        if m.kind == "linen":
+            return _unboxed(m.init_variables(rng, self._zeros_batch())["params"])
+        if m.init_fn is None:
+            raise ConfigError("an NNX model is initialized from its constructor: pass fully_shard(..., init=make) where "
+                              "make(rngs) builds the model, or give init_state the weights (params=, or a concrete model)")
+        from flax import nnx
+        return nnx.state(m.init_fn(nnx.Rngs(rng)), nnx.Param).to_pure_dict()
+
+    def _zeros_inputs(self):
+        return None
+
+    def abstract_params(self):
+        """The shards as ShapeDtypeStructs carrying their shardings (from the layouts: no initializer runs)."""
+        return jax.tree.map(lambda l, s: jax.ShapeDtypeStruct(l.stored_shape, l.dtype, sharding=s), self.layouts,
+                            self.param_shardings, is_leaf=is_layout)
+
+    def init_full(self, rng):
+        return jax.jit(self._init_full)(rng)
+
+    def own_params(self):
+        """An NNX model's own weights (a concrete module), for `init_state(sharded, opt)` without rng."""
+        if self.model.kind != "nnx" or any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(self.model.params())):
+            return None
+        return self.model.params()
+
+    def from_layers(self, root, layers):
+        raise ConfigError("a model given as it is keeps its own parameter tree: pass it whole (init_state(params=...))")
+
+    to_layers = from_layers
+
+    # ---- the sharded forward
+    def forward(self, params, batch, rows=None):
+        """The model's outputs for one device's batch, from shards (inside shard_map)."""
+        layouts = self.layouts
+        flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+        lay = jax.tree.leaves(layouts, is_leaf=is_layout)
+        keys = [self.unit_of[jax.tree_util.keystr(p)] for p, _ in flat]
+        # the root is gathered once per step; a unit's leaves stay shards until the unit is called
+        tree = jax.tree.unflatten(treedef, [x if u is not None else unshard(x, l, self.comm)
+                                            for (_, x), l, u in zip(flat, lay, keys)])
+        unit_layouts = {}
+        for (p, _), l, u in zip(flat, lay, keys):
+            if u is not None:
+                unit_layouts.setdefault(u, []).append(l)
+
+        def hook(path, shards, fn, inputs):
+            ls = jax.tree.unflatten(jax.tree.structure(shards), unit_layouts[tuple(path)])
+            return call_unit(lambda s, i: fn(unshard_tree(s, ls, self.comm), i), shards, inputs, self.policy)
+        key = self._step_key(rows)
+        units = set(self.units)
+        if self.model.kind == "linen":
+            rngs = {s: jax.random.fold_in(key, i) for i, s in enumerate(self.model.rng_streams)}
+            out = self.model.apply(tree, batch, hook, units, rngs)
+        else:
+            out = self.model.apply(tree, batch, hook, units, key)
+        return self.mp.cast_output(out)
+
+    def _step_key(self, rows):
+        """This device's (micro-)batch key: the seed, then the step and the global index of its first
+        row (`step_batch`); without those (evaluation), the seed and the device index."""
+        k = jax.random.key(self.seed)
+        if rows is None:
+            return jax.random.fold_in(k, lax.axis_index(AXES))
+        return jax.random.fold_in(jax.random.fold_in(k, rows[0, 0]), rows[0, 1])
+
+    def _loss(self, loss_fn, params, batch):
+        batch = dict(batch)
+        rows = batch.pop(RNG_ROWS, None)
+        return self.scalar_loss(loss_fn(self.forward(params, batch, rows), batch))
+
+    def step_batch(self, batch, step):
+        """The batch with the rows that carry each step's random numbers to the devices (step, row)."""
+        b = np.shape(jax.tree.leaves(batch)[0])[0]
+        rows = jnp.stack([jnp.broadcast_to(jnp.asarray(step, jnp.uint32), (b,)), jnp.arange(b, dtype=jnp.uint32)], 1)
+        return {**batch, RNG_ROWS: rows}
+
+    def check_batch(self, batch, grad_accum: int = 1):
+        """A batch is a dict of arrays whose first axis is the batch (rows dividing over all devices and
+        into grad_accum micro-batches), with the keys of the example batch."""
+        if not isinstance(batch, Mapping):
+            raise ConfigError(f"a batch must be a dict like the example batch (keys {sorted(self.example_batch)}), "
+                              f"got {type(batch).__name__}")
+        missing = set(self.example_batch) - set(batch)
+        if missing:
+            raise ConfigError(f"the batch lacks {sorted(missing)} (the example batch had {sorted(self.example_batch)})")
+        self._check_rows(batch, grad_accum)
+
+    def apply(self, params, batch):
+        """Model outputs for a batch split over all devices (call under jit)."""
+        batch = batch if isinstance(batch, Mapping) else {"inputs": batch}
+        self._check_rows(batch)
+        return self.shard_map(lambda p, b: self.forward(p, b), (self.param_specs, P(AXES)), P(AXES))(params, batch)
+
+    def describe(self) -> str:
+        return (f"{self.model.kind} model as it is: {len(self.units)} units "
+                f"({', '.join(path_text(u) for u in self.units[:3])}{', ...' if len(self.units) > 3 else ''})")

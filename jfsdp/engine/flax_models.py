@@ -1,0 +1,243 @@
+"""A Flax model as it is, Linen or NNX, seen through one small interface: its parameter tree, how to
+initialize it, and how to run it with every call of a unit instance handed to the engine.
+
+`LinenModel` intercepts unit calls with `flax.linen.intercept_methods`; `NNXModel` swaps the unit
+classes' `__call__` for the duration of a trace. In both, a unit call becomes
+`hook(path, shards, fn, inputs)`, where `shards` is the unit's parameter subtree as the engine placed
+it, `inputs` the call's arrays (positional, keyword, the unit's random keys) and
+`fn(params, inputs) -> outputs` the unit applied to whole parameters, a pure function. Flags and other
+non-array arguments stay static. Nothing here knows about meshes or collectives.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jfsdp.config.errors import ConfigError
+from jfsdp.engine.unit_call import split_arguments
+
+
+def path_text(path) -> str:
+    return "/".join(str(p) for p in path)
+
+
+@dataclasses.dataclass
+class Found:
+    """What one trace of the model saw: every module (path -> class name) and the unit calls, in order."""
+    modules: dict = dataclasses.field(default_factory=dict)
+    unit_calls: list = dataclasses.field(default_factory=list)
+
+
+class UnitMatcher:
+    """`units=`: a module class, a tuple of classes, or a predicate on a submodule's path ('a/b/0')."""
+
+    def __init__(self, units):
+        if isinstance(units, type) or (isinstance(units, tuple) and units and all(isinstance(u, type) for u in units)):
+            self.classes, self.predicate = units if isinstance(units, tuple) else (units,), None
+        elif callable(units):
+            self.classes, self.predicate = None, units
+        else:
+            raise ConfigError("units= must be a module class, a tuple of classes, or a predicate on a submodule's "
+                              f"path, got {units!r}")
+
+    def __call__(self, path, module) -> bool:
+        if not path:
+            return False
+        if self.classes is not None:
+            return isinstance(module, self.classes)
+        return bool(self.predicate(path_text(path)))
+
+
+def _rest_keys(path, unit_paths):
+    for u in unit_paths:
+        if tuple(path[:len(u)]) == tuple(u):
+            return u
+    return None
+
+
+class LinenModel:
+    """An unbound Linen module; `call(module, batch)` applies it (a method of the bound module)."""
+    kind = "linen"
+
+    def __init__(self, module: nn.Module, call: Callable, rng_streams: tuple):
+        self.module, self.call, self.rng_streams = module, call, tuple(rng_streams)
+
+    def _rngs(self, key):
+        keys = jax.random.split(key, 1 + len(self.rng_streams))
+        return {"params": keys[0], **{s: k for s, k in zip(self.rng_streams, keys[1:])}}
+
+    def init_variables(self, key, batch, matcher=None, found=None):
+        """All the model's variables from its own initializers (boxed metadata as `init` gives it)."""
+        hook = _linen_recorder(matcher, found) if found is not None else None
+        with (nn.intercept_methods(hook) if hook else contextlib.nullcontext()):
+            return self.module.init(self._rngs(key), batch, method=self.call)
+
+    def apply(self, params, batch, hook, units, rngs: dict):
+        """The model's outputs with `params` (units' subtrees as shards), unit calls sent to `hook`."""
+        busy = []
+
+        def intercept(next_fun, args, kwargs, context):
+            mod = context.module
+            if busy or context.method_name == "setup" or mod.path not in units:
+                return next_fun(*args, **kwargs)
+            unbound, variables = mod.unbind()
+            keys = {s: jax.random.key_data(mod.make_rng(s)) for s in sorted(mod.scope.rngs)}
+            arrays, rebuild = split_arguments(args, kwargs)
+            method = context.method_name
+
+            def fn(p, inputs):
+                a, kw = rebuild(inputs[1:])
+                rng = {s: jax.random.wrap_key_data(k) for s, k in inputs[0].items()}
+                busy.append(True)
+                try:
+                    return unbound.apply({"params": p}, *a, rngs=rng, method=method, **kw)
+                finally:
+                    busy.pop()
+            return hook(tuple(mod.path), variables["params"], fn, [keys, *arrays])
+        with nn.intercept_methods(intercept):
+            return self.module.apply({"params": params}, batch, method=self.call, rngs=rngs)
+
+
+def _linen_recorder(matcher, found: Found):
+    stack = []
+
+    def record(next_fun, args, kwargs, context):
+        mod = context.module
+        path = tuple(mod.path)
+        found.modules.setdefault(path, type(mod).__name__)
+        if context.method_name == "setup" or not matcher(path, mod):
+            return next_fun(*args, **kwargs)
+        if stack:
+            raise ConfigError(f"unit {path_text(path)} ({type(mod).__name__}) is nested inside unit "
+                              f"{path_text(stack[-1])}: units must not contain other units")
+        found.unit_calls.append(path)
+        stack.append(path)
+        try:
+            return next_fun(*args, **kwargs)
+        finally:
+            stack.pop()
+    return record
+
+
+class NNXModel:
+    """An NNX module (concrete, or abstract from `nnx.eval_shape`); `call(model, batch)` applies it."""
+    kind = "nnx"
+
+    def __init__(self, module: nnx.Module, call: Callable, init: Callable | None):
+        self.graphdef, self.params_state, self.rest = nnx.split(module, nnx.Param, ...)
+        self.module, self.call, self.init_fn = module, call, init
+
+    def params(self):
+        return self.params_state.to_pure_dict()
+
+    def submodules(self):
+        return [(tuple(p), m) for p, m in nnx.iter_graph(self.module) if isinstance(m, nnx.Module)]
+
+    def merged(self, params, rest=None):
+        state = nnx.State(self.params_state)   # a copy whose values are replaced
+        nnx.replace_by_pure_dict(state, params)
+        # fresh Variable objects for the rest (random counters): NNX refuses to mutate a Variable made
+        # outside the trace that mutates it
+        rest = jax.tree.map(lambda x: x, self.rest if rest is None else rest)
+        return nnx.merge(self.graphdef, state, rest)
+
+    def fresh_rest(self, key):
+        """The non-parameter state with every random key folded with `key` and counts reset, so that
+        each step (and each device, each micro-batch) draws its own random numbers from the seed."""
+        def fold(x):
+            if isinstance(x, nnx.RngKey):
+                return x.replace(jax.random.fold_in(x.value, jax.random.key_data(key)[-1]))
+            if isinstance(x, nnx.RngCount):
+                return x.replace(jnp.zeros_like(x.value))
+            return x
+        return jax.tree.map(fold, self.rest, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+    def apply(self, params, batch, hook, units, key):
+        model = self.merged(params, None if key is None else self.fresh_rest(key))
+        with _nnx_calls(_targets(model, units), hook):
+            return self.call(model, batch)
+
+    def trace_units(self, batch, matcher, found: Found):
+        """One abstract call recording unit calls (nesting is refused before: see `check_nesting`)."""
+        for p, m in self.submodules():
+            found.modules.setdefault(p, type(m).__name__)
+        units = {p for p, m in self.submodules() if matcher(p, m)}
+        check_nesting(units, found)
+        model = self.merged(jax.tree.map(jnp.zeros_like, self.params()))
+        record = lambda path, shards, fn, inputs: (found.unit_calls.append(path), fn(shards, inputs))[1]
+        with _nnx_calls(_targets(model, units), record):
+            return self.call(model, batch)
+
+
+def check_nesting(units, found: Found):
+    for u in sorted(units, key=len):
+        outer = _rest_keys(u[:-1], [v for v in units if len(v) < len(u)]) if len(u) > 1 else None
+        if outer is not None:
+            raise ConfigError(f"unit {path_text(u)} ({found.modules.get(u, '?')}) is nested inside unit "
+                              f"{path_text(outer)}: units must not contain other units")
+
+
+def _targets(model, units) -> dict:
+    """{id(module): (path, module)} of the unit instances of a merged NNX model."""
+    return {id(m): (tuple(p), m) for p, m in nnx.iter_graph(model) if isinstance(m, nnx.Module) and tuple(p) in units}
+
+
+@contextlib.contextmanager
+def _nnx_calls(targets: dict, hook):
+    """While active, calling a module in `targets` (`_targets`) goes to `hook`; the unit's
+    non-parameter state (random counters) that the call updates is written back."""
+    busy = []
+    originals = {}
+
+    def patched_for(cls, original):
+        def __call__(self, *args, **kwargs):
+            if busy or id(self) not in targets:
+                return original(self, *args, **kwargs)
+            gdef, shards, rest = nnx.split(self, nnx.Param, ...)
+            arrays, rebuild = split_arguments(args, kwargs)
+
+            def fn(p, inputs):
+                state = nnx.State(shards)
+                nnx.replace_by_pure_dict(state, p)
+                unit = nnx.merge(gdef, state, inputs[0])
+                a, kw = rebuild(inputs[1:])
+                busy.append(True)
+                try:
+                    out = original(unit, *a, **kw)
+                finally:
+                    busy.pop()
+                return out, nnx.state(unit, nnx.Not(nnx.Param))
+            out, new_rest = hook(targets[id(self)][0], shards.to_pure_dict(), fn, [rest, *arrays])
+            nnx.update(self, new_rest)
+            return out
+        return __call__
+
+    for cls in {type(m) for _, m in targets.values()}:
+        originals[cls] = cls.__dict__.get("__call__")
+        cls.__call__ = patched_for(cls, cls.__call__)
+    try:
+        yield
+    finally:
+        for cls, original in originals.items():
+            if original is None:
+                del cls.__call__
+            else:
+                cls.__call__ = original
+
+
+def adapt(model, call, rng_streams=("dropout",), init=None):
+    """The model behind a uniform interface: Linen (an unbound module) or NNX (a module)."""
+    if isinstance(model, nn.Module):
+        if model.scope is not None:
+            raise ConfigError("give fully_shard the Linen module unbound (as constructed), not a bound one")
+        return LinenModel(model, call or (lambda m, batch: m(batch["inputs"])), rng_streams)
+    if isinstance(model, nnx.Module):
+        return NNXModel(model, call or (lambda m, batch: m(batch["inputs"])), init)
+    raise ConfigError(f"fully_shard expects a Flax model: a Linen module (flax.linen.Module), an NNX module "
+                      f"(flax.nnx.Module), or jfsdp.Stacked / jfsdp.Staged; got {type(model).__name__}")
