@@ -178,6 +178,23 @@ class LlamaRoot(nn.Module):
         return h, self.output.variables["params"]["kernel"]
 
 
+class Llama(nn.Module):
+    """The whole decoder as one module, written the usual Flax way: the root's embedding, a Python loop
+    over the blocks, the root's head. The same parameters as `parts` gives ({'root': ..., 'layers_i':
+    ...} per block), for training a model given as it is (FSDP units: `LlamaBlock`)."""
+    cfg: LlamaConfig
+
+    def setup(self):
+        self.root = LlamaRoot(self.cfg)
+        self.layers = [LlamaBlock(self.cfg) for _ in range(self.cfg.n_layers)]
+
+    def __call__(self, tokens):
+        h = self.root.embed(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.root.head(h)
+
+
 def lm_loss(logits, batch):
     """Mean next-token cross-entropy; `batch["targets"]` holds the inputs shifted by one."""
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)

@@ -1,0 +1,120 @@
+"""A model given as it is against the same model as `jfsdp.Stacked`: memory, depth, compile time.
+
+    python benchmarks/any_model.py --json benchmarks/results/any_model.json [--target h100] [--quick]
+
+The model is `models.llama.Llama`, the repository's Llama written the usual Flax way (an embedding, a
+Python loop over `LlamaBlock`s, a head), given to `fully_shard(..., units=LlamaBlock)`; the reference
+is the same parameters as `Stacked(LlamaRoot, LlamaBlock, n)`, whose units run under one `lax.scan`.
+Every figure is from a compiled train step (AdamW, plain logits loss, donated state) lowered from
+abstract inputs: nothing is allocated. XLA:CPU on fake CPU devices (fp32), and, with `--target h100`,
+XLA:GPU compiled for an H100 on this CPU machine (bf16; needs the gpu-target extra).
+
+1. per-device compiled bytes (argument + output + temp - alias), as-is and Stacked, FULL_SHARD, 1x8;
+2. the same against depth (4 -> 16 units): FULL_SHARD must stay flat beyond the kept activations;
+3. compile time against depth (8, 16, 32, 80 units).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from jfsdp.config.xla_flags import cpu_xla_flags  # noqa: E402
+
+os.environ["XLA_FLAGS"] = cpu_xla_flags()
+
+import dataclasses  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import jfsdp  # noqa: E402
+import models  # noqa: E402
+from jfsdp.planning import hlo, memory, targets  # noqa: E402
+from models.llama import Llama, LlamaBlock  # noqa: E402
+
+MiB = 2**20
+BASE = models.get_config("llama-tiny")   # width 128, vocabulary 259: small enough to compile many depths
+
+
+def plans(cfg, mesh, batch, strategy, remat, precision, as_is: bool):
+    mp = jfsdp.MixedPrecision.parse(precision)
+    if as_is:
+        return jfsdp.fully_shard(Llama(cfg), mesh, batch, units=LlamaBlock, strategy=strategy, remat=remat,
+                                 mp_policy=mp, rng_streams=())
+    root, unit, n = models.parts(cfg)
+    return jfsdp.fully_shard(jfsdp.Stacked(root, unit, n), mesh, batch["inputs"], strategy=strategy, remat=remat,
+                             mp_policy=mp, prefetch=False)
+
+
+def compile_case(cfg, *, as_is, mesh_spec="1x8", strategy="full_shard", remat="full", batch=8, seq=256,
+                 target=None) -> dict:
+    """One compiled train step: per-device bytes, collectives per step, compile time."""
+    precision = "bf16" if target else "fp32"
+    cfg = dataclasses.replace(cfg, attention=os.environ.get("ATTN", "xla"))
+    devices = targets.devices(target, mesh_spec) if target else jax.devices()[:8]
+    mesh = jfsdp.make_mesh(mesh_spec, devices)
+    x = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+    b = {"inputs": x, "targets": x}
+    opt, loss = jfsdp.adamw(1e-4), models.loss_fn(cfg)
+    t = time.time()
+    if target:
+        with targets.tracing_for(target):
+            plan = plans(cfg, mesh, b, strategy, remat, precision, as_is)
+            compiled = targets.compile_step(target, plan, opt, loss, b)
+    else:
+        plan = plans(cfg, mesh, b, strategy, remat, precision, as_is)
+        compiled = memory.compile_step(plan, opt, loss, b)
+    seconds = time.time() - t
+    m = memory.measure(compiled)
+    comm = hlo.per_step(compiled.as_text(), plan.n_devices)
+    return {"as_is": as_is, "n_layers": cfg.n_layers, "mesh": mesh_spec, "strategy": strategy, "remat": remat,
+            "target": target or "cpu", "total_bytes": m["total"], "temp_bytes": m["temp"],
+            "argument_bytes": m["argument"], "collectives": comm, "compile_s": round(seconds, 2)}
+
+
+def depth(n):
+    return dataclasses.replace(BASE, n_layers=n)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--json", default=None)
+    p.add_argument("--target", default=None, help="also compile for this GPU target (h100)")
+    p.add_argument("--quick", action="store_true", help="depths 4 and 8 only")
+    a = p.parse_args(argv)
+    rows = []
+    depths = (4, 8) if a.quick else (4, 8, 16)
+    for n in depths:
+        for as_is in (True, False):
+            for strategy in ("full_shard", "shard_grad_op"):
+                rows.append(compile_case(depth(n), as_is=as_is, strategy=strategy))
+                print(json.dumps({k: v for k, v in rows[-1].items() if k != "collectives"}), flush=True)
+    if a.target:
+        for n in depths:
+            for as_is in (True, False):
+                rows.append(compile_case(depth(n), as_is=as_is, target=a.target))
+                print(json.dumps({k: v for k, v in rows[-1].items() if k != "collectives"}), flush=True)
+    timing = []
+    for n in ((8, 16) if a.quick else (8, 16, 32, 80)):
+        for as_is in (True, False):
+            r = compile_case(depth(n), as_is=as_is)
+            timing.append({"n_layers": n, "as_is": as_is, "compile_s": r["compile_s"]})
+            print(json.dumps(timing[-1]), flush=True)
+    out = {"date": datetime.date.today().isoformat(), "machine": f"{platform.machine()} {os.cpu_count()} cores",
+           "jax": jax.__version__, "model": dataclasses.asdict(BASE), "rows": rows, "compile_time": timing}
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
