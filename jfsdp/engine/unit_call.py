@@ -62,6 +62,10 @@ def _first_scalar(tree):
     return jnp.sum(jnp.concatenate(firsts)) if firsts else None
 
 
+def _is_float(x) -> bool:
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+
+
 def tie(shards, anchor):
     """`shards` made to depend on `anchor` (a scalar), values unchanged: + 0 * anchor. XLA does not fold
     `0 * x` for floats (x may be inf or nan), so a gather of the result can neither start before `anchor`
@@ -72,7 +76,7 @@ def tie(shards, anchor):
     if anchor is None:
         return shards
     zero = lax.stop_gradient(anchor) * 0
-    return jax.tree.map(lambda s: s + zero.astype(s.dtype), shards)
+    return jax.tree.map(lambda s: s + zero.astype(s.dtype) if _is_float(s) else s, shards)
 
 
 def call_unit(compute: Callable, shards, inputs, policy):
@@ -92,7 +96,7 @@ def call_unit(compute: Callable, shards, inputs, policy):
         # the pullback recomputes what the policy did not save (the gather, under ZeRO-3) from the shards
         # it holds; tying them to the cotangent puts that recomputation after the unit's output gradient
         anchor = _first_scalar(cotangent)
-        pullback = jax.tree.map(lambda r: tie(r, anchor) if _is_float(r) else r, pullback)
+        pullback = tie(pullback, anchor)
         shard_grads, input_grads = pullback(cotangent)
         # the gradient handed to the previous unit waits for this unit's reduced gradient: the unit's
         # weight gradients are computed and reduce-scattered before the previous unit's backward starts,
@@ -104,5 +108,3 @@ def call_unit(compute: Callable, shards, inputs, policy):
     return run(shards, inputs)
 
 
-def _is_float(x) -> bool:
-    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)

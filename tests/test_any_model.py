@@ -1,0 +1,179 @@
+"""Flax models given as they are (docs/any-model.md): a Linen decoder and an NNX decoder from
+examples/, written without jfsdp in mind, trained with `fully_shard(model, ..., units=...)` against a
+plain single-device optax trainer of the same model, on 1x8, 2x4 and 8x1 with every strategy; dropout
+deterministic for a seed; an NNX plan saved on 1x8 and resumed on 2x4; each bad input a ConfigError."""
+import importlib.util
+import pathlib
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jfsdp
+from tests import reference as ref
+
+
+def _example(name):
+    spec = importlib.util.spec_from_file_location(name, pathlib.Path(__file__).parents[1] / "examples" / f"{name}.py")
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+linen_ex, nnx_ex = _example("linen_decoder"), _example("nnx_decoder")
+STEPS, BATCH, SEQ = 3, 16, 16
+GRID = [("1x8", "full_shard"), ("2x4", "full_shard"), ("8x1", "full_shard"), ("2x4", "shard_grad_op"),
+        ("2x4", "no_shard"), ("2x4", "hybrid_shard")]
+
+
+def mesh(spec):
+    r, s = jfsdp.parse_mesh(spec)
+    return jfsdp.make_mesh(spec, devices=jax.devices()[: r * s])
+
+
+def reference_optimizer():
+    mask = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)
+    return optax.chain(optax.clip_by_global_norm(ref.CLIP),
+                       optax.adamw(ref.LR, b1=ref.B1, b2=ref.B2, eps=ref.EPS, weight_decay=ref.WD, mask=mask))
+
+
+def jfsdp_optimizer():
+    return jfsdp.adamw(ref.LR, b1=ref.B1, b2=ref.B2, eps=ref.EPS, weight_decay=ref.WD, clip_norm=ref.CLIP)
+
+
+def batches(cfg):
+    return [{k: jnp.asarray(v) for k, v in b.items()} for b in linen_ex.data(cfg, STEPS, BATCH, SEQ, seed=1)]
+
+
+def assert_close(losses, ref_losses, params, ref_params):
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    atol = ref.param_atol(STEPS)
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(ref_params)):
+        b = np.asarray(b)
+        np.testing.assert_allclose(a, b, rtol=0, atol=ref.PARAM_RTOL * np.abs(b).max() + atol,
+                                   err_msg=jax.tree_util.keystr(path))
+
+
+# ---- Linen
+LCFG = linen_ex.Config(layers=2)
+
+
+@pytest.fixture(scope="module")
+def linen_reference():
+    model, data = linen_ex.Decoder(LCFG), batches(LCFG)
+    variables = model.init(jax.random.key(0), data[0]["inputs"])
+    params = nn.meta.unbox(variables["params"])
+    assert any(isinstance(x, nn.LogicallyPartitioned) for x in
+               jax.tree.leaves(variables, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned)))
+    loss = lambda p, b: linen_ex.loss_fn(model.apply({"params": p}, b["inputs"]), b)
+    with jax.default_device(jax.devices()[0]):
+        losses, final, _ = ref.run_steps(reference_optimizer(), loss, params, data)
+    return variables, data, losses, final
+
+
+@pytest.mark.parametrize("spec,strategy", GRID)
+def test_linen_as_is_equals_single_device(linen_reference, spec, strategy):
+    variables, data, ref_losses, ref_final = linen_reference
+    sharded = jfsdp.fully_shard(linen_ex.Decoder(LCFG), mesh(spec), data[0], units=linen_ex.DecoderBlock,
+                                strategy=strategy, remat="full" if strategy != "shard_grad_op" else "none")
+    assert len(sharded.units) == LCFG.layers
+    opt = jfsdp_optimizer()
+    state = jfsdp.init_state(sharded, opt, params=variables["params"])   # boxed, as init gives them
+    step = jfsdp.make_train_step(sharded, opt, linen_ex.loss_fn)
+    losses = []
+    for b in data:
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
+    assert_close(losses, ref_losses, sharded.gather(state.params), ref_final)
+
+
+def test_linen_deferred_init_is_the_models_own_init():
+    """init_state(rng) runs the model's own initializers shard by shard: the same values as its init."""
+    data = batches(LCFG)
+    sharded = jfsdp.fully_shard(linen_ex.Decoder(LCFG), mesh("2x4"), data[0], units=linen_ex.DecoderBlock)
+    state = jfsdp.init_state(sharded, jfsdp_optimizer(), jax.random.key(5))
+    own = sharded.init_full(jax.random.key(5))
+    for a, b in zip(jax.tree.leaves(sharded.gather(state.params)), jax.tree.leaves(own)):
+        np.testing.assert_array_equal(a, b)
+
+
+# ---- NNX
+NCFG = nnx_ex.Config(layers=2)
+
+
+def nnx_model(cfg=NCFG, training=False):
+    model = nnx_ex.Decoder(cfg, nnx.Rngs(params=0, dropout=1))
+    model.training = training
+    return model
+
+
+@pytest.fixture(scope="module")
+def nnx_reference():
+    model, data = nnx_model(), batches(NCFG)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    loss = lambda p, b: nnx_ex.loss_fn(nnx.merge(graphdef, p, rest)(b["inputs"]), b)
+    with jax.default_device(jax.devices()[0]):
+        losses, final, _ = ref.run_steps(reference_optimizer(), loss, params, data)
+    return data, losses, final.to_pure_dict()
+
+
+@pytest.mark.parametrize("spec,strategy", GRID)
+def test_nnx_as_is_equals_single_device(nnx_reference, spec, strategy):
+    data, ref_losses, ref_final = nnx_reference
+    model = nnx_model()
+    sharded = jfsdp.fully_shard(model, mesh(spec), data[0], units=(nnx_ex.LocalBlock, nnx_ex.GlobalBlock),
+                                strategy=strategy, remat="full" if strategy != "shard_grad_op" else "dots")
+    assert [p for p in sharded.units] == [("layers", i) for i in range(NCFG.layers)]
+    opt = jfsdp_optimizer()
+    state = jfsdp.init_state(sharded, opt)   # the module's own weights
+    step = jfsdp.make_train_step(sharded, opt, nnx_ex.loss_fn)
+    losses = []
+    for b in data:
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
+    final = sharded.gather(state.params)
+    assert_close(losses, ref_losses, final, ref_final)
+    nnx.update(model, final)   # the same tree goes back into the module
+    np.testing.assert_array_equal(np.asarray(model.embed.embedding[...]), final["embed"]["embedding"])
+
+
+# ---- dropout
+@pytest.mark.parametrize("kind", ["linen", "nnx"])
+def test_dropout_is_deterministic_for_a_seed_and_learns(kind):
+    steps = 6
+    runs = []
+    for seed in (0, 0, 1):
+        if kind == "linen":
+            cfg = linen_ex.Config(layers=2, dropout=0.2)
+            losses, *_ = linen_ex.train("2x4", steps=steps, cfg=cfg, seed=seed, batch=BATCH, seq=SEQ)
+        else:
+            cfg = nnx_ex.Config(layers=2, dropout=0.2)
+            losses, *_ = nnx_ex.train("2x4", steps=steps, cfg=cfg, seed=seed, batch=BATCH, seq=SEQ)
+        runs.append(losses)
+    assert runs[0] == runs[1], "the same seed must give the same losses bit for bit"
+    assert runs[0] != runs[2], "another seed draws other dropout masks (and data)"
+    assert runs[0][-1] < runs[0][0]
+
+
+def test_dropout_changes_the_loss_and_differs_per_step():
+    """Dropout is on (the loss differs from the deterministic model's) and each step draws anew."""
+    data = batches(linen_ex.Config(layers=2))
+    cfg = linen_ex.Config(layers=2, dropout=0.5)
+    sharded = jfsdp.fully_shard(linen_ex.Decoder(cfg), mesh("2x4"), data[0], units=linen_ex.DecoderBlock,
+                                call=lambda m, b: m(b["inputs"], train=True))
+    loss = jax.jit(sharded.loss(linen_ex.loss_fn))
+    state = jfsdp.init_state(sharded, jfsdp_optimizer(), jax.random.key(0))
+    lg = jax.jit(sharded.loss_and_grad(linen_ex.loss_fn))
+    a = float(lg(state.params, sharded.step_batch(data[0], 0))[0])
+    b = float(lg(state.params, sharded.step_batch(data[0], 1))[0])
+    plain = linen_ex.Decoder(cfg).apply({"params": sharded.gather(state.params)}, data[0]["inputs"])
+    assert a != b
+    # the branches start small (weights of std 0.02), so dropout moves the first loss by ~4e-5 relative:
+    # far above fp32's summation noise (~1e-7), which is all that separates equal computations
+    assert abs(a - float(linen_ex.loss_fn(plain, data[0]))) > 1e-5 * a
+    assert np.isfinite(float(loss(state.params, data[0])))
