@@ -177,3 +177,114 @@ def test_dropout_changes_the_loss_and_differs_per_step():
     # far above fp32's summation noise (~1e-7), which is all that separates equal computations
     assert abs(a - float(linen_ex.loss_fn(plain, data[0]))) > 1e-5 * a
     assert np.isfinite(float(loss(state.params, data[0])))
+
+
+# ---- checkpoints
+def test_nnx_saved_on_1x8_resumes_on_2x4(tmp_path):
+    from jfsdp.io.checkpoint import Checkpointer
+    data = batches(NCFG) + batches(NCFG)[:1]
+    opt = jfsdp_optimizer()
+    units = (nnx_ex.LocalBlock, nnx_ex.GlobalBlock)
+    a = jfsdp.fully_shard(nnx_model(), mesh("1x8"), data[0], units=units, remat="full")
+    step_a = jfsdp.make_train_step(a, opt, nnx_ex.loss_fn)
+    state = jfsdp.init_state(a, opt)
+    for b in data[:2]:
+        state, _ = step_a(state, b)
+    ckpt = Checkpointer(tmp_path / "ckpt", async_save=False)
+    ckpt.save(2, state, {}, plan=a)
+    never_stopped = []
+    for b in data[2:]:
+        state, m = step_a(state, b)
+        never_stopped.append(float(m["loss"]))
+    b2 = jfsdp.fully_shard(nnx_model(), mesh("2x4"), data[0], units=units, remat="full")
+    resumed = ckpt.restore(2, jfsdp.abstract_state(b2, opt))
+    step_b = jfsdp.make_train_step(b2, opt, nnx_ex.loss_fn)
+    losses = []
+    for b in data[2:]:
+        resumed, m = step_b(resumed, b)
+        losses.append(float(m["loss"]))
+    np.testing.assert_allclose(losses, never_stopped, rtol=1e-5)
+
+
+# ---- bad input: one ConfigError line each
+class Plain(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(4)(x)
+
+
+class Outer(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return Plain()(Plain()(x))
+
+
+class Twice(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        p = Plain()
+        return p(p(x))
+
+
+class Wrapper(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return Outer()(x)
+
+
+class CountingBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        self.param("steps", lambda k: jnp.zeros((), jnp.int32))
+        return nn.Dense(4)(x)
+
+
+class WithStats(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.BatchNorm(use_running_average=False)(Plain()(x))
+
+
+X = jax.ShapeDtypeStruct((8, 4), jnp.float32)
+
+
+@pytest.mark.parametrize("model,units,call,match", [
+    (Outer(), nn.LayerNorm, None, "matched no submodule.*Outer, Plain"),
+    (Wrapper(), (Outer, Plain), None, "nested inside unit"),
+    (Twice(), Plain, None, "called 2 times"),
+    (Outer(), Plain, lambda m, b: m(b["missing"]), r"call\(model, batch\) failed on the example batch at .*test_any_model"),
+    (nn.Sequential([CountingBlock()]), CountingBlock, None, "dtype int32"),
+    (WithStats(), Plain, None, "batch_stats"),
+    (object(), Plain, None, "expects a Flax model"),
+    (Outer(), None, None, "needs units="),
+    (Outer(), "Plain", None, "units= must be"),
+])
+def test_bad_input_is_one_config_error(model, units, call, match):
+    with pytest.raises(jfsdp.ConfigError, match=match) as e:
+        jfsdp.fully_shard(model, mesh("1x8"), {"inputs": X}, units=units, call=call)
+    assert "\n" not in str(e.value)
+
+
+def test_nnx_nested_units_and_abstract_model_without_constructor():
+    model = nnx_model()
+    with pytest.raises(jfsdp.ConfigError, match="nested inside unit layers"):
+        jfsdp.fully_shard(model, mesh("1x8"), batches(NCFG)[0], units=(nnx_ex.Block, nnx.Linear))
+    abstract = nnx.eval_shape(lambda: nnx_ex.Decoder(NCFG, nnx.Rngs(0)))
+    sharded = jfsdp.fully_shard(abstract, mesh("1x8"), batches(NCFG)[0], units=nnx_ex.Block)
+    with pytest.raises(jfsdp.ConfigError, match="init=make"):
+        jfsdp.init_state(sharded, jfsdp_optimizer(), jax.random.key(0))
+    # with its constructor, deferred init runs the model's own initializers where the shards live
+    make = lambda rngs: nnx_ex.Decoder(NCFG, rngs)
+    sharded = jfsdp.fully_shard(abstract, mesh("1x8"), batches(NCFG)[0], units=nnx_ex.Block, init=make)
+    state = jfsdp.init_state(sharded, jfsdp_optimizer(), jax.random.key(3))
+    own = nnx.state(make(nnx.Rngs(jax.random.key(3))), nnx.Param).to_pure_dict()
+    for a, b in zip(jax.tree.leaves(sharded.gather(state.params)), jax.tree.leaves(own)):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def test_prefetch_and_update_in_backward_are_refused_with_reasons():
+    with pytest.raises(jfsdp.ConfigError, match="prefetch"):
+        jfsdp.fully_shard(Outer(), mesh("1x8"), {"inputs": X}, units=Plain, prefetch=True)
+    sharded = jfsdp.fully_shard(Outer(), mesh("1x8"), {"inputs": X}, units=Plain, remat="full")
+    with pytest.raises(jfsdp.ConfigError, match="update_in_backward"):
+        jfsdp.make_train_step(sharded, jfsdp_optimizer(), lambda o, b: jnp.mean(o), update_in_backward=True)

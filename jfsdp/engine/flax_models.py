@@ -152,7 +152,8 @@ class NNXModel:
         each step (and each device, each micro-batch) draws its own random numbers from the seed."""
         def fold(x):
             if isinstance(x, nnx.RngKey):
-                return x.replace(jax.random.fold_in(x.value, jax.random.key_data(key)[-1]))
+                value = x.get_value() if hasattr(x, "get_value") else x.value
+                return x.replace(jax.random.fold_in(value, jax.random.key_data(key)[-1]))
             if isinstance(x, nnx.RngCount):
                 return x.replace(jnp.zeros_like(x.value))
             return x

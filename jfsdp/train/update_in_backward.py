@@ -40,6 +40,9 @@ from jfsdp.train.optim import Clipped, check_elementwise
 
 def unsupported(sharded: FSDP, grad_accum: int) -> str | None:
     """Why `update_in_backward` cannot run this model (None: it can)."""
+    if not sharded.stage_sizes:
+        return ("a model given as it is runs its units in its own loop, and the in-backward step needs them as "
+                "stacked stages (jfsdp.Stacked / Staged)")
     if grad_accum != 1:
         return (f"it applies each unit's update as soon as its gradient is reduced, so it cannot accumulate "
                 f"{grad_accum} micro-batches (use grad_accum=1)")

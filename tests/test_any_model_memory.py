@@ -1,0 +1,69 @@
+"""The FSDP contract on a model given as it is, read from the compiled program (XLA:CPU, fake devices):
+`models.llama.Llama` (its own Python loop over `LlamaBlock`s) against the same model as `Stacked`
+(its units under one `lax.scan`). benchmarks/any_model.py reports the same on the H100 target."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jfsdp
+import models
+from jfsdp.planning import hlo, memory
+from models.llama import Llama, LlamaBlock
+
+CFG = dataclasses.replace(models.get_config("llama-test"), attention="xla", dim=64, ffn_dim=128, n_heads=4, n_kv_heads=2)
+BATCH, SEQ = 8, 64
+
+
+def compiled(n_layers, as_is, strategy="full_shard"):
+    cfg = dataclasses.replace(CFG, n_layers=n_layers)
+    mesh = jfsdp.make_mesh("1x8", devices=jax.devices()[:8])
+    x = jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32)
+    b = {"inputs": x, "targets": x}
+    if as_is:
+        plan = jfsdp.fully_shard(Llama(cfg), mesh, b, units=LlamaBlock, strategy=strategy, remat="full", rng_streams=())
+    else:
+        root, unit, n = models.parts(cfg)
+        plan = jfsdp.fully_shard(jfsdp.Stacked(root, unit, n), mesh, x, strategy=strategy, remat="full")
+    c = memory.compile_step(plan, jfsdp.adamw(1e-3), models.loss_fn(cfg), b)
+    return plan, memory.measure(c), hlo.per_step(c.as_text(), plan.n_devices)
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return {(n, a): compiled(n, a) for n in (4, 16) for a in (True, False)}
+
+
+def unit_bytes(plan):
+    """(one unit's parameters, unsharded, fp32; one unit's kept activation, its input h on one device)."""
+    params = sum(x.size for x in jax.tree.leaves(jax.eval_shape(
+        lambda: LlamaBlock(CFG).init(jax.random.key(0), jnp.zeros((1, SEQ, CFG.dim)))["params"]))) * 4
+    return params, BATCH // plan.n_devices * SEQ * CFG.dim * 4
+
+
+def test_full_shard_flat_in_depth(runs):
+    plan, m4, _ = runs[(4, True)]
+    _, m16, _ = runs[(16, True)]
+    params, h = unit_bytes(plan)
+    # 12 more units may add their kept input and their shards (a copy tied to the step's data): not a
+    # gathered unit each (`params`, 8x the shard), which is what an unrolled loop kept when XLA merged
+    # the forward and backward gathers
+    growth = m16["temp"] - m4["temp"]
+    assert growth <= 12 * (h + 2 * params // 8), (growth, h, params)
+    assert growth < 12 * params / 2
+
+
+def test_peak_within_ten_percent_of_stacked(runs):
+    for n in (4, 16):
+        as_is, stacked = runs[(n, True)][1]["total"], runs[(n, False)][1]["total"]
+        assert as_is <= 1.10 * stacked, (n, as_is, stacked)
+
+
+def test_communication_equals_stacked(runs):
+    """The same collectives per step as the scan: every unit gathered twice (forward, backward) and
+    reduce-scattered once, the root gathered once and reduced once."""
+    for n in (4, 16):
+        a, s = runs[(n, True)][2], runs[(n, False)][2]
+        for kind in ("all-gather", "reduce-scatter"):
+            assert a[kind]["wire_bytes"] == pytest.approx(s[kind]["wire_bytes"], rel=0.01), (n, kind, a, s)
