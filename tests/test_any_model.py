@@ -288,3 +288,72 @@ def test_prefetch_and_update_in_backward_are_refused_with_reasons():
     sharded = jfsdp.fully_shard(Outer(), mesh("1x8"), {"inputs": X}, units=Plain, remat="full")
     with pytest.raises(jfsdp.ConfigError, match="update_in_backward"):
         jfsdp.make_train_step(sharded, jfsdp_optimizer(), lambda o, b: jnp.mean(o), update_in_backward=True)
+
+
+class TiedBlock(nn.Module):
+    emb: nn.Module
+
+    @nn.compact
+    def __call__(self, x):
+        return x + self.emb.attend(x)[..., : x.shape[-1]]
+
+
+class Tied(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+        e = nn.Embed(13, 8)
+        return e.attend(TiedBlock(e)(e(tokens)))
+
+
+class NNXTiedBlock(nnx.Module):
+    def __init__(self, embed):
+        self.embed = embed
+
+    def __call__(self, x):
+        return x + self.embed.attend(x)[..., : x.shape[-1]]
+
+
+class NNXTied(nnx.Module):
+    def __init__(self, rngs):
+        self.embed = nnx.Embed(13, 8, rngs=rngs)
+        self.block = NNXTiedBlock(self.embed)
+
+    def __call__(self, tokens):
+        return self.embed.attend(self.block(self.embed(tokens)))
+
+
+def test_a_parameter_shared_by_a_unit_and_the_root_is_named():
+    tokens = {"inputs": jax.ShapeDtypeStruct((8, 4), jnp.int32)}
+    with pytest.raises(jfsdp.ConfigError, match="unit TiedBlock_0 uses Embed_0/embedding, which lives outside it"):
+        jfsdp.fully_shard(Tied(), mesh("1x8"), tokens, units=TiedBlock)
+    with pytest.raises(jfsdp.ConfigError, match="unit block uses embed/embedding, which lives outside it"):
+        jfsdp.fully_shard(NNXTied(nnx.Rngs(0)), mesh("1x8"), tokens, units=NNXTiedBlock)
+
+
+def test_the_planners_formulas_refuse_an_as_is_plan():
+    from jfsdp.planning import memory
+    sharded = jfsdp.fully_shard(Outer(), mesh("1x8"), {"inputs": X}, units=Plain)
+    with pytest.raises(jfsdp.ConfigError, match="compile its step"):
+        memory.estimate(sharded, jfsdp_optimizer(), lambda o, b: jnp.mean(o), {"inputs": X})
+    with pytest.raises(jfsdp.ConfigError, match="comm_measured"):
+        memory.comm_formula(sharded)
+
+
+def test_gradient_accumulation_and_bf16_on_an_as_is_plan(nnx_reference):
+    """grad_accum=2 gives the losses of one whole batch (the loss is a mean over equal micro-batches);
+    bf16 parameters and fp32 master weights train to within bf16's rounding of the fp32 run."""
+    data, ref_losses, _ = nnx_reference
+    units = (nnx_ex.LocalBlock, nnx_ex.GlobalBlock)
+    runs = {}
+    for name, kw, accum in (("accum", {}, 2), ("bf16", {"mp_policy": jfsdp.MixedPrecision.parse("bf16")}, 1)):
+        sharded = jfsdp.fully_shard(nnx_model(), mesh("2x4"), data[0], units=units, remat="full", **kw)
+        opt = jfsdp_optimizer()
+        state = jfsdp.init_state(sharded, opt)
+        step = jfsdp.make_train_step(sharded, opt, nnx_ex.loss_fn, grad_accum=accum)
+        runs[name] = []
+        for b in data:
+            state, m = step(state, b)
+            runs[name].append(float(m["loss"]))
+    np.testing.assert_allclose(runs["accum"], ref_losses, rtol=1e-5)
+    np.testing.assert_allclose(runs["bf16"], ref_losses, rtol=2e-2)
+    assert runs["bf16"] != ref_losses

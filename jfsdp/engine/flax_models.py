@@ -111,6 +111,8 @@ def _linen_recorder(matcher, found: Found):
         mod = context.module
         path = tuple(mod.path)
         found.modules.setdefault(path, type(mod).__name__)
+        if stack and path[:len(stack[-1])] != stack[-1]:
+            shared_parameter(stack[-1], path, list(mod.variables.get("params", {})) if mod.scope else [])
         if context.method_name == "setup" or not matcher(path, mod):
             return next_fun(*args, **kwargs)
         if stack:
@@ -170,10 +172,45 @@ class NNXModel:
             found.modules.setdefault(p, type(m).__name__)
         units = {p for p, m in self.submodules() if matcher(p, m)}
         check_nesting(units, found)
+        check_shared(self.module, units)
         model = self.merged(jax.tree.map(jnp.zeros_like, self.params()))
         record = lambda path, shards, fn, inputs: (found.unit_calls.append(path), fn(shards, inputs))[1]
         with _nnx_calls(_targets(model, units), record):
             return self.call(model, batch)
+
+
+def shared_parameter(unit, owner, names):
+    """ConfigError: unit `unit` uses parameters that live outside it (at `owner`)."""
+    what = ", ".join(f"{path_text(owner)}/{n}" for n in names) or path_text(owner)
+    raise ConfigError(f"unit {path_text(unit)} uses {what}, which lives outside it: FSDP gathers a parameter "
+                      "shared between a unit and the rest of the model once for all uses only in the root; "
+                      "use it from the root, or do not make that module a unit")
+
+
+def check_shared(model, units):
+    """An NNX unit that reaches a parameter that the rest of the model reaches too (a tied embedding
+    referenced by a unit): ConfigError naming it."""
+    outside, seen = {}, set()
+
+    def walk(node, path):   # the model's graph, not entering units
+        if id(node) in seen:
+            return
+        seen.add(id(node))
+        for key, child in nnx.iter_children(node):
+            p = (*path, key)
+            if isinstance(child, nnx.Param):
+                outside.setdefault(id(child), p)
+            elif isinstance(child, nnx.Module) and p in units:
+                continue
+            elif not isinstance(child, nnx.Variable):
+                walk(child, p)
+    walk(model, ())
+    for p, m in nnx.iter_graph(model):
+        if isinstance(m, nnx.Module) and tuple(p) in units:
+            for q, x in nnx.iter_graph(m):
+                if isinstance(x, nnx.Param) and id(x) in outside:
+                    where = outside[id(x)]
+                    shared_parameter(tuple(p), where[:-1], [where[-1]])
 
 
 def check_nesting(units, found: Found):

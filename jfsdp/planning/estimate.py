@@ -10,6 +10,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from jfsdp.config.errors import ConfigError
 from jfsdp.config.policy import wire_dtype
 from jfsdp.engine.layout import is_layout
 from jfsdp.engine.sharded import FSDP
@@ -79,6 +80,9 @@ def estimate(plan: FSDP, optimizer, loss_fn: Callable, batch, *, prefetch: bool 
     (jfsdp.config.xla_flags.CPU_FLAGS, as train.py and the planner compile).
     `update_in_backward`: the step of `make_train_step(update_in_backward=True)`, which runs the
     prefetch pipeline's loops (two gathered units) and never holds the units' whole gradient."""
+    if getattr(plan, "as_is", False):
+        raise ConfigError("the analytic estimate describes jfsdp.Stacked / Staged models; for a model given as it is, "
+                          "compile its step (jfsdp.planning.memory.compile_step) and read memory.measure")
     backend = backend or jax.default_backend()
     N = plan.n_devices
     params, optimizer_b, pad_state, pad_grads = _state(plan, optimizer)

@@ -19,6 +19,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from jfsdp.config.errors import ConfigError
 from jfsdp.config.policy import wire_dtype
 from jfsdp.engine.sharded import FSDP
 from jfsdp.planning import hlo
@@ -70,6 +71,9 @@ def comm_formula(plan: FSDP, backend: str | None = None) -> dict:
     with the root (gathered once per step, not twice), padding and the backend's wire dtype
     (`wire_dtype`) counted exactly.
     `contract` is the headline approximation: 3Ψ·b·(S−1)/S (FULL_SHARD), 2Ψ·b(N−1)/N (DDP)."""
+    if getattr(plan, "as_is", False):
+        raise ConfigError("the communication formula is written for jfsdp.Stacked / Staged models; for a model "
+                          "given as it is, read the compiled step's collectives (comm_measured)")
     S, R, N = plan.shards, plan.replicas, plan.n_devices
     backend = backend or jax.default_backend()
     pdt = wire_dtype(plan.mp.param_dtype or jnp.float32, backend)

@@ -40,7 +40,7 @@ from jfsdp.train.optim import Clipped, check_elementwise
 
 def unsupported(sharded: FSDP, grad_accum: int) -> str | None:
     """Why `update_in_backward` cannot run this model (None: it can)."""
-    if not sharded.stage_sizes:
+    if getattr(sharded, "as_is", False):
         return ("a model given as it is runs its units in its own loop, and the in-backward step needs them as "
                 "stacked stages (jfsdp.Stacked / Staged)")
     if grad_accum != 1:
