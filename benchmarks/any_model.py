@@ -11,7 +11,8 @@ XLA:GPU compiled for an H100 on this CPU machine (bf16; needs the gpu-target ext
 
 1. per-device compiled bytes (argument + output + temp - alias), as-is and Stacked, FULL_SHARD, 1x8;
 2. the same against depth (4 -> 16 units): FULL_SHARD must stay flat beyond the kept activations;
-3. compile time against depth (8, 16, 32, 80 units).
+3. compile time against depth (8, 16, 32, 80 units): the Python loop (unrolled), the model's own
+   `nn.scan` (`models.llama.ScannedLlama`, given as it is too) and `Stacked`.
 """
 from __future__ import annotations
 
@@ -38,16 +39,18 @@ import jax.numpy as jnp  # noqa: E402
 import jfsdp  # noqa: E402
 import models  # noqa: E402
 from jfsdp.planning import hlo, memory, targets  # noqa: E402
-from models.llama import Llama, LlamaBlock  # noqa: E402
+from models.llama import Llama, LlamaBlock, ScannedLlama  # noqa: E402
 
 MiB = 2**20
 BASE = models.get_config("llama-tiny")   # width 128, vocabulary 259: small enough to compile many depths
 
 
-def plans(cfg, mesh, batch, strategy, remat, precision, as_is: bool):
+def plans(cfg, mesh, batch, strategy, remat, precision, as_is):
+    """as_is: True (its own Python loop), "scan" (its own nn.scan) or False (jfsdp.Stacked)."""
     mp = jfsdp.MixedPrecision.parse(precision)
     if as_is:
-        return jfsdp.fully_shard(Llama(cfg), mesh, batch, units=LlamaBlock, strategy=strategy, remat=remat,
+        model = ScannedLlama(cfg) if as_is == "scan" else Llama(cfg)
+        return jfsdp.fully_shard(model, mesh, batch, units=LlamaBlock, strategy=strategy, remat=remat,
                                  mp_policy=mp, rng_streams=())
     root, unit, n = models.parts(cfg)
     return jfsdp.fully_shard(jfsdp.Stacked(root, unit, n), mesh, batch["inputs"], strategy=strategy, remat=remat,
@@ -104,7 +107,7 @@ def main(argv=None) -> int:
                 print(json.dumps({k: v for k, v in rows[-1].items() if k != "collectives"}), flush=True)
     timing = []
     for n in ((8, 16) if a.quick else (8, 16, 32, 80)):
-        for as_is in (True, False):
+        for as_is in (True, "scan", False):
             r = compile_case(depth(n), as_is=as_is)
             timing.append({"n_layers": n, "as_is": as_is, "compile_s": r["compile_s"]})
             print(json.dumps(timing[-1]), flush=True)

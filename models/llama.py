@@ -195,6 +195,27 @@ class Llama(nn.Module):
         return self.root.head(h)
 
 
+class ScannedBlock(LlamaBlock):
+    """A decoder layer in `nn.scan`'s calling convention: (carry, x) -> (carry, output)."""
+
+    def __call__(self, h, _):
+        return super().__call__(h), None
+
+
+class ScannedLlama(nn.Module):
+    """The decoder with its blocks under `nn.scan` (parameters stacked on a leading layer axis), the way
+    deep Flax models keep compile time flat in depth; same root and blocks as `Llama`."""
+    cfg: LlamaConfig
+
+    @nn.compact
+    def __call__(self, tokens):
+        root = LlamaRoot(self.cfg, name="root")
+        layers = nn.scan(ScannedBlock, variable_axes={"params": 0}, split_rngs={"params": True},
+                         length=self.cfg.n_layers)(self.cfg, name="layers")
+        h, _ = layers(root.embed(tokens), None)
+        return root.head(h)
+
+
 def lm_loss(logits, batch):
     """Mean next-token cross-entropy; `batch["targets"]` holds the inputs shifted by one."""
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)

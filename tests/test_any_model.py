@@ -357,3 +357,36 @@ def test_gradient_accumulation_and_bf16_on_an_as_is_plan(nnx_reference):
     np.testing.assert_allclose(runs["accum"], ref_losses, rtol=1e-5)
     np.testing.assert_allclose(runs["bf16"], ref_losses, rtol=2e-2)
     assert runs["bf16"] != ref_losses
+
+
+# ---- a model that scans its own blocks keeps its scan
+def test_linen_scan_keeps_its_scan_and_equals_single_device():
+    """`models.llama.ScannedLlama` runs its blocks under `nn.scan`: given as it is, the unit is gathered per
+    iteration (its stacked parameters sharded by rows within each layer, like a Stacked stage) and it
+    trains as the plain single-device trainer of the same model does."""
+    import dataclasses
+
+    import models
+    from models.llama import LlamaBlock, ScannedLlama
+    cfg = dataclasses.replace(models.get_config("llama-test"), n_layers=3, attention="xla")
+    data = [{"inputs": b["inputs"] % cfg.vocab_size, "targets": b["targets"] % cfg.vocab_size} for b in batches(LCFG)]
+    model = ScannedLlama(cfg)
+    sharded = jfsdp.fully_shard(model, mesh("2x4"), data[0], units=LlamaBlock, remat="full", rng_streams=())
+    assert sharded.scanned == {("layers",): 3} and sharded.units == (("layers",),)
+    assert sharded.param_specs["layers"]["attention"]["wq"]["kernel"] == jax.sharding.PartitionSpec(None, "fsdp")
+    params = jax.jit(model.init)(jax.random.key(0), data[0]["inputs"])["params"]
+    # a stacked bias looks like a matrix to a mask that reads shapes: the decay mask comes from the plan
+    mask = sharded.decay_mask()
+    opt = jfsdp.adamw(ref.LR, b1=ref.B1, b2=ref.B2, eps=ref.EPS, weight_decay=ref.WD, clip_norm=ref.CLIP, mask=mask)
+    state = jfsdp.init_state(sharded, opt, params=params)
+    step = jfsdp.make_train_step(sharded, opt, models.loss_fn(cfg))
+    losses = []
+    for b in data:
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
+    plain = optax.chain(optax.clip_by_global_norm(ref.CLIP),
+                        optax.adamw(ref.LR, b1=ref.B1, b2=ref.B2, eps=ref.EPS, weight_decay=ref.WD, mask=mask))
+    loss = lambda p, b: models.loss_fn(cfg)(model.apply({"params": p}, b["inputs"]), b)
+    with jax.default_device(jax.devices()[0]):
+        ref_losses, ref_final, _ = ref.run_steps(plain, loss, params, data)
+    assert_close(losses, ref_losses, sharded.gather(state.params), ref_final)

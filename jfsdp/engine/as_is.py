@@ -51,6 +51,45 @@ def _where(error) -> str:
     return f" at {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].name})" if frames else ""
 
 
+def _get(tree, path):
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def _without(tree, paths_):
+    """A copy of nested dicts `tree` without the subtrees at `paths_`."""
+    if not paths_:
+        return tree
+    heads = {p[0] for p in paths_}
+    return {k: (v if k not in heads else _without(v, [p[1:] for p in paths_ if p[0] == k]))
+            for k, v in tree.items() if (k,) not in [tuple(p) for p in paths_]}
+
+
+def _with(tree, path, sub):
+    if not path:
+        return sub
+    out = dict(tree)
+    out[path[0]] = _with(tree.get(path[0], {}), path[1:], sub)
+    return out
+
+
+def _scanned(params, found) -> dict:
+    """{unit path: iterations} of the units that run inside the model's own scan (Linen `nn.scan`): their
+    stored parameters are those the call saw with one more leading axis, the iterations."""
+    out = {}
+    for path, seen in found.unit_shapes.items():
+        shape = lambda x: isinstance(x, tuple)
+        stored = jax.tree.map(np.shape, _get(params, path))
+        if jax.tree.structure(stored, is_leaf=shape) != jax.tree.structure(seen, is_leaf=shape):
+            continue
+        pairs = zip(jax.tree.leaves(stored, is_leaf=shape), jax.tree.leaves(seen, is_leaf=shape))
+        leads = {a[0] if len(a) == len(b) + 1 and a[1:] == b else None for a, b in pairs}
+        if len(leads) == 1 and None not in leads:
+            out[tuple(path)] = leads.pop()
+    return out
+
+
 class AsIs(FSDP):
     """A Flax model as it is, placed on a mesh with a strategy. Build it with `fully_shard(model, mesh,
     example_batch, units=...)`."""
@@ -67,17 +106,21 @@ class AsIs(FSDP):
         self.comm = Comm(reduce_axes, 1.0 / self.n_devices, mp_policy.param_dtype, mp_policy.reduce_dtype)
         self.policy = checkpoint_policy(remat, strategy.reshard_after_forward or self.shards == 1)
         self.on_cpu = platform(mesh) == "cpu"
-        self.prefetch, self.moe, self.moe_stages, self.stage_sizes = False, None, (), ()
+        self.prefetch, self.moe, self.moe_stages = False, None, ()
         self.batch_sharding = NamedSharding(mesh, P(AXES))
         self.seed = seed
         self.example_batch = _abstract(example_batch if isinstance(example_batch, Mapping)
                                        else {"inputs": example_batch})
         self.matcher = UnitMatcher(units)
         full = self._discover()
-        layout = lambda x: Layout(tuple(x.shape), jnp.dtype(x.dtype), self.shards)
-        self.layouts = jax.tree.map(layout, full)
+        layout = lambda shape, x: Layout(tuple(shape), jnp.dtype(x.dtype), self.shards)
+        root, stages = self.split(full)
+        self.layouts = self.join(jax.tree.map(lambda x: layout(x.shape, x), root),
+                                 [jax.tree.map(lambda x: layout(x.shape[1:], x), t) for t in stages])
         row = FSDP_AXIS if strategy.sharded else None
-        self.param_specs = jax.tree.map(lambda _: P(row), self.layouts, is_leaf=is_layout)
+        root_l, stage_l = self.split(self.layouts)
+        self.param_specs = self.join(jax.tree.map(lambda _: P(row), root_l, is_leaf=is_layout),
+                                     [jax.tree.map(lambda _: P(None, row), l, is_leaf=is_layout) for l in stage_l])
         self.param_shardings = jax.tree.map(lambda p: NamedSharding(mesh, p), self.param_specs)
         self.unit_of = {k: self._unit_containing(p) for p, k in self._leaf_paths()}
 
@@ -107,7 +150,9 @@ class AsIs(FSDP):
             classes = sorted(set(found.modules.values()))
             raise ConfigError(f"units= matched no submodule that the model calls; the modules found are: "
                               f"{', '.join(classes) or 'none'}")
-        twice = sorted({p for p in found.unit_calls if found.unit_calls.count(p) > 1})
+        self.scanned = _scanned(params, found)   # units inside the model's own scan: {path: iterations}
+        self.stage_sizes = tuple(self.scanned.values())
+        twice = sorted({p for p in found.unit_calls if found.unit_calls.count(p) > 1 and p not in self.scanned})
         if twice:
             raise ConfigError(f"unit {path_text(twice[0])} is called {found.unit_calls.count(twice[0])} times in one "
                               "step: a unit shared between calls is gathered once per call here; make it part of the "
@@ -133,9 +178,14 @@ class AsIs(FSDP):
 
     # ---- the parameter layout: the model's own tree, every leaf its own row-sharded Layout
     def split(self, tree):
-        return tree, []
+        """A tree in the model's layout -> (everything but the scanned units, [each scanned unit's stacked
+        subtree]): the `Stacked` form that the parameter code, checkpoints and the planner share."""
+        paths_ = list(self.scanned)
+        return _without(tree, paths_), [_get(tree, p) for p in paths_]
 
     def join(self, root, stages):
+        for p, sub in zip(self.scanned, stages):
+            root = _with(root, p, sub)
         return root
 
     def _conform(self, tree, stored: bool, what: str):
@@ -146,8 +196,12 @@ class AsIs(FSDP):
         if set(want) != set(got):
             raise ConfigError(f"{what} do not match the model's parameters: missing {listing(set(want) - set(got)) or 'none'}; "
                               f"unexpected {listing(set(got) - set(want)) or 'none'}")
-        for k, l in want.items():
-            shape = l.stored_shape if stored else l.shape
+        root_l, stage_l = self.split(self.layouts)
+        lead = self.join(jax.tree.map(lambda _: (), root_l, is_leaf=is_layout),
+                         [jax.tree.map(lambda _: (n,), l, is_leaf=is_layout) for l, n in zip(stage_l, self.stage_sizes)])
+        leads = jax.tree.leaves(lead, is_leaf=lambda x: isinstance(x, tuple))
+        for (k, l), n in zip(want.items(), leads):
+            shape = (*n, *(l.stored_shape if stored else l.shape))
             if np.shape(got[k]) != shape:
                 raise ConfigError(f"{what}{k} has shape {np.shape(got[k])}, expected {shape}")
         return jax.tree.unflatten(jax.tree.structure(self.layouts, is_leaf=is_layout), [got[k] for k in want])
@@ -167,8 +221,12 @@ class AsIs(FSDP):
 
     def abstract_params(self):
         """The shards as ShapeDtypeStructs carrying their shardings (from the layouts: no initializer runs)."""
-        return jax.tree.map(lambda l, s: jax.ShapeDtypeStruct(l.stored_shape, l.dtype, sharding=s), self.layouts,
-                            self.param_shardings, is_leaf=is_layout)
+        root_l, stage_l = self.split(self.layouts)
+        root_s, stage_s = self.split(self.param_shardings)
+        sds = lambda lead: lambda l, s: jax.ShapeDtypeStruct((*lead, *l.stored_shape), l.dtype, sharding=s)
+        return self.join(jax.tree.map(sds(()), root_l, root_s, is_leaf=is_layout),
+                         [jax.tree.map(sds((n,)), l, s, is_leaf=is_layout)
+                          for l, s, n in zip(stage_l, stage_s, self.stage_sizes)])
 
     def init_full(self, rng):
         return jax.jit(self._init_full)(rng)

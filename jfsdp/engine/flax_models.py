@@ -32,6 +32,7 @@ class Found:
     """What one trace of the model saw: every module (path -> class name) and the unit calls, in order."""
     modules: dict = dataclasses.field(default_factory=dict)
     unit_calls: list = dataclasses.field(default_factory=list)
+    unit_shapes: dict = dataclasses.field(default_factory=dict)   # path -> the unit's parameter shapes in a call
 
 
 class UnitMatcher:
@@ -113,17 +114,20 @@ def _linen_recorder(matcher, found: Found):
         found.modules.setdefault(path, type(mod).__name__)
         if stack and path[:len(stack[-1])] != stack[-1]:
             shared_parameter(stack[-1], path, list(mod.variables.get("params", {})) if mod.scope else [])
-        if context.method_name == "setup" or not matcher(path, mod):
-            return next_fun(*args, **kwargs)
+        if context.method_name == "setup" or not matcher(path, mod) or (stack and stack[-1] == path):
+            return next_fun(*args, **kwargs)   # (the unit's own methods calling each other: one call)
         if stack:
             raise ConfigError(f"unit {path_text(path)} ({type(mod).__name__}) is nested inside unit "
                               f"{path_text(stack[-1])}: units must not contain other units")
         found.unit_calls.append(path)
         stack.append(path)
         try:
-            return next_fun(*args, **kwargs)
+            out = next_fun(*args, **kwargs)
         finally:
             stack.pop()
+        # what the call saw: inside a Linen transform (nn.scan) one iteration's slice of stacked parameters
+        found.unit_shapes[path] = jax.tree.map(jnp.shape, nn.meta.unbox(mod.variables.get("params", {})))
+        return out
     return record
 
 
