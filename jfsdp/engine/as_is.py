@@ -25,7 +25,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jfsdp.config.errors import ConfigError
 from jfsdp.config.mesh import AXES, DATA_AXIS, FSDP_AXIS, mesh_shape, platform
 from jfsdp.engine.fsdp import Comm, checkpoint_policy, unshard, unshard_tree
-from jfsdp.engine.flax_models import Found, UnitMatcher, adapt, path_text
+from jfsdp.engine.flax_models import Found, UnitMatcher, adapt
+from jfsdp.engine.model_tree import path_text, scanned_units, subtree, with_subtree, without
 from jfsdp.engine.layout import Layout, is_layout, listing, paths
 from jfsdp.engine.sharded import FSDP
 from jfsdp.engine.unit_call import call_unit
@@ -49,45 +50,6 @@ def _where(error) -> str:
     frames = [f for f in traceback.extract_tb(error.__traceback__)
               if not any(f"{os.sep}{pkg}{os.sep}" in f.filename for pkg in ("jax", "flax", "jfsdp", "jaxlib"))]
     return f" at {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].name})" if frames else ""
-
-
-def _get(tree, path):
-    for k in path:
-        tree = tree[k]
-    return tree
-
-
-def _without(tree, paths_):
-    """A copy of nested dicts `tree` without the subtrees at `paths_`."""
-    if not paths_:
-        return tree
-    heads = {p[0] for p in paths_}
-    return {k: (v if k not in heads else _without(v, [p[1:] for p in paths_ if p[0] == k]))
-            for k, v in tree.items() if (k,) not in [tuple(p) for p in paths_]}
-
-
-def _with(tree, path, sub):
-    if not path:
-        return sub
-    out = dict(tree)
-    out[path[0]] = _with(tree.get(path[0], {}), path[1:], sub)
-    return out
-
-
-def _scanned(params, found) -> dict:
-    """{unit path: iterations} of the units that run inside the model's own scan (Linen `nn.scan`): their
-    stored parameters are those the call saw with one more leading axis, the iterations."""
-    out = {}
-    for path, seen in found.unit_shapes.items():
-        shape = lambda x: isinstance(x, tuple)
-        stored = jax.tree.map(np.shape, _get(params, path))
-        if jax.tree.structure(stored, is_leaf=shape) != jax.tree.structure(seen, is_leaf=shape):
-            continue
-        pairs = zip(jax.tree.leaves(stored, is_leaf=shape), jax.tree.leaves(seen, is_leaf=shape))
-        leads = {a[0] if len(a) == len(b) + 1 and a[1:] == b else None for a, b in pairs}
-        if len(leads) == 1 and None not in leads:
-            out[tuple(path)] = leads.pop()
-    return out
 
 
 class AsIs(FSDP):
@@ -150,7 +112,7 @@ class AsIs(FSDP):
             classes = sorted(set(found.modules.values()))
             raise ConfigError(f"units= matched no submodule that the model calls; the modules found are: "
                               f"{', '.join(classes) or 'none'}")
-        self.scanned = _scanned(params, found)   # units inside the model's own scan: {path: iterations}
+        self.scanned = scanned_units(params, found)   # units inside the model's own scan: {path: iterations}
         self.stage_sizes = tuple(self.scanned.values())
         twice = sorted({p for p in found.unit_calls if found.unit_calls.count(p) > 1 and p not in self.scanned})
         if twice:
@@ -181,11 +143,11 @@ class AsIs(FSDP):
         """A tree in the model's layout -> (everything but the scanned units, [each scanned unit's stacked
         subtree]): the `Stacked` form that the parameter code, checkpoints and the planner share."""
         paths_ = list(self.scanned)
-        return _without(tree, paths_), [_get(tree, p) for p in paths_]
+        return without(tree, paths_), [subtree(tree, p) for p in paths_]
 
     def join(self, root, stages):
         for p, sub in zip(self.scanned, stages):
-            root = _with(root, p, sub)
+            root = with_subtree(root, p, sub)
         return root
 
     def _conform(self, tree, stored: bool, what: str):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable
+from typing import Callable
 
 import flax.linen as nn
 import jax
@@ -20,11 +20,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jfsdp.config.errors import ConfigError
+from jfsdp.engine.model_tree import path_text
 from jfsdp.engine.unit_call import split_arguments
-
-
-def path_text(path) -> str:
-    return "/".join(str(p) for p in path)
 
 
 @dataclasses.dataclass
