@@ -390,3 +390,56 @@ def test_linen_scan_keeps_its_scan_and_equals_single_device():
     with jax.default_device(jax.devices()[0]):
         ref_losses, ref_final, _ = ref.run_steps(plain, loss, params, data)
     assert_close(losses, ref_losses, sharded.gather(state.params), ref_final)
+
+
+class ScanBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.norm, self.linear = nnx.LayerNorm(16, rngs=rngs), nnx.Linear(16, 16, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.linear(self.norm(x))
+
+
+class ScanModel(nnx.Module):
+    """Layers made with nnx.vmap (parameters stacked on a layer axis), run with nnx.scan."""
+
+    def __init__(self, n, rngs):
+        self.embed = nnx.Embed(13, 16, rngs=rngs)
+
+        @nnx.split_rngs(splits=n)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(rngs):
+            return ScanBlock(rngs)
+        self.layers = make(rngs)
+
+    def __call__(self, tokens):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def body(h, layer):
+            return layer(h)
+        return self.embed.attend(body(self.embed(tokens), self.layers))
+
+
+def test_nnx_scan_keeps_its_scan_and_equals_single_device():
+    model = ScanModel(3, nnx.Rngs(0))
+    data = [{k: v % 13 for k, v in b.items()} for b in batches(NCFG)]
+    sharded = jfsdp.fully_shard(model, mesh("2x4"), data[0], units=ScanBlock, remat="full")
+    assert sharded.scanned == {("layers",): 3}
+    mask = sharded.decay_mask()
+    opt = jfsdp.adamw(ref.LR, b1=ref.B1, b2=ref.B2, eps=ref.EPS, weight_decay=ref.WD, clip_norm=ref.CLIP, mask=mask)
+    state = jfsdp.init_state(sharded, opt)
+    step = jfsdp.make_train_step(sharded, opt, nnx_ex.loss_fn)
+    losses = []
+    for b in data:
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss(pure, b):
+        state = jax.tree.map(lambda x: x, params)
+        nnx.replace_by_pure_dict(state, pure)
+        return nnx_ex.loss_fn(nnx.merge(graphdef, state, rest)(b["inputs"]), b)
+    plain = optax.chain(optax.clip_by_global_norm(ref.CLIP),
+                        optax.adamw(ref.LR, b1=ref.B1, b2=ref.B2, eps=ref.EPS, weight_decay=ref.WD, mask=mask))
+    with jax.default_device(jax.devices()[0]):
+        ref_losses, ref_final, _ = ref.run_steps(plain, loss, params.to_pure_dict(), data)
+    assert_close(losses, ref_losses, sharded.gather(state.params), ref_final)

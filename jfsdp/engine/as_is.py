@@ -220,7 +220,7 @@ class AsIs(FSDP):
                 unit_layouts.setdefault(u, []).append(l)
 
         def hook(path, shards, fn, inputs):
-            ls = jax.tree.unflatten(jax.tree.structure(shards), unit_layouts[tuple(path)])
+            ls = jax.tree.unflatten(jax.tree.structure(shards), self._unit_layouts(path, shards, unit_layouts))
             return call_unit(lambda s, i: fn(unshard_tree(s, ls, self.comm), i), shards, inputs, self.policy)
         key = self._step_key(rows)
         units = set(self.units)
@@ -228,8 +228,21 @@ class AsIs(FSDP):
             rngs = {s: jax.random.fold_in(key, i) for i, s in enumerate(self.model.rng_streams)}
             out = self.model.apply(tree, batch, hook, units, rngs)
         else:
-            out = self.model.apply(tree, batch, hook, units, key)
+            out = self.model.apply(tree, batch, hook, units, key, self.matcher.classes)
         return self.mp.cast_output(out)
+
+    def _unit_layouts(self, path, shards, unit_layouts):
+        """The layouts of a unit's leaves; for a unit made inside the model's own NNX scan (path None),
+        those of the scanned unit whose per-layer shards have the shapes of `shards` (units alike have
+        the same layouts, so any match is right)."""
+        if path is not None:
+            return unit_layouts[tuple(path)]
+        shapes = [np.shape(x) for x in jax.tree.leaves(shards)]
+        for p in self.scanned:
+            ls = unit_layouts[p]
+            if [(l.padded_rows // self.shards, *l.shape[1:]) for l in ls] == shapes:
+                return ls
+        raise ConfigError("a unit called inside an NNX transform matches no unit the model scans")
 
     def _step_key(self, rows):
         """This device's (micro-)batch key: the seed, then the step and the global index of its first

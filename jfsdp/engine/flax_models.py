@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jfsdp.config.errors import ConfigError
-from jfsdp.engine.model_tree import path_text
+from jfsdp.engine.model_tree import check_nesting, path_text, scanned_units, shared_parameter
 from jfsdp.engine.unit_call import split_arguments
 
 
@@ -50,13 +50,6 @@ class UnitMatcher:
         if self.classes is not None:
             return isinstance(module, self.classes)
         return bool(self.predicate(path_text(path)))
-
-
-def _rest_keys(path, unit_paths):
-    for u in unit_paths:
-        if tuple(path[:len(u)]) == tuple(u):
-            return u
-    return None
 
 
 class LinenModel:
@@ -162,9 +155,9 @@ class NNXModel:
             return x
         return jax.tree.map(fold, self.rest, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
-    def apply(self, params, batch, hook, units, key):
+    def apply(self, params, batch, hook, units, key, classes=None):
         model = self.merged(params, None if key is None else self.fresh_rest(key))
-        with _nnx_calls(_targets(model, units), hook):
+        with _nnx_calls(_targets(model, units), hook, classes):
             return self.call(model, batch)
 
     def trace_units(self, batch, matcher, found: Found):
@@ -175,17 +168,26 @@ class NNXModel:
         check_nesting(units, found)
         check_shared(self.module, units)
         model = self.merged(jax.tree.map(jnp.zeros_like, self.params()))
-        record = lambda path, shards, fn, inputs: (found.unit_calls.append(path), fn(shards, inputs))[1]
-        with _nnx_calls(_targets(model, units), record):
-            return self.call(model, batch)
+        anonymous = []
 
-
-def shared_parameter(unit, owner, names):
-    """ConfigError: unit `unit` uses parameters that live outside it (at `owner`)."""
-    what = ", ".join(f"{path_text(owner)}/{n}" for n in names) or path_text(owner)
-    raise ConfigError(f"unit {path_text(unit)} uses {what}, which lives outside it: FSDP gathers a parameter "
-                      "shared between a unit and the rest of the model once for all uses only in the root; "
-                      "use it from the root, or do not make that module a unit")
+        def record(path, shards, fn, inputs):
+            if path is None:
+                anonymous.append(jax.tree.map(jnp.shape, shards))
+            else:
+                found.unit_calls.append(path)
+            return fn(shards, inputs)
+        with _nnx_calls(_targets(model, units), record, matcher.classes):
+            out = self.call(model, batch)
+        # a unit never called itself but whose stacked parameters a unit made inside the model's scan saw
+        stored = self.params()
+        for path in sorted(units - set(found.unit_calls)):
+            for seen in anonymous:
+                found.unit_shapes[path] = seen
+                if path in scanned_units(stored, found):
+                    found.unit_calls.append(path)
+                    break
+                del found.unit_shapes[path]
+        return out
 
 
 def check_shared(model, units):
@@ -214,29 +216,24 @@ def check_shared(model, units):
                     shared_parameter(tuple(p), where[:-1], [where[-1]])
 
 
-def check_nesting(units, found: Found):
-    for u in sorted(units, key=len):
-        outer = _rest_keys(u[:-1], [v for v in units if len(v) < len(u)]) if len(u) > 1 else None
-        if outer is not None:
-            raise ConfigError(f"unit {path_text(u)} ({found.modules.get(u, '?')}) is nested inside unit "
-                              f"{path_text(outer)}: units must not contain other units")
-
-
 def _targets(model, units) -> dict:
     """{id(module): (path, module)} of the unit instances of a merged NNX model."""
     return {id(m): (tuple(p), m) for p, m in nnx.iter_graph(model) if isinstance(m, nnx.Module) and tuple(p) in units}
 
 
 @contextlib.contextmanager
-def _nnx_calls(targets: dict, hook):
+def _nnx_calls(targets: dict, hook, classes=None):
     """While active, calling a module in `targets` (`_targets`) goes to `hook`; the unit's
-    non-parameter state (random counters) that the call updates is written back."""
+    non-parameter state (random counters) that the call updates is written back. An instance of one of
+    `classes` that is not a target is a unit made anew inside an NNX transform (`nnx.scan` over stacked
+    layers): it goes to `hook` with the path None."""
     busy = []
     originals = {}
 
     def patched_for(cls, original):
         def __call__(self, *args, **kwargs):
-            if busy or id(self) not in targets:
+            known = id(self) in targets
+            if busy or not (known or (classes and isinstance(self, classes))):
                 return original(self, *args, **kwargs)
             gdef, shards, rest = nnx.split(self, nnx.Param, ...)
             arrays, rebuild = split_arguments(args, kwargs)
@@ -252,7 +249,7 @@ def _nnx_calls(targets: dict, hook):
                 finally:
                     busy.pop()
                 return out, nnx.state(unit, nnx.Not(nnx.Param))
-            out, new_rest = hook(targets[id(self)][0], shards.to_pure_dict(), fn, [rest, *arrays])
+            out, new_rest = hook(targets[id(self)][0] if known else None, shards.to_pure_dict(), fn, [rest, *arrays])
             nnx.update(self, new_rest)
             return out
         return __call__

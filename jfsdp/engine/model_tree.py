@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from jfsdp.config.errors import ConfigError
+
 
 def path_text(path) -> str:
     return "/".join(str(p) for p in path)
@@ -49,3 +51,20 @@ def scanned_units(params, found) -> dict:
         if len(leads) == 1 and None not in leads:
             out[tuple(path)] = leads.pop()
     return out
+
+
+def shared_parameter(unit, owner, names):
+    """ConfigError: unit `unit` uses parameters that live outside it (at `owner`)."""
+    what = ", ".join(f"{path_text(owner)}/{n}" for n in names) or path_text(owner)
+    raise ConfigError(f"unit {path_text(unit)} uses {what}, which lives outside it: FSDP gathers a parameter "
+                      "shared between a unit and the rest of the model once for all uses only in the root; "
+                      "use it from the root, or do not make that module a unit")
+
+
+def check_nesting(units, found):
+    """ConfigError if a unit (a path in `units`) lies inside another; `found.modules` names their classes."""
+    for u in sorted(units, key=len):
+        outer = next((v for v in units if len(v) < len(u) and u[:len(v)] == v), None)
+        if outer is not None:
+            raise ConfigError(f"unit {path_text(u)} ({found.modules.get(u, '?')}) is nested inside unit "
+                              f"{path_text(outer)}: units must not contain other units")
