@@ -1,6 +1,8 @@
 """A model given as it is against the same model as `jfsdp.Stacked`: memory, depth, compile time.
 
     python benchmarks/any_model.py --json benchmarks/results/any_model.json [--target h100] [--quick]
+    python benchmarks/any_model.py --model llama-1b --depths 16 --batch 8 --seq 2048 --no-compile-time \
+        --target h100 --json benchmarks/results/any_model_llama1b.json
 
 The model is `models.llama.Llama`, the repository's Llama written the usual Flax way (an embedding, a
 Python loop over `LlamaBlock`s, a head), given to `fully_shard(..., units=LlamaBlock)`; the reference
@@ -83,8 +85,8 @@ def compile_case(cfg, *, as_is, mesh_spec="1x8", strategy="full_shard", remat="f
             "argument_bytes": m["argument"], "collectives": comm, "compile_s": round(seconds, 2)}
 
 
-def depth(n):
-    return dataclasses.replace(BASE, n_layers=n)
+def depth(n, base=None):
+    return dataclasses.replace(base or BASE, n_layers=n)
 
 
 def main(argv=None) -> int:
@@ -92,27 +94,35 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None)
     p.add_argument("--target", default=None, help="also compile for this GPU target (h100)")
     p.add_argument("--quick", action="store_true", help="depths 4 and 8 only")
+    p.add_argument("--model", default="llama-tiny", help="a model of models/ (its width; depth varies)")
+    p.add_argument("--depths", default=None, help="comma-separated unit counts (default 4,8,16)")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--no-compile-time", action="store_true", help="skip the compile-time rows")
     a = p.parse_args(argv)
+    base = models.get_config(a.model)
     rows = []
-    depths = (4, 8) if a.quick else (4, 8, 16)
+    depths = tuple(int(d) for d in a.depths.split(",")) if a.depths else (4, 8) if a.quick else (4, 8, 16)
+    shape = dict(batch=a.batch, seq=a.seq)
+    strategies = ("full_shard",) if a.depths else ("full_shard", "shard_grad_op")
     for n in depths:
         for as_is in (True, False):
-            for strategy in ("full_shard", "shard_grad_op"):
-                rows.append(compile_case(depth(n), as_is=as_is, strategy=strategy))
+            for strategy in strategies:
+                rows.append(compile_case(depth(n, base), as_is=as_is, strategy=strategy, **shape))
                 print(json.dumps({k: v for k, v in rows[-1].items() if k != "collectives"}), flush=True)
     if a.target:
         for n in depths:
             for as_is in (True, False):
-                rows.append(compile_case(depth(n), as_is=as_is, target=a.target))
+                rows.append(compile_case(depth(n, base), as_is=as_is, target=a.target, **shape))
                 print(json.dumps({k: v for k, v in rows[-1].items() if k != "collectives"}), flush=True)
     timing = []
-    for n in ((8, 16) if a.quick else (8, 16, 32, 80)):
+    for n in () if a.no_compile_time else ((8, 16) if a.quick else (8, 16, 32, 80)):
         for as_is in (True, "scan", False):
             r = compile_case(depth(n), as_is=as_is)
             timing.append({"n_layers": n, "as_is": as_is, "compile_s": r["compile_s"]})
             print(json.dumps(timing[-1]), flush=True)
     out = {"date": datetime.date.today().isoformat(), "machine": f"{platform.machine()} {os.cpu_count()} cores",
-           "jax": jax.__version__, "model": dataclasses.asdict(BASE), "rows": rows, "compile_time": timing}
+           "jax": jax.__version__, "model": dataclasses.asdict(base), "batch": a.batch, "seq": a.seq, "rows": rows, "compile_time": timing}
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)
