@@ -1,7 +1,7 @@
 """A model given as it is against the same model as `jfsdp.Stacked`: memory, depth, compile time.
 
     python benchmarks/any_model.py --json benchmarks/results/any_model.json [--target h100] [--quick]
-    python benchmarks/any_model.py --model llama-1b --depths 16 --batch 8 --seq 2048 --no-compile-time \
+    python benchmarks/any_model.py --model llama-1b --depths 16 --batch 8 --seq 2048 --attention auto --no-compile-time \
         --target h100 --json benchmarks/results/any_model_llama1b.json
 
 The model is `models.llama.Llama`, the repository's Llama written the usual Flax way (an embedding, a
@@ -60,10 +60,10 @@ def plans(cfg, mesh, batch, strategy, remat, precision, as_is):
 
 
 def compile_case(cfg, *, as_is, mesh_spec="1x8", strategy="full_shard", remat="full", batch=8, seq=256,
-                 target=None) -> dict:
+                 target=None, attention="xla") -> dict:
     """One compiled train step: per-device bytes, collectives per step, compile time."""
     precision = "bf16" if target else "fp32"
-    cfg = dataclasses.replace(cfg, attention=os.environ.get("ATTN", "xla"))
+    cfg = dataclasses.replace(cfg, attention=attention)
     devices = targets.devices(target, mesh_spec) if target else jax.devices()[:8]
     mesh = jfsdp.make_mesh(mesh_spec, devices)
     x = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
@@ -99,11 +99,13 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--no-compile-time", action="store_true", help="skip the compile-time rows")
+    p.add_argument("--attention", default="xla", help="the model's attention (models.llama.ATTENTION); 'auto' is "
+                   "blockwise from 1024 tokens on CPU")
     a = p.parse_args(argv)
     base = models.get_config(a.model)
     rows = []
     depths = tuple(int(d) for d in a.depths.split(",")) if a.depths else (4, 8) if a.quick else (4, 8, 16)
-    shape = dict(batch=a.batch, seq=a.seq)
+    shape = dict(batch=a.batch, seq=a.seq, attention=a.attention)
     strategies = ("full_shard",) if a.depths else ("full_shard", "shard_grad_op")
     for n in depths:
         for as_is in (True, False):
@@ -122,7 +124,7 @@ def main(argv=None) -> int:
             timing.append({"n_layers": n, "as_is": as_is, "compile_s": r["compile_s"]})
             print(json.dumps(timing[-1]), flush=True)
     out = {"date": datetime.date.today().isoformat(), "machine": f"{platform.machine()} {os.cpu_count()} cores",
-           "jax": jax.__version__, "model": dataclasses.asdict(base), "batch": a.batch, "seq": a.seq, "rows": rows, "compile_time": timing}
+           "jax": jax.__version__, "model": dataclasses.asdict(base), "batch": a.batch, "seq": a.seq, "attention": a.attention, "rows": rows, "compile_time": timing}
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)
