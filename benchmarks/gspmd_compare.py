@@ -59,7 +59,7 @@ from jfsdp.planning import hlo, memory, targets  # noqa: E402
 
 GiB = 2**30
 RULES = ("largest", "dim0")
-SIDES = ("jfsdp",) + tuple(f"gspmd-{r}" for r in RULES)
+SIDES = ("jfsdp", "jfsdp-reduce-bf16") + tuple(f"gspmd-{r}" for r in RULES)
 KINDS = hlo.KINDS
 
 
@@ -185,6 +185,8 @@ def _summary(compiled, n_devices, backend, compile_s) -> dict:
     row = {"compiled_gib": m["total"] / GiB, "argument_gib": m["argument"] / GiB, "temp_gib": m["temp"] / GiB,
            "comm_gib": {k: per.get(k, {}).get("wire_bytes", 0.0) / GiB for k in KINDS},
            "comm_ops": {k: per.get(k, {}).get("count", 0) for k in KINDS},
+           "comm_dtypes": {k: sorted({d for c in hlo.collectives(text, n_devices) if c.kind == k
+                                      and c.result_bytes > 64 for d in c.dtypes}) for k in KINDS},
            "compile_s": round(compile_s, 1)}
     row["comm_total_gib"] = sum(row["comm_gib"].values())
     if per.get("unknown_loops"):
@@ -203,7 +205,9 @@ def case_config(model, backend):
     return dataclasses.replace(cfg, attention="cudnn") if backend == "h100" else cfg
 
 
-def compile_jfsdp(model, mesh_spec, remat, backend, seq) -> dict:
+def compile_jfsdp(model, mesh_spec, remat, backend, seq, reduce_bf16=False) -> dict:
+    """jfsdp's train step (FULL_SHARD, its defaults). `reduce_bf16`: gradients reduce-scattered in bf16,
+    as the GSPMD side does on its own (the reduction happens in the dtype of the compute there)."""
     cfg, mesh = case_config(model, backend), _mesh(backend, mesh_spec)
     x = jax.ShapeDtypeStruct((mesh.size, seq), jnp.int32)
     root, unit, n = models.parts(cfg)
@@ -211,8 +215,11 @@ def compile_jfsdp(model, mesh_spec, remat, backend, seq) -> dict:
     opt, b, loss = jfsdp.adamw(1e-4), {"inputs": x, "targets": x}, models.loss_fn(cfg)
     target = "h100" if backend == "h100" else None
     with (targets.tracing_for(target) if target else contextlib.nullcontext()):
+        mp = jfsdp.MixedPrecision.parse(precision)
+        if reduce_bf16:
+            mp = jfsdp.MixedPrecision(param_dtype=jnp.bfloat16, reduce_dtype=jnp.bfloat16, output_dtype=jnp.float32)
         plan = jfsdp.fully_shard(jfsdp.Stacked(root, unit, n), mesh, x, strategy="full_shard", remat=remat,
-                                 mp_policy=jfsdp.MixedPrecision.parse(precision))
+                                 mp_policy=mp)
         t = time.time()
         compiled = (targets.compile_step(target, plan, opt, loss, b) if target
                     else memory.compile_step(plan, opt, loss, b))
@@ -267,6 +274,8 @@ def run_case(c: Case, log) -> dict:
            "batch": jfsdp.parse_mesh(c.mesh)[0] * jfsdp.parse_mesh(c.mesh)[1],
            "precision": "bf16" if c.backend == "h100" else "fp32"}
     row["jfsdp"] = compile_jfsdp(c.model, c.mesh, c.remat, c.backend, c.seq)
+    if c.backend == "h100":   # the GSPMD side reduces bf16 gradients: jfsdp doing the same, for the bytes
+        row["jfsdp-reduce-bf16"] = compile_jfsdp(c.model, c.mesh, c.remat, c.backend, c.seq, reduce_bf16=True)
     for rule in RULES:
         row[f"gspmd-{rule}"] = compile_gspmd(c.model, c.mesh, c.remat, c.backend, c.seq, rule)
     # the better GSPMD rule: the lower per-device memory (the figure FSDP is for)
@@ -280,7 +289,7 @@ def show(row):
           f"{row['batch']} x {row['seq']} tokens")
     cols = ["compiled_gib", "comm_total_gib", "exposed_total_gib", "hidden_total_gib", "compile_s"]
     print(f"  {'side':>16}" + "".join(f"{c:>18}" for c in cols) + "   comm by kind (GiB)")
-    for side in SIDES:
+    for side in (s for s in SIDES if s in row):
         r = row[side]
         kinds = ", ".join(f"{k} {v:.2f}" for k, v in r["comm_gib"].items() if v)
         print(f"  {side:>16}" + "".join(f"{r[c]:>18.2f}" if c in r else f"{'-':>18}" for c in cols) + f"   {kinds}")
