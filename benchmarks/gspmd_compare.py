@@ -56,6 +56,7 @@ import models  # noqa: E402
 from jfsdp.config.mesh import AXES, FSDP_AXIS  # noqa: E402
 from jfsdp.config.policy import REMAT_POLICIES  # noqa: E402
 from jfsdp.planning import hlo, memory, targets  # noqa: E402
+from models import factory  # noqa: E402
 
 GiB = 2**30
 RULES = ("largest", "dim0")
@@ -205,20 +206,20 @@ def case_config(model, backend):
     return dataclasses.replace(cfg, attention="cudnn") if backend == "h100" else cfg
 
 
-def compile_jfsdp(model, mesh_spec, remat, backend, seq, reduce_bf16=False) -> dict:
+def compile_jfsdp(model, mesh_spec, remat, backend, seq, reduce_bf16=False, loss="plain") -> dict:
     """jfsdp's train step (FULL_SHARD, its defaults). `reduce_bf16`: gradients reduce-scattered in bf16,
     as the GSPMD side does on its own (the reduction happens in the dtype of the compute there)."""
     cfg, mesh = case_config(model, backend), _mesh(backend, mesh_spec)
     x = jax.ShapeDtypeStruct((mesh.size, seq), jnp.int32)
-    root, unit, n = models.parts(cfg)
     precision = "bf16" if backend == "h100" else "fp32"
-    opt, b, loss = jfsdp.adamw(1e-4), {"inputs": x, "targets": x}, models.loss_fn(cfg)
+    stacked, _, loss = factory.language_model(cfg, loss=loss)
+    opt, b = jfsdp.adamw(1e-4), {"inputs": x, "targets": x}
     target = "h100" if backend == "h100" else None
     with (targets.tracing_for(target) if target else contextlib.nullcontext()):
         mp = jfsdp.MixedPrecision.parse(precision)
         if reduce_bf16:
             mp = jfsdp.MixedPrecision(param_dtype=jnp.bfloat16, reduce_dtype=jnp.bfloat16, output_dtype=jnp.float32)
-        plan = jfsdp.fully_shard(jfsdp.Stacked(root, unit, n), mesh, x, strategy="full_shard", remat=remat,
+        plan = jfsdp.fully_shard(stacked, mesh, x, strategy="full_shard", remat=remat,
                                  mp_policy=mp)
         t = time.time()
         compiled = (targets.compile_step(target, plan, opt, loss, b) if target
@@ -230,14 +231,16 @@ def compile_jfsdp(model, mesh_spec, remat, backend, seq, reduce_bf16=False) -> d
     return row
 
 
-def compile_gspmd(model, mesh_spec, remat, backend, seq, rule) -> dict:
+def compile_gspmd(model, mesh_spec, remat, backend, seq, rule, loss="plain") -> dict:
     cfg, mesh = case_config(model, backend), _mesh(backend, mesh_spec)
     x = jax.ShapeDtypeStruct((mesh.size, seq), jnp.int32)
-    opt, loss = jfsdp.adamw(1e-4), models.loss_fn(cfg)
+    stacked, _, loss_fn = factory.language_model(cfg, loss=loss)   # the same loss and head as jfsdp's
+    opt = jfsdp.adamw(1e-4)
     precision = "bf16" if backend == "h100" else "fp32"
     target = "h100" if backend == "h100" else None
     with (targets.tracing_for(target) if target else contextlib.nullcontext()):
-        g = gspmd_train_step(cfg, mesh, opt, loss, rule=rule, remat=remat, precision=precision)
+        g = gspmd_train_step(cfg, mesh, opt, loss_fn, rule=rule, remat=remat, precision=precision,
+                             head_method=stacked.head_method)
         b = {k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=g.batch_sharding) for k in ("inputs", "targets")}
         t = time.time()
         lowered = g.step.lower(g.abstract_state(opt), b)
@@ -256,6 +259,7 @@ class Case:
     remat: str
     backend: str   # 'cpu' (XLA:CPU fake devices, fp32) or 'h100' (compiled for an H100 target, bf16)
     seq: int
+    loss: str = "plain"   # 'plain' (logits, models.loss_fn) or 'fused' (jfsdp.lm_loss: no logits), both sides
 
 
 def grid(models_, meshes, remats, backends, seqs):
@@ -273,11 +277,12 @@ def run_case(c: Case, log) -> dict:
     row = {"model": c.model, "mesh": c.mesh, "remat": c.remat, "backend": c.backend, "seq": c.seq,
            "batch": jfsdp.parse_mesh(c.mesh)[0] * jfsdp.parse_mesh(c.mesh)[1],
            "precision": "bf16" if c.backend == "h100" else "fp32"}
-    row["jfsdp"] = compile_jfsdp(c.model, c.mesh, c.remat, c.backend, c.seq)
+    row["loss"] = c.loss
+    row["jfsdp"] = compile_jfsdp(c.model, c.mesh, c.remat, c.backend, c.seq, loss=c.loss)
     if c.backend == "h100":   # the GSPMD side reduces bf16 gradients: jfsdp doing the same, for the bytes
-        row["jfsdp-reduce-bf16"] = compile_jfsdp(c.model, c.mesh, c.remat, c.backend, c.seq, reduce_bf16=True)
+        row["jfsdp-reduce-bf16"] = compile_jfsdp(c.model, c.mesh, c.remat, c.backend, c.seq, True, c.loss)
     for rule in RULES:
-        row[f"gspmd-{rule}"] = compile_gspmd(c.model, c.mesh, c.remat, c.backend, c.seq, rule)
+        row[f"gspmd-{rule}"] = compile_gspmd(c.model, c.mesh, c.remat, c.backend, c.seq, rule, c.loss)
     # the better GSPMD rule: the lower per-device memory (the figure FSDP is for)
     row["gspmd_best"] = min(RULES, key=lambda r: row[f"gspmd-{r}"]["compiled_gib"])
     log(row)
@@ -300,16 +305,20 @@ def main(argv=None) -> int:
     p.add_argument("--json", required=True)
     p.add_argument("--full", action="store_true", help="the issue's whole grid (48 cases; hours on 2 cores)")
     p.add_argument("--only", default=None, help="run only cases whose 'model mesh remat backend seq' contains this")
+    p.add_argument("--loss", choices=("plain", "fused"), default="plain",
+                   help="both sides: the logits loss, or jfsdp's fused head + cross-entropy (models/factory.py)")
     a = p.parse_args(argv)
     t0 = time.time()
     cases = FULL_GRID if a.full else DEFAULT_GRID
     if a.only:
         cases = [c for c in cases if a.only in f"{c.model} {c.mesh} {c.remat} {c.backend} {c.seq}"]
+    cases = [dataclasses.replace(c, loss=a.loss) for c in cases]
     out = {"date": datetime.date.today().isoformat(), "jax": jax.__version__,
-           "device": {"cpu": f"XLA:CPU, {jax.device_count()} fake devices on a CPU machine",
-                      "h100": "compiled for an H100 target (jfsdp.planning.targets) on a CPU machine, no GPU"},
-           "command": "python benchmarks/gspmd_compare.py --json FILE" + (" --full" if a.full else ""),
-           "optimizer": "jfsdp.adamw(1e-4)", "loss": "plain logits loss (models.loss_fn)",
+           "device": f"fp32 rows: XLA:CPU, {jax.device_count()} fake devices; bf16 rows: compiled for an H100 target "
+                     "(jfsdp.planning.targets) on a CPU machine, no GPU",
+           "command": f"python benchmarks/gspmd_compare.py --json {a.json}" + (" --full" if a.full else "")
+                      + (f" --only '{a.only}'" if a.only else "") + (f" --loss {a.loss}" if a.loss != "plain" else ""),
+           "optimizer": "jfsdp.adamw(1e-4)", "loss": a.loss,
            "gspmd_rules": {"largest": "largest divisible per-unit dimension over fsdp",
                            "dim0": "first per-unit dimension over fsdp (FSDP2 Shard(0))"},
            "xla_options_h100": targets.compiler_options(), "cases": []}
