@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from results_source import g, load, source, table
 
-NAME = "gspmd_compare.json"
+NAME, FUSED = "gspmd_compare.json", "gspmd_compare_fused.json"
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all")
 SHORT = {"all-gather": "AG", "reduce-scatter": "RS", "all-reduce": "AR", "all-to-all": "A2A"}
 
@@ -66,4 +66,20 @@ def gspmd_page() -> list[str]:
                                        g(s["exposed_total_gib"]), g(s["hidden_total_gib"])])
         out += table(["model", "mesh", "remat", "tokens", "side", "sends by kind", "sends", "exposed by kind",
                       "exposed", "hidden"], rows, "lllll" + "lrlrr")
-    return out
+    return out + fused_section()
+
+
+def fused_section() -> list[str]:
+    """Both sides with jfsdp's fused head + cross-entropy (`--loss fused`): no logits tensor."""
+    d = load(FUSED)
+    out = ["## Both sides with jfsdp's fused head and cross-entropy", ""] + source(FUSED, d)
+    out += ["`jfsdp.lm_loss` (a scan over vocabulary chunks; the logits never exist whole) as the loss of both "
+            "sides, train.py's default. jfsdp's column is its default step; GSPMD as above.", ""]
+    rows = []
+    for r in d["cases"]:
+        ex = lambda s: g(s["exposed_total_gib"]) if "exposed_total_gib" in s else "-"
+        rows.append(_key(r) + [r["backend"], g(r["jfsdp"]["compiled_gib"]), g(r["gspmd-largest"]["compiled_gib"]),
+                               g(r["gspmd-dim0"]["compiled_gib"]), _kinds(r["jfsdp"]), _kinds(_best(r)),
+                               f"{ex(r['jfsdp'])} / {ex(_best(r))}"])
+    return out + table(["model", "mesh", "remat", "tokens", "backend", "jfsdp", "GSPMD largest", "GSPMD dim0",
+                        "jfsdp sends", "GSPMD (best) sends", "exposed (jfsdp / GSPMD)"], rows, "lllll" + "rrrllr")
