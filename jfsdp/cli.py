@@ -89,6 +89,10 @@ def optimization_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
                    "no whole gradient is held (lower peak where the units' gradient shard is large: few devices); "
                    "same result; needs --remat full, --grad-accum 1, full_shard or hybrid_shard; with --clip the "
                    "units' backward runs twice (norm, then updates)")
+    g.add_argument("--no-fit-check", action="store_true",
+                   help="skip the check before anything is allocated: the planner's memory estimate against the "
+                   "devices' memory (GPU memory; on fake CPU devices the host memory available, shared); an "
+                   "estimate above it is an error that names the nearest configurations that fit")
     g.add_argument("--seed", type=int, default=d.seed, help="seed of the initialization and the data order")
 
 

@@ -24,26 +24,15 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 import time
 
-from jfsdp.config.args import EXIT_BAD_INPUT, ArgParser
+from jfsdp.config.args import EXIT_BAD_INPUT, ArgParser, parse_bytes  # noqa: F401 (jfsdp.plan.parse_bytes)
 from jfsdp.config.errors import ConfigError
 from jfsdp.config.mesh import mesh_spec
 from jfsdp.config.xla_flags import cpu_xla_flags
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 BASE_TARGETS = ("gpu", "tpu", "cpu")   # the backends estimated without compiling for them
-
-
-def parse_bytes(text: str) -> int:
-    """'80GiB' -> 85899345920, '80GB' -> 80e9, '1024' -> 1024."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
-        raise ConfigError(f"device memory '{text}' does not parse: expected a size such as 80GiB, 40GB or 1024MiB")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
 def _args(argv):

@@ -95,6 +95,13 @@ def shard_model(c: TrainConfig, models, model: ModelChoice, mesh, strategy, mp) 
     return sharded, logits_sharded, loss_fn
 
 
+def make_optimizer(c: TrainConfig, sharded) -> tuple:
+    """(the learning-rate schedule, the run's AdamW): warmup then cosine, weight decay on matrices."""
+    schedule = jfsdp.warmup_cosine(c.lr, c.steps, c.warmup)
+    return schedule, jfsdp.adamw(schedule, weight_decay=c.weight_decay, clip_norm=c.clip or None,
+                                 mask=sharded.decay_mask())
+
+
 def model_metrics(models, model: ModelChoice) -> dict:
     """A model's own metrics, measured at each logged step on that step's batch (one forward pass)."""
     if not model.is_moe:

@@ -19,7 +19,7 @@ from jfsdp.config.mesh import MeshSpec
 from jfsdp.io import checkpoint as jckpt
 from jfsdp.io import data as jdata
 from jfsdp.io import hf as jhf
-from jfsdp.runtime import build, distributed
+from jfsdp.runtime import build, distributed, fit
 from jfsdp.runtime import metrics as jm
 from jfsdp.runtime.config import TrainConfig
 from jfsdp.runtime.console import bad_input, fail, note
@@ -33,6 +33,8 @@ def train(c: TrainConfig) -> int:
     (status 2)."""
     run = Run(c, time.perf_counter())
     run.describe()
+    if not c.no_fit_check:
+        run.check_fit()
     run.start()
     return report(run, train_loop(run))
 
@@ -44,10 +46,10 @@ class Run:
     def __init__(self, c: TrainConfig, t_launch: float):
         self.t_launch = t_launch
         with bad_input(ValueError):
-            models = build.load_models()
+            self.models = models = build.load_models()
             self.r, self.s = r, s = jfsdp.parse_mesh(c.mesh)
             self.strategy = jfsdp.Strategy.parse(c.strategy)
-            mp = jfsdp.MixedPrecision.parse(c.precision)
+            self.mp = mp = jfsdp.MixedPrecision.parse(c.precision)
             self.model = model = build.choose_model(c, models)
             self.corpus = jdata.load_tokens(c.data, model.config.vocab_size, dtype=c.data_dtype,
                                             tokenizer=model.tokenizer)
@@ -93,14 +95,27 @@ class Run:
               f"warmup {min(c.warmup, c.steps - 1)}, cosine to {c.lr / 10:g}",
               flush=True)
 
+    def check_fit(self) -> None:
+        """Before anything is allocated: the planner's estimate against the devices' memory
+        (jfsdp.runtime.fit); does not fit: one `error:` line with what would, exit status 2."""
+        c = self.c
+        case = fit.Case(self.sharded, self.loss_fn, build.make_optimizer(c, self.sharded)[1], c.batch_size,
+                        c.seq_len, c.grad_accum, c.update_in_backward, self.platform)
+
+        def reshard(remat):
+            return build.shard_model(dataclasses.replace(c, remat=remat), self.models, self.model, self.mesh,
+                                     self.strategy, self.mp)[0]
+        with bad_input():
+            message = fit.check(case, self.mesh.local_devices, reshard)
+        if message:
+            note(message)
+
     # -- state, optimizer, compiled programs
     def start(self) -> None:
         """The train state (resumed, from Hugging Face weights, or initialized), the compiled step,
         the evaluation function and its fixed validation batches."""
         c, sharded = self.c, self.sharded
-        self.schedule = jfsdp.warmup_cosine(c.lr, c.steps, c.warmup)
-        opt = jfsdp.adamw(self.schedule, weight_decay=c.weight_decay, clip_norm=c.clip or None,
-                          mask=sharded.decay_mask())
+        self.schedule, opt = build.make_optimizer(c, sharded)
         t0 = time.perf_counter()
         with bad_input():
             self.state = self.initial_state(opt)
