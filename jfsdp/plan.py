@@ -61,6 +61,11 @@ def _args(argv):
     p.add_argument("--update-in-backward", action="store_true",
                    help="plan train.py --update-in-backward: the optimizer applied to each unit inside the backward "
                         "pass (no whole gradient held; needs remat full, full_shard/hybrid_shard)")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (the batch divides into them)")
+    p.add_argument("--grad-sync", default="every", choices=("every", "once"),
+                   help="with --grad-accum K: reduce the gradients in every micro-batch (every), or add them up "
+                   "unreduced and reduce once per step (once: 1/K of the reduce-scatter bytes, two unsharded "
+                   "gradients per device in the reduce dtype)")
     p.add_argument("--no-compile", action="store_true", help="estimate only (skip the compiled measurement)")
     p.add_argument("--json", default=None, help="also write the report as JSON to this file")
     return p.parse_args(argv)
@@ -90,7 +95,10 @@ def render(r: dict) -> str:
     e_here = r.get(f"estimate_{here}", e if here == tgt else None) if here else None
     lines = [f"{r['model']} ({r['params'] / 1e9:.2f}B parameters) on mesh {r['mesh']} ({r['devices']} devices), "
              f"{r['strategy']}, {r['precision']}, remat {r['remat']}, batch {r['batch_size']} x {r['seq_len']} tokens"
-             + (", optimizer inside the backward pass" if r.get("update_in_backward") else ""),
+             + (", optimizer inside the backward pass" if r.get("update_in_backward") else "")
+             + (f", {r['grad_accum']} micro-batches, gradients reduced "
+                + ("once per step" if r.get("grad_sync") == "once" else "in every micro-batch")
+                if r.get("grad_accum", 1) > 1 else ""),
              "", "memory per device"]
     same = here == tgt  # a named GPU: the estimate for it is beside its own compilation
     cols = [f"estimate ({tgt})"] + (([] if same else [f"estimate ({here})"]) + [f"compiled ({here})"] if here else [])

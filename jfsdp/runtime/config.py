@@ -21,6 +21,7 @@ class TrainConfig:
     batch_size: int = 16            # global, in sequences
     seq_len: int = 256
     grad_accum: int = 1
+    grad_sync: str = "every"        # with grad_accum > 1: reduce in every micro-batch, or once per step
     lr: float = 3e-3
     warmup: int = 30
     weight_decay: float = 0.1

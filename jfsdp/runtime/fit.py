@@ -89,15 +89,19 @@ class Case:
     grad_accum: int
     update_in_backward: bool
     backend: str
+    grad_sync: str = "every"
 
     def estimate(self, batch_size=None, update_in_backward=None, sharded=None) -> int:
-        """The estimate's total per device for one micro-batch (bytes)."""
+        """The estimate's total per device (bytes)."""
+        return self.breakdown(batch_size, update_in_backward, sharded).total
+
+    def breakdown(self, batch_size=None, update_in_backward=None, sharded=None):
         sharded = sharded or self.sharded
-        rows = (batch_size or self.batch_size) // self.grad_accum
-        x = jax.ShapeDtypeStruct((rows, self.seq_len), "int32")
+        x = jax.ShapeDtypeStruct((batch_size or self.batch_size, self.seq_len), "int32")
         uib = self.update_in_backward if update_in_backward is None else update_in_backward
         return memory.estimate(sharded, self.optimizer, self.loss_fn, {"inputs": x, "targets": x},
-                               prefetch=sharded.prefetch, backend=self.backend, update_in_backward=uib).total
+                               prefetch=sharded.prefetch, backend=self.backend, update_in_backward=uib,
+                               grad_accum=self.grad_accum, grad_sync=self.grad_sync)
 
 
 def alternatives(case: Case, budget: int, reshard) -> list[str]:
@@ -116,7 +120,8 @@ def alternatives(case: Case, budget: int, reshard) -> list[str]:
     if k:
         out.append(f"--batch-size {k * n} ({_gib(case.estimate(batch_size=k * n))})")
     from jfsdp.train import update_in_backward
-    if not case.update_in_backward and not update_in_backward.unsupported(full, case.grad_accum):
+    if (not case.update_in_backward and case.grad_sync != "once"
+            and not update_in_backward.unsupported(full, case.grad_accum)):
         e = case.estimate(update_in_backward=True, sharded=full)
         if e <= budget:
             out.append(("" if full is plan else "--remat full ") + f"--update-in-backward ({_gib(e)})")
@@ -136,8 +141,7 @@ def more_devices(case: Case, budget: int, plan) -> str | None:
     exists here to trace."""
     if not plan.strategy.sharded:
         return None
-    b = memory.estimate(plan, case.optimizer, case.loss_fn, _batch(case), prefetch=plan.prefetch,
-                        backend=case.backend, update_in_backward=case.update_in_backward)
+    b = case.breakdown(sharded=plan)
     state = b.params + b.grads + b.optimizer + b.padding
     rest, s, s2 = b.total - state, plan.shards, plan.shards * 2
     while s2 <= 1 << 16 and rest + state * s / s2 > budget:
@@ -150,14 +154,8 @@ def more_devices(case: Case, budget: int, plan) -> str | None:
 
 def floor(case: Case) -> int:
     """What no number of shards removes: the estimate less its sharded state."""
-    b = memory.estimate(case.sharded, case.optimizer, case.loss_fn, _batch(case), prefetch=case.sharded.prefetch,
-                        backend=case.backend, update_in_backward=case.update_in_backward)
+    b = case.breakdown()
     return b.total - (b.params + b.grads + b.optimizer + b.padding)
-
-
-def _batch(case: Case):
-    x = jax.ShapeDtypeStruct((case.batch_size // case.grad_accum, case.seq_len), "int32")
-    return {"inputs": x, "targets": x}
 
 
 def check(case: Case, devices, reshard) -> str | None:

@@ -90,7 +90,7 @@ class Run:
                   + "\n      ".join(distributed.describe_mesh(self.mesh)))
         print(f"data  {self.corpus.describe()}")
         print(f"batch {c.batch_size} x {c.seq_len} = {self.tokens_per_step:,} tokens/step, grad accum "
-              f"{c.grad_accum} | {c.steps} steps = {jm.fmt_count(c.steps * self.tokens_per_step)} tokens "
+              f"{c.grad_accum}{', gradients reduced once per step' if c.grad_sync == 'once' and c.grad_accum > 1 else ''} | {c.steps} steps = {jm.fmt_count(c.steps * self.tokens_per_step)} tokens "
               f"({c.steps * c.batch_size / self.loader.n_windows:.3g} epochs) | lr {c.lr:g}, "
               f"warmup {min(c.warmup, c.steps - 1)}, cosine to {c.lr / 10:g}",
               flush=True)
@@ -100,7 +100,7 @@ class Run:
         (jfsdp.runtime.fit); does not fit: one `error:` line with what would, exit status 2."""
         c = self.c
         case = fit.Case(self.sharded, self.loss_fn, build.make_optimizer(c, self.sharded)[1], c.batch_size,
-                        c.seq_len, c.grad_accum, c.update_in_backward, self.platform)
+                        c.seq_len, c.grad_accum, c.update_in_backward, self.platform, c.grad_sync)
 
         def reshard(remat):
             return build.shard_model(dataclasses.replace(c, remat=remat), self.models, self.model, self.mesh,
@@ -120,7 +120,7 @@ class Run:
         with bad_input():
             self.state = self.initial_state(opt)
             train_step = jfsdp.make_train_step(sharded, opt, self.loss_fn, grad_accum=c.grad_accum,
-                                               update_in_backward=c.update_in_backward)
+                                               update_in_backward=c.update_in_backward, grad_sync=c.grad_sync)
             batch = self.put(self.loader.batch(self.loader.step))
             self.compiled = train_step.lower(self.state, batch).compile()
         self.eval_loss = jax.jit(sharded.loss(self.loss_fn))

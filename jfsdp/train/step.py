@@ -9,6 +9,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jfsdp.config.errors import ConfigError
+from jfsdp.engine.accumulate import check_grad_sync
 from jfsdp.engine.sharded import FSDP
 from jfsdp.train import update_in_backward as in_backward
 
@@ -100,7 +101,8 @@ def _donated(state) -> bool:
 
 
 def make_train_step(sharded: FSDP, optimizer: optax.GradientTransformation, loss_fn: Callable,
-                    grad_accum: int = 1, donate: bool = True, update_in_backward: bool = False) -> TrainStep:
+                    grad_accum: int = 1, donate: bool = True, update_in_backward: bool = False,
+                    grad_sync: str = "every") -> TrainStep:
     """(state, batch) -> (state, {'loss', 'grad_norm'}), jitted (see `TrainStep`).
 
     `loss_fn(outputs, batch)` is the loss contract (see `FSDP.loss_and_grad`): the head's outputs
@@ -112,8 +114,17 @@ def make_train_step(sharded: FSDP, optimizer: optax.GradientTransformation, loss
     lowers the peak by about one gradient shard of the units. Same result as the usual step; needs
     remat 'full', grad_accum 1, a resharding strategy (or one shard) and an elementwise optimizer
     (`jfsdp.adamw`, optax's adam/sgd family); with clipping the units' backward runs twice (norm,
-    then updates)."""
+    then updates).
+
+    `grad_sync`: with grad_accum = k > 1, 'every' (default) reduce-scatters each micro-batch's
+    gradients; 'once' adds them up unreduced on each device (one unsharded gradient of the model, in
+    the reduce dtype) and reduces once per step: 1/k of the reduce-scatter traffic, same result
+    (jfsdp/engine/accumulate.py). Not with update_in_backward or expert-parallel MoE stages."""
     shardings = state_shardings(sharded, optimizer)
+    if check_grad_sync(grad_sync) == "once" and update_in_backward:
+        raise ConfigError("grad_sync='once' cannot combine with update_in_backward: the optimizer runs on each "
+                          "unit's reduced gradient inside the backward pass, which 'once' reduces only after the "
+                          "last micro-batch")
     if update_in_backward:
         why = in_backward.unsupported(sharded, grad_accum)
         if why:
@@ -124,7 +135,7 @@ def make_train_step(sharded: FSDP, optimizer: optax.GradientTransformation, loss
             params, opt_state, loss, norm = fused(state.params, state.opt_state, batch)
             return TrainState(state.step + 1, params, opt_state), {"loss": loss, "grad_norm": norm}
     else:
-        loss_and_grad = sharded.loss_and_grad(loss_fn, grad_accum)
+        loss_and_grad = sharded.loss_and_grad(loss_fn, grad_accum, grad_sync)
 
         def step(state: TrainState, batch):
             loss, grads = loss_and_grad(state.params, batch)

@@ -1,0 +1,102 @@
+"""Gradient accumulation with one gradient reduction per step (`grad_sync='once'`).
+
+With `grad_accum=k` the usual step (`FSDP.loss_and_grad`, `grad_sync='every'`) reduce-scatters every
+unit's gradient in each of the k micro-batches: k reduce-scatters per step, and only gradient shards
+are held. Here, as FSDP2's `set_requires_gradient_sync(False)` on all but the last micro-batch (DDP's
+`no_sync`), each device adds up its own whole gradients over the k micro-batches and reduces them once
+after the last: 1/k of the reduce-scatter (or all-reduce) traffic, for one unsharded gradient of the
+model per device, in the reduce dtype. The all-gathers do not change: every micro-batch gathers the
+units it computes with.
+
+How: every parameter's shard is paired with a slot for its whole gradient (`fsdp.Unreduced`);
+`unshard`'s backward then returns the unreduced gradient as the slot's cotangent and nothing for the
+shard. The accumulation scan differentiates with respect to the slots and sums; `reduce_gradient`
+(the same reduce-scatter, replica sum and 1/N as `unshard`'s backward) runs once, after the scan.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from jfsdp.config.errors import ConfigError
+from jfsdp.config.mesh import AXES
+from jfsdp.engine.fsdp import Unreduced, reduce_gradient
+from jfsdp.engine.layout import is_layout
+
+GRAD_SYNC = ("every", "once")
+
+
+def check_grad_sync(grad_sync) -> str:
+    if grad_sync not in GRAD_SYNC:
+        raise ConfigError(f"grad_sync must be one of {', '.join(GRAD_SYNC)}, got {grad_sync!r}")
+    return grad_sync
+
+
+def unsupported(plan) -> str | None:
+    """Why `plan` cannot accumulate unreduced gradients (None: it can)."""
+    if any(m is not None and m.mode == "ep" for m in plan.moe_stages):
+        return ("an expert-parallel MoE stage keeps its experts local and reduces their gradients inside its own "
+                "all-to-all step (use jfsdp.MoE('gather'), or grad_sync='every')")
+    if plan.prefetch and any(n > 1 for n in plan.stage_sizes):
+        return ("the prefetch pipeline reduces each unit's gradient inside its own backward loop; shard the model "
+                "with prefetch=False (train.py does so for --grad-sync once)")
+    return None
+
+
+def _reduce_dtype(plan, layout):
+    return jnp.dtype(plan.comm.reduce_dtype or plan.comm.param_dtype or layout.dtype)
+
+
+def slots(plan):
+    """Zero slots for every parameter's whole gradient (unpadded, reduce dtype; a stage's stacked on
+    axis 0). Their values are never read: they only give the gradients a place."""
+    root_l, stage_l = plan.split(plan.layouts)
+    zeros = lambda lead: lambda l: jnp.zeros((*lead, *l.shape), _reduce_dtype(plan, l))
+    return plan.join(jax.tree.map(zeros(()), root_l, is_leaf=is_layout),
+                     [jax.tree.map(zeros((n,)), sl, is_leaf=is_layout) for sl, n in zip(stage_l, plan.stage_sizes)])
+
+
+def reduce_whole(plan, whole):
+    """The accumulated whole gradients -> gradient shards: `reduce_gradient` per leaf (per unit of a
+    stage: one reduce-scatter of the stacked gradients)."""
+    root_l, stage_l = plan.split(plan.layouts)
+    root_g, stage_g = plan.split(whole)
+    red = lambda l, g: reduce_gradient(g, l, plan.comm)
+    stacked = lambda l, g: jax.vmap(lambda x: reduce_gradient(x, l, plan.comm))(g)
+    return plan.join(jax.tree.map(red, root_l, root_g, is_leaf=is_layout),
+                     [jax.tree.map(stacked, l, g, is_leaf=is_layout) for l, g in zip(stage_l, stage_g)])
+
+
+def loss_and_grad_once(plan, loss_fn: Callable, grad_accum: int):
+    """(params, batch) -> (mean loss, gradient shards), with the k micro-batches' gradients added up
+    unreduced on each device and reduced once. Same contract and result as `FSDP.loss_and_grad`."""
+    why = unsupported(plan)
+    if why:
+        raise ConfigError(f"grad_sync='once': {why}")
+
+    def local(params, batch):
+        def loss(slot_tree, mb):
+            paired = jax.tree.map(lambda l, p, s: Unreduced(p, s), plan.layouts, params, slot_tree, is_leaf=is_layout)
+            return plan.scalar_loss(loss_fn(plan.forward(paired, mb["inputs"]), mb))
+
+        vg = jax.value_and_grad(loss)
+        mbs = jax.tree.map(lambda x: x.reshape(grad_accum, -1, *x.shape[1:]), batch)
+
+        def acc(carry, mb):
+            l, g = vg(slots(plan), mb)
+            return (carry[0] + l, jax.tree.map(jnp.add, carry[1], g)), None
+
+        (total, whole), _ = lax.scan(acc, (jnp.zeros((), jnp.float32), slots(plan)), mbs)
+        grads = jax.tree.map(lambda g: g / grad_accum, reduce_whole(plan, whole))
+        return lax.psum(total / grad_accum, AXES) / plan.n_devices, grads
+
+    sharded = plan.shard_map(local, (plan.param_specs, P(AXES)), (P(), plan.param_specs))
+
+    def fn(params, batch):
+        plan.check_batch(batch, grad_accum)
+        return sharded(params, batch)
+    return fn
