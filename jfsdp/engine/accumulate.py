@@ -60,18 +60,27 @@ def slots(plan):
                      [jax.tree.map(zeros((n,)), sl, is_leaf=is_layout) for sl, n in zip(stage_l, plan.stage_sizes)])
 
 
-def reduce_whole(plan, whole):
+def reduce_whole(plan, whole, trainable=None):
     """The accumulated whole gradients -> gradient shards: `reduce_gradient` per leaf (per unit of a
-    stage: one reduce-scatter of the stacked gradients)."""
+    stage: one reduce-scatter of the stacked gradients); a frozen leaf's is none (zeros)."""
+    if trainable is not None:
+        whole = jax.tree.map(lambda t, g: g if t else None, trainable, whole)
     root_l, stage_l = plan.split(plan.layouts)
     root_g, stage_g = plan.split(whole)
-    red = lambda l, g: reduce_gradient(g, l, plan.comm)
-    stacked = lambda l, g: jax.vmap(lambda x: reduce_gradient(x, l, plan.comm))(g)
+    red = lambda l, g: None if g is None else reduce_gradient(g, l, plan.comm)
+    stacked = lambda l, g: None if g is None else jax.vmap(lambda x: reduce_gradient(x, l, plan.comm))(g)
     return plan.join(jax.tree.map(red, root_l, root_g, is_leaf=is_layout),
                      [jax.tree.map(stacked, l, g, is_leaf=is_layout) for l, g in zip(stage_l, stage_g)])
 
 
-def loss_and_grad_once(plan, loss_fn: Callable, grad_accum: int):
+def stop_frozen(params, trainable):
+    """`params` with `lax.stop_gradient` on the leaves `trainable` (a tree of booleans) marks frozen."""
+    if trainable is None:
+        return params
+    return jax.tree.map(lambda t, p: p if t else lax.stop_gradient(p), trainable, params)
+
+
+def loss_and_grad_once(plan, loss_fn: Callable, grad_accum: int, trainable=None):
     """(params, batch) -> (mean loss, gradient shards), with the k micro-batches' gradients added up
     unreduced on each device and reduced once. Same contract and result as `FSDP.loss_and_grad`."""
     why = unsupported(plan)
@@ -81,6 +90,9 @@ def loss_and_grad_once(plan, loss_fn: Callable, grad_accum: int):
     def local(params, batch):
         def loss(slot_tree, mb):
             paired = jax.tree.map(lambda l, p, s: Unreduced(p, s), plan.layouts, params, slot_tree, is_leaf=is_layout)
+            if trainable is not None:   # a frozen leaf: no slot, no gradient (jfsdp/train/frozen.py)
+                paired = jax.tree.map(lambda t, u: u if t else lax.stop_gradient(u.shard), trainable, paired,
+                                      is_leaf=lambda x: isinstance(x, Unreduced))
             return plan.scalar_loss(loss_fn(plan.forward(paired, mb["inputs"]), mb))
 
         vg = jax.value_and_grad(loss)
@@ -91,7 +103,10 @@ def loss_and_grad_once(plan, loss_fn: Callable, grad_accum: int):
             return (carry[0] + l, jax.tree.map(jnp.add, carry[1], g)), None
 
         (total, whole), _ = lax.scan(acc, (jnp.zeros((), jnp.float32), slots(plan)), mbs)
-        grads = jax.tree.map(lambda g: g / grad_accum, reduce_whole(plan, whole))
+        grads = reduce_whole(plan, whole, trainable)
+        if trainable is not None:
+            grads = jax.tree.map(lambda t, g, p: g if t else jnp.zeros_like(p), trainable, grads, params)
+        grads = jax.tree.map(lambda g: g / grad_accum, grads)
         return lax.psum(total / grad_accum, AXES) / plan.n_devices, grads
 
     sharded = plan.shard_map(local, (plan.param_specs, P(AXES)), (P(), plan.param_specs))
