@@ -93,6 +93,10 @@ def optimization_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
                    "no whole gradient is held (lower peak where the units' gradient shard is large: few devices); "
                    "same result; needs --remat full, --grad-accum 1, full_shard or hybrid_shard; with --clip the "
                    "units' backward runs twice (norm, then updates)")
+    g.add_argument("--freeze", default=d.freeze, metavar="REGEX",
+                   help="freeze the parameters whose path (e.g. root/tok_embeddings/embedding, "
+                   "units/attention/wq/kernel) the regular expression matches (re.search): gathered for compute, "
+                   "but no gradient, reduce-scatter, optimizer state or update; matching nothing is an error")
     g.add_argument("--no-fit-check", action="store_true",
                    help="skip the check before anything is allocated: the planner's memory estimate against the "
                    "devices' memory (GPU memory; on fake CPU devices the host memory available, shared); an "

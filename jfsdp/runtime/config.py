@@ -28,6 +28,7 @@ class TrainConfig:
     clip: float = 1.0               # global gradient norm; 0 turns clipping off
     update_in_backward: bool = False  # optimizer per unit inside the backward pass (jfsdp/train/update_in_backward.py)
     seed: int = 0
+    freeze: str | None = None       # regex over parameter paths ('root/tok_embeddings/embedding'): frozen
     no_fit_check: bool = False      # skip the planner's estimate against the devices' memory (jfsdp/runtime/fit.py)
     # data
     data: str | None = None         # None: the Python standard library (see jfsdp/io/data.py)

@@ -25,6 +25,7 @@ from jfsdp.runtime.config import TrainConfig
 from jfsdp.runtime.console import bad_input, fail, note
 from jfsdp.runtime.loop import train_loop
 from jfsdp.runtime.report import report
+from jfsdp.train import frozen
 
 
 def train(c: TrainConfig) -> int:
@@ -61,6 +62,7 @@ class Run:
             self.sharded, self.logits_sharded, self.loss_fn = build.shard_model(c, models, model, self.mesh,
                                                                                 self.strategy, mp)
             self.metric_fns = build.model_metrics(models, model)
+            self.trainable = build.trainable(c, self.sharded)
             rows = jdata.process_rows(self.sharded.batch_sharding, c.batch_size, c.seq_len)
             self.loader = jdata.Loader(self.corpus, c.batch_size, c.seq_len, seed=c.seed, rows=rows)
             self.ckpt, self.resume_step = build.open_checkpoints(c)
@@ -99,7 +101,8 @@ class Run:
         """Before anything is allocated: the planner's estimate against the devices' memory
         (jfsdp.runtime.fit); does not fit: one `error:` line with what would, exit status 2."""
         c = self.c
-        case = fit.Case(self.sharded, self.loss_fn, build.make_optimizer(c, self.sharded)[1], c.batch_size,
+        opt = frozen.optimizer(build.make_optimizer(c, self.sharded)[1], frozen.mask(self.sharded, self.trainable))
+        case = fit.Case(self.sharded, self.loss_fn, opt, c.batch_size,
                         c.seq_len, c.grad_accum, c.update_in_backward, self.platform, c.grad_sync)
 
         def reshard(remat):
@@ -120,7 +123,8 @@ class Run:
         with bad_input():
             self.state = self.initial_state(opt)
             train_step = jfsdp.make_train_step(sharded, opt, self.loss_fn, grad_accum=c.grad_accum,
-                                               update_in_backward=c.update_in_backward, grad_sync=c.grad_sync)
+                                               update_in_backward=c.update_in_backward, grad_sync=c.grad_sync,
+                                               trainable=self.trainable)
             batch = self.put(self.loader.batch(self.loader.step))
             self.compiled = train_step.lower(self.state, batch).compile()
         self.eval_loss = jax.jit(sharded.loss(self.loss_fn))
@@ -137,12 +141,13 @@ class Run:
         """Resumed from --ckpt-dir (the data position too), from --init-from's weights, or initialized."""
         c, sharded, ckpt, step = self.c, self.sharded, self.ckpt, self.resume_step
         if step is None and c.init_from:
-            return jfsdp.init_state(sharded, opt, params=jhf.load_params(sharded, c.init_from))
+            return jfsdp.init_state(sharded, opt, params=jhf.load_params(sharded, c.init_from),
+                                    trainable=self.trainable)
         if step is None:
-            return jfsdp.init_state(sharded, opt, jax.random.key(c.seed))
+            return jfsdp.init_state(sharded, opt, jax.random.key(c.seed), trainable=self.trainable)
         meta = ckpt.read_meta(step)
         ckpt.check_compatible(step, meta, self.identity, sharded)
-        state = ckpt.restore(step, jfsdp.abstract_state(sharded, opt))
+        state = ckpt.restore(step, jfsdp.abstract_state(sharded, opt, trainable=self.trainable))
         if not isinstance(meta.get("loader"), dict) or "step" not in meta["loader"]:
             raise jckpt.CheckpointError(f"{ckpt.step_dir(step) / 'meta/metadata'}: no data position")
         self.loader.restore(meta["loader"])
