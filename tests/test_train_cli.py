@@ -83,6 +83,8 @@ BAD = {
     "grad-sync-once-with-update-in-backward": (["--grad-sync", "once", "--update-in-backward", "--remat", "full"],
                                                "--grad-sync once cannot combine with --update-in-backward"),
     "grad-sync-unknown": (["--grad-sync", "never"], "invalid choice"),
+    "freeze-matches-nothing": (["--model", "llama-test", "--freeze", "no_such_param"], "matches no parameter"),
+    "freeze-not-a-regex": (["--model", "llama-test", "--freeze", "(unclosed"], "is not a regular expression"),
 }
 
 
