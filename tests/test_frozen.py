@@ -141,3 +141,22 @@ def test_bad_trainable():
     # a prefix tree: the whole root frozen
     m = frozen.mask(plan, {"root": False, "units": True})
     assert not any(jax.tree.leaves(m["root"])) and all(jax.tree.leaves(m["units"]))
+
+
+def test_with_gradient_accumulation_reduced_once():
+    """trainable= with grad_sync='once': the same step as with 'every' (SGD: no Adam amplification of
+    summation-order noise), frozen leaves untouched, their slots never reduced."""
+    plan, _ = _plan()
+    opt = optax.sgd(0.5)
+    b = jax.device_put(_batches()[0], plan.batch_sharding)
+    out = {}
+    for sync in ("every", "once"):
+        state = jfsdp.init_state(plan, opt, params=plan.shard(_init()), trainable=is_trainable)
+        step = jfsdp.make_train_step(plan, opt, models.loss_fn(CFG), grad_accum=2, grad_sync=sync,
+                                     trainable=is_trainable)
+        state, m = step(state, b)
+        out[sync] = float(m["loss"]), jax.device_get(plan.gather(state.params))
+    assert out["once"][0] == pytest.approx(out["every"][0], rel=1e-6)
+    ref.close(out["once"][1], out["every"][1], 1e-6, "params ")
+    assert np.array_equal(out["once"][1]["root"]["tok_embeddings"]["embedding"],
+                          _init()["root"]["tok_embeddings"]["embedding"])

@@ -106,7 +106,7 @@ class Case:
 
 def alternatives(case: Case, budget: int, reshard) -> list[str]:
     """The nearest configurations whose estimate fits `budget`, as flags. `reshard(remat)`: the same
-    model sharded with another remat policy (None where the run already uses 'full')."""
+    model sharded with another remat policy."""
     out = []
     plan = case.sharded
     full = reshard("full") if plan.remat != "full" else plan
@@ -119,6 +119,10 @@ def alternatives(case: Case, budget: int, reshard) -> list[str]:
     k = largest_batch(fits, limit=max(1, case.batch_size // n - 1)) if case.batch_size > n else 0
     if k:
         out.append(f"--batch-size {k * n} ({_gib(case.estimate(batch_size=k * n))})")
+    if case.grad_sync == "once" and case.grad_accum > 1:
+        e = dataclasses.replace(case, grad_sync="every").estimate()
+        if e <= budget:
+            out.append(f"--grad-sync every ({_gib(e)})")
     from jfsdp.train import update_in_backward
     if (not case.update_in_backward and case.grad_sync != "once"
             and not update_in_backward.unsupported(full, case.grad_accum)):
