@@ -148,7 +148,8 @@ def test_with_gradient_accumulation_reduced_once():
     summation-order noise), frozen leaves untouched, their slots never reduced."""
     plan, _ = _plan()
     opt = optax.sgd(0.5)
-    b = jax.device_put(_batches()[0], plan.batch_sharding)
+    two = _batches()[:2]   # 16 rows: two micro-batches of one row per device
+    b = jax.device_put(jax.tree.map(lambda *x: np.concatenate(x), *two), plan.batch_sharding)
     out = {}
     for sync in ("every", "once"):
         state = jfsdp.init_state(plan, opt, params=plan.shard(_init()), trainable=is_trainable)
