@@ -41,10 +41,22 @@ def unsupported(plan) -> str | None:
     if any(m is not None and m.mode == "ep" for m in plan.moe_stages):
         return ("an expert-parallel MoE stage keeps its experts local and reduces their gradients inside its own "
                 "all-to-all step (use jfsdp.MoE('gather'), or grad_sync='every')")
-    if plan.prefetch and any(n > 1 for n in plan.stage_sizes):
-        return ("the prefetch pipeline reduces each unit's gradient inside its own backward loop; shard the model "
-                "with prefetch=False (train.py does so for --grad-sync once)")
     return None
+
+
+def _pipelined(plan, j) -> bool:
+    """Whether stage j runs the prefetch pipeline (FSDP._stage), whose backward adds each unit's whole
+    gradient to the slots in place (its slot cotangent is the new sum, not the micro-batch's gradient)."""
+    return bool(plan.prefetch) and plan.stage_sizes[j] > 1
+
+
+def _add(plan, sums, grads):
+    """The sums after one micro-batch: slot + gradient, where the pipeline has not added them already."""
+    root_s, stage_s = plan.split(sums)
+    root_g, stage_g = plan.split(grads)
+    return plan.join(jax.tree.map(jnp.add, root_s, root_g),
+                     [g if _pipelined(plan, j) else jax.tree.map(jnp.add, s, g)
+                      for j, (s, g) in enumerate(zip(stage_s, stage_g))])
 
 
 def _reduce_dtype(plan, layout):
@@ -99,8 +111,8 @@ def loss_and_grad_once(plan, loss_fn: Callable, grad_accum: int, trainable=None)
         mbs = jax.tree.map(lambda x: x.reshape(grad_accum, -1, *x.shape[1:]), batch)
 
         def acc(carry, mb):
-            l, g = vg(slots(plan), mb)
-            return (carry[0] + l, jax.tree.map(jnp.add, carry[1], g)), None
+            l, g = vg(carry[1], mb)   # the slots carry the sums (read only by the pipeline's backward)
+            return (carry[0] + l, _add(plan, carry[1], g)), None
 
         (total, whole), _ = lax.scan(acc, (jnp.zeros((), jnp.float32), slots(plan)), mbs)
         grads = reduce_whole(plan, whole, trainable)

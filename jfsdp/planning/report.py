@@ -22,7 +22,7 @@ def build(model_name, mesh_spec, strategy, precision, remat, batch_size, seq_len
           loss="fused", moe="auto", moe_chunks="auto", backend=None, prefetch=None):
     """(cfg, plan, optimizer, loss_fn, batch shapes) for a named model; nothing allocated.
     `devices`: the mesh's devices (default: all local ones); `attention`: override the config's;
-    `prefetch`: fully_shard's (False for grad_sync='once', which runs the plain scan)."""
+    `prefetch`: fully_shard's."""
     import jax
     import jax.numpy as jnp
 
@@ -107,10 +107,8 @@ def report(a, budget: int | None = None) -> dict:
     devices, attention = (targets.devices(a.target, a.mesh), "cudnn") if gpu else (None, None)
     backend = "gpu" if gpu else a.target
     with targets.tracing_for(a.target) if gpu else contextlib.nullcontext():
-        once = a.grad_sync == "once" and a.grad_accum > 1
         cfg, plan, opt, loss_fn, batch = build(a.model, a.mesh, a.strategy, a.precision, a.remat, a.batch_size,
-                                               a.seq_len, devices, attention, a.loss, a.moe, a.moe_chunks, backend,
-                                               prefetch=False if once else None)
+                                               a.seq_len, devices, attention, a.loss, a.moe, a.moe_chunks, backend)
         case = _Case(plan, opt, loss_fn, batch, gpu, backend, a.target if gpu else jax.default_backend())
         if budget is None:
             budget = targets.get(a.target).memory_bytes if gpu else DEFAULT_MEMORY

@@ -90,10 +90,7 @@ def shard_model(c: TrainConfig, models, model: ModelChoice, mesh, strategy, mp) 
     def shard(head):
         nonlocal loss_fn
         module, moe, loss_fn = models.factory.language_model(model.config, c.loss, c.moe, c.moe_chunks, head=head)
-        # --grad-sync once runs the plain scan (jfsdp.engine.accumulate): no prefetch pipeline
-        prefetch = False if c.grad_sync == "once" and c.grad_accum > 1 else None
-        return jfsdp.fully_shard(module, mesh, example, strategy=strategy, mp_policy=mp, remat=c.remat, moe=moe,
-                                 prefetch=prefetch)
+        return jfsdp.fully_shard(module, mesh, example, strategy=strategy, mp_policy=mp, remat=c.remat, moe=moe)
     logits_sharded = shard("head")
     sharded = shard(None) if c.loss == "fused" else logits_sharded
     return sharded, logits_sharded, loss_fn
