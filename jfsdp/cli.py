@@ -81,8 +81,9 @@ def optimization_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
                    help="micro-batches per step (each device's batch is split into this many)")
     g.add_argument("--grad-sync", default=d.grad_sync, choices=("every", "once"),
                    help="with --grad-accum K: reduce-scatter the gradients in every micro-batch, or add them up "
-                   "unreduced on each device and reduce once per step (1/K of the gradient traffic; costs two "
-                   "unsharded gradients per device in the reduce dtype; not with --update-in-backward)")
+                   "unreduced on each device and reduce once per step (1/K of the gradient traffic; costs an "
+                   "unsharded gradient per device in the reduce dtype, two without the prefetch pipeline; not "
+                   "with --update-in-backward)")
     g.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (AdamW)")
     g.add_argument("--warmup", type=int, default=d.warmup,
                    help="linear warmup steps, then cosine decay to lr/10 at --steps")

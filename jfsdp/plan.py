@@ -64,8 +64,8 @@ def _args(argv):
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (the batch divides into them)")
     p.add_argument("--grad-sync", default="every", choices=("every", "once"),
                    help="with --grad-accum K: reduce the gradients in every micro-batch (every), or add them up "
-                   "unreduced and reduce once per step (once: 1/K of the reduce-scatter bytes, two unsharded "
-                   "gradients per device in the reduce dtype)")
+                   "unreduced and reduce once per step (once: 1/K of the reduce-scatter bytes, unsharded gradients "
+                   "per device in the reduce dtype: one with the prefetch pipeline, two with the plain scan)")
     p.add_argument("--no-compile", action="store_true", help="estimate only (skip the compiled measurement)")
     p.add_argument("--json", default=None, help="also write the report as JSON to this file")
     return p.parse_args(argv)

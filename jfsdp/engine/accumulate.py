@@ -4,14 +4,18 @@ With `grad_accum=k` the usual step (`FSDP.loss_and_grad`, `grad_sync='every'`) r
 unit's gradient in each of the k micro-batches: k reduce-scatters per step, and only gradient shards
 are held. Here, as FSDP2's `set_requires_gradient_sync(False)` on all but the last micro-batch (DDP's
 `no_sync`), each device adds up its own whole gradients over the k micro-batches and reduces them once
-after the last: 1/k of the reduce-scatter (or all-reduce) traffic, for one unsharded gradient of the
-model per device, in the reduce dtype. The all-gathers do not change: every micro-batch gathers the
+after the last: 1/k of the reduce-scatter (or all-reduce) traffic, for unsharded gradients of the model
+per device, in the reduce dtype (below: one or two). The all-gathers do not change: every micro-batch gathers the
 units it computes with.
 
 How: every parameter's shard is paired with a slot for its whole gradient (`fsdp.Unreduced`);
 `unshard`'s backward then returns the unreduced gradient as the slot's cotangent and nothing for the
-shard. The accumulation scan differentiates with respect to the slots and sums; `reduce_gradient`
-(the same reduce-scatter, replica sum and 1/N as `unshard`'s backward) runs once, after the scan.
+shard. The accumulation scan carries the sums in the slots and differentiates with respect to them;
+`reduce_gradient` (the same reduce-scatter, replica sum and 1/N as `unshard`'s backward) runs once,
+after the scan. Where the plain scan runs a stage, jax differentiates it into a stacked buffer of the
+micro-batch's gradients that is then added to the sum: two unsharded gradients at the peak. Where the
+prefetch pipeline runs it (jfsdp/engine/pipeline.py), its backward loop adds each unit's gradient to
+the sum in place and hands back slot + gradient: one.
 """
 from __future__ import annotations
 
