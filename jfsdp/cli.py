@@ -79,6 +79,11 @@ def optimization_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
     g.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence")
     g.add_argument("--grad-accum", type=int, default=d.grad_accum,
                    help="micro-batches per step (each device's batch is split into this many)")
+    g.add_argument("--grad-sync", default=d.grad_sync, choices=("every", "once"),
+                   help="with --grad-accum K: reduce-scatter the gradients in every micro-batch, or add them up "
+                   "unreduced on each device and reduce once per step (1/K of the gradient traffic; costs an "
+                   "unsharded gradient per device in the reduce dtype, two without the prefetch pipeline; not "
+                   "with --update-in-backward)")
     g.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (AdamW)")
     g.add_argument("--warmup", type=int, default=d.warmup,
                    help="linear warmup steps, then cosine decay to lr/10 at --steps")
@@ -89,6 +94,14 @@ def optimization_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
                    "no whole gradient is held (lower peak where the units' gradient shard is large: few devices); "
                    "same result; needs --remat full, --grad-accum 1, full_shard or hybrid_shard; with --clip the "
                    "units' backward runs twice (norm, then updates)")
+    g.add_argument("--freeze", default=d.freeze, metavar="REGEX",
+                   help="freeze the parameters whose path (e.g. root/tok_embeddings/embedding, "
+                   "units/attention/wq/kernel) the regular expression matches (re.search): gathered for compute, "
+                   "but no gradient, reduce-scatter, optimizer state or update; matching nothing is an error")
+    g.add_argument("--no-fit-check", action="store_true",
+                   help="skip the check before anything is allocated: the planner's memory estimate against the "
+                   "devices' memory (GPU memory; on fake CPU devices the host memory available, shared); an "
+                   "estimate above it is an error that names the nearest configurations that fit")
     g.add_argument("--seed", type=int, default=d.seed, help="seed of the initialization and the data order")
 
 
@@ -180,6 +193,9 @@ def check_flags(c: TrainConfig) -> int | None:
     if c.update_in_backward and (c.remat != "full" or c.grad_accum != 1):
         fail("--update-in-backward needs --remat full and --grad-accum 1 (each unit is recomputed and updated "
              f"in the backward pass), got --remat {c.remat} --grad-accum {c.grad_accum}")
+    if c.grad_sync == "once" and c.update_in_backward:
+        fail("--grad-sync once cannot combine with --update-in-backward (the optimizer runs on each unit's reduced "
+             "gradient inside the backward pass; 'once' reduces only after the last micro-batch)")
     procs = c.num_processes or 1
     if procs > 1 and n % procs:
         fail(f"mesh {c.mesh} has {n} devices, which do not divide over {procs} processes")

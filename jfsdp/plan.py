@@ -24,26 +24,15 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 import time
 
-from jfsdp.config.args import EXIT_BAD_INPUT, ArgParser
+from jfsdp.config.args import EXIT_BAD_INPUT, ArgParser, parse_bytes  # noqa: F401 (jfsdp.plan.parse_bytes)
 from jfsdp.config.errors import ConfigError
 from jfsdp.config.mesh import mesh_spec
 from jfsdp.config.xla_flags import cpu_xla_flags
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 BASE_TARGETS = ("gpu", "tpu", "cpu")   # the backends estimated without compiling for them
-
-
-def parse_bytes(text: str) -> int:
-    """'80GiB' -> 85899345920, '80GB' -> 80e9, '1024' -> 1024."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
-        raise ConfigError(f"device memory '{text}' does not parse: expected a size such as 80GiB, 40GB or 1024MiB")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
 def _args(argv):
@@ -72,6 +61,11 @@ def _args(argv):
     p.add_argument("--update-in-backward", action="store_true",
                    help="plan train.py --update-in-backward: the optimizer applied to each unit inside the backward "
                         "pass (no whole gradient held; needs remat full, full_shard/hybrid_shard)")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (the batch divides into them)")
+    p.add_argument("--grad-sync", default="every", choices=("every", "once"),
+                   help="with --grad-accum K: reduce the gradients in every micro-batch (every), or add them up "
+                   "unreduced and reduce once per step (once: 1/K of the reduce-scatter bytes, unsharded gradients "
+                   "per device in the reduce dtype: one with the prefetch pipeline, two with the plain scan)")
     p.add_argument("--no-compile", action="store_true", help="estimate only (skip the compiled measurement)")
     p.add_argument("--json", default=None, help="also write the report as JSON to this file")
     return p.parse_args(argv)
@@ -101,7 +95,10 @@ def render(r: dict) -> str:
     e_here = r.get(f"estimate_{here}", e if here == tgt else None) if here else None
     lines = [f"{r['model']} ({r['params'] / 1e9:.2f}B parameters) on mesh {r['mesh']} ({r['devices']} devices), "
              f"{r['strategy']}, {r['precision']}, remat {r['remat']}, batch {r['batch_size']} x {r['seq_len']} tokens"
-             + (", optimizer inside the backward pass" if r.get("update_in_backward") else ""),
+             + (", optimizer inside the backward pass" if r.get("update_in_backward") else "")
+             + (f", {r['grad_accum']} micro-batches, gradients reduced "
+                + ("once per step" if r.get("grad_sync") == "once" else "in every micro-batch")
+                if r.get("grad_accum", 1) > 1 else ""),
              "", "memory per device"]
     same = here == tgt  # a named GPU: the estimate for it is beside its own compilation
     cols = [f"estimate ({tgt})"] + (([] if same else [f"estimate ({here})"]) + [f"compiled ({here})"] if here else [])

@@ -80,6 +80,11 @@ BAD = {
     "negative-steps": (["--steps", "-3"], "--steps must be positive"),
     "steps-not-a-number": (["--steps", "ten"], "invalid int"),
     "resume-without-ckpt-dir": (["--resume"], "--resume needs --ckpt-dir"),
+    "grad-sync-once-with-update-in-backward": (["--grad-sync", "once", "--update-in-backward", "--remat", "full"],
+                                               "--grad-sync once cannot combine with --update-in-backward"),
+    "grad-sync-unknown": (["--grad-sync", "never"], "invalid choice"),
+    "freeze-matches-nothing": (["--model", "llama-test", "--freeze", "no_such_param"], "matches no parameter"),
+    "freeze-not-a-regex": (["--model", "llama-test", "--freeze", "(unclosed"], "is not a regular expression"),
 }
 
 

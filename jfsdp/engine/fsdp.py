@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -35,9 +35,25 @@ class Comm:
     reduce_dtype: Any
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+class Unreduced(NamedTuple):
+    """A shard and a slot for its whole gradient: `unshard` gathers `shard` as usual, and its backward
+    leaves the gradient unreduced, as `slot`'s cotangent (the parameter's unpadded shape, reduce
+    dtype; the slot's value is never read). Gradient accumulation with one reduce-scatter per step
+    differentiates with respect to the slots (jfsdp/engine/accumulate.py)."""
+    shard: Any
+    slot: Any
+
+
 def unshard(shard, layout: Layout, comm: Comm):
-    """Shard (rows/S, ...) in the master dtype -> the whole parameter in param_dtype."""
+    """Shard (rows/S, ...) in the master dtype -> the whole parameter in param_dtype. Its gradient is
+    reduced (`reduce_gradient`) into the shard's, or, for an `Unreduced` pair, left whole in the slot's."""
+    if isinstance(shard, Unreduced):
+        return _unshard_unreduced(shard.shard, shard.slot, layout, comm)
+    return _unshard(shard, layout, comm)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _unshard(shard, layout: Layout, comm: Comm):
     x = shard.astype(comm.param_dtype or shard.dtype)
     if layout.shards > 1:
         x = lax.all_gather(x, FSDP_AXIS, axis=0, tiled=True)
@@ -63,7 +79,24 @@ def _unshard_bwd(layout, comm, _, g):
     return (reduce_gradient(g, layout, comm),)
 
 
-unshard.defvjp(_unshard_fwd, _unshard_bwd)
+_unshard.defvjp(_unshard_fwd, _unshard_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _unshard_unreduced(shard, slot, layout: Layout, comm: Comm):
+    return _unshard(shard, layout, comm)
+
+
+def _unreduced_fwd(shard, slot, layout, comm):
+    return _unshard(shard, layout, comm), None
+
+
+def _unreduced_bwd(layout, comm, _, g):
+    # no gradient for the shard; the whole one, in the reduce dtype, for the slot
+    return None, g.astype(comm.reduce_dtype or g.dtype)
+
+
+_unshard_unreduced.defvjp(_unreduced_fwd, _unreduced_bwd)
 
 
 def unshard_tree(shards, layouts, comm: Comm):
@@ -79,7 +112,7 @@ def reduce_tree(grads, layouts, comm: Comm):
 def _is_unshard(prim, params) -> bool:
     """Whether a primitive seen by a checkpoint policy is `unshard` (a custom_vjp call whose
     backward is ours)."""
-    return prim.name == "custom_vjp_call" and getattr(params.get("bwd"), "f", None) is _unshard_bwd
+    return prim.name == "custom_vjp_call" and getattr(params.get("bwd"), "f", None) in (_unshard_bwd, _unreduced_bwd)
 
 
 @functools.cache

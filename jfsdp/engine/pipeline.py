@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jfsdp.engine.fsdp import Comm, reduce_tree, unshard_tree
+from jfsdp.engine.fsdp import Comm, Unreduced, reduce_tree, unshard_tree
 from jfsdp.engine.layout import at_row
 
 
@@ -62,11 +62,14 @@ class StagePasses:
     n: int               # units in the stage
     first_stage: bool
     on_cpu: bool
+    unreduced: bool = False   # hand each unit's whole gradient (reduce dtype) to the consumer, unreduced
 
     def gather(self, shards):
         return unshard_tree(shards, self.layouts, self.comm)
 
     def reduce(self, grads):
+        if self.unreduced:
+            return jax.tree.map(lambda g: g.astype(self.comm.reduce_dtype or g.dtype), grads)
         return reduce_tree(grads, self.layouts, self.comm)
 
     def unit_vjp(self, g, h, dh):
@@ -123,6 +126,29 @@ class StagePasses:
         return dh, consume(consume(acc, 1, one), 0, self.reduce(dg))
 
 
+def _is_unreduced(x) -> bool:
+    return isinstance(x, Unreduced)
+
+
+def _unreduced_bwd(passes: StagePasses, hs, dh, shards):
+    """The stage's backward for grad_sync='once' (jfsdp/engine/accumulate.py): each unit's whole gradient
+    is added in place to the sum its slot carries, and the slot's cotangent is the new sum (slot +
+    gradient): one unsharded gradient held, not the sum and a stacked micro-batch gradient beside it.
+    A frozen leaf (a plain shard) gets zeros."""
+    def add(acc, i, whole):
+        shards, sums = acc
+        step = lambda u, a, x: (lax.dynamic_update_index_in_dim(a, lax.dynamic_index_in_dim(a, i, keepdims=False) + x,
+                                                                i, 0) if _is_unreduced(u) else a)
+        return shards, jax.tree.map(step, shards, sums, whole, is_leaf=_is_unreduced)
+
+    sums = jax.tree.map(lambda u: u.slot if _is_unreduced(u) else jnp.zeros((0,)), shards, is_leaf=_is_unreduced)
+    read = lambda acc, i: at_row(acc[0], i)
+    dh, (_, sums) = dataclasses.replace(passes, unreduced=True).backward(hs, dh, (shards, sums), read, add)
+    grads = jax.tree.map(lambda u, a: Unreduced(jnp.zeros_like(u.shard), a) if _is_unreduced(u) else jnp.zeros_like(u),
+                         shards, sums, is_leaf=_is_unreduced)
+    return dh, grads
+
+
 def pipelined_stage(passes: StagePasses):
     """(h, stacked shards) -> h with its own VJP: `passes.forward`, then `passes.backward` whose consumer
     stacks each unit's reduced gradient shard into the stage's gradient."""
@@ -143,6 +169,8 @@ def pipelined_stage(passes: StagePasses):
 
     def stage_bwd(res, dh):
         hs, shards = res
+        if any(map(_is_unreduced, jax.tree.leaves(shards, is_leaf=_is_unreduced))):
+            return _unreduced_bwd(passes, hs, dh, shards)
         dh, (_, grads) = passes.backward(hs, dh, (shards, jax.tree.map(jnp.zeros_like, shards)), read, put)
         return dh, grads
     stage.defvjp(stage_fwd, stage_bwd)

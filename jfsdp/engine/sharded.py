@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jfsdp.config.errors import ConfigError
 from jfsdp.config.mesh import AXES, DATA_AXIS, mesh_shape, platform
 from jfsdp.config.policy import resolve_prefetch
-from jfsdp.engine import expert_parallel, moe as moe_engine
+from jfsdp.engine import accumulate, expert_parallel, moe as moe_engine
 from jfsdp.engine.fsdp import Comm, checkpoint_policy, scan_stage, unshard, unshard_tree
 from jfsdp.engine.layout import is_layout, tree_shapes
 from jfsdp.engine.params import ParamLayout
@@ -182,7 +182,7 @@ class FSDP(ParamLayout):
             raise ConfigError(f"loss_fn must return a scalar (the mean loss over its batch), got shape {jnp.shape(loss)}")
         return loss.astype(jnp.float32)
 
-    def loss_and_grad(self, loss_fn: Callable, grad_accum: int = 1):
+    def loss_and_grad(self, loss_fn: Callable, grad_accum: int = 1, grad_sync: str = "every", trainable=None):
         """(params, batch) -> (mean loss, gradients as shards).
 
         The loss contract: `loss_fn(outputs, batch)` gets the head's outputs for the batch rows on
@@ -191,12 +191,20 @@ class FSDP(ParamLayout):
         is the global mean because every device holds as many rows (a loss that averages over a
         varying count, such as unmasked tokens, becomes a mean of means). `batch['inputs']` feeds
         `embed`. With grad_accum = k, every device runs k micro-batches, each with its own gathers
-        and reduce-scatters."""
+        and reduce-scatters; with grad_sync='once' each device adds up its whole gradients over the k
+        micro-batches and reduces them once (jfsdp/engine/accumulate.py). `trainable`: a tree of booleans
+        like the parameters (jfsdp/train/frozen.py): a frozen leaf is gathered but not differentiated,
+        so its gradient (zeros) is never reduce-scattered."""
         if not isinstance(grad_accum, int) or grad_accum < 1:
             raise ConfigError(f"grad_accum must be an integer of at least 1, got {grad_accum}")
+        if accumulate.check_grad_sync(grad_sync) == "once" and grad_accum > 1:
+            return accumulate.loss_and_grad_once(self, loss_fn, grad_accum, trainable)
+
+        def differentiated(params, batch):
+            return self._loss(loss_fn, accumulate.stop_frozen(params, trainable), batch)
 
         def local(params, batch):
-            vg = jax.value_and_grad(functools.partial(self._loss, loss_fn))
+            vg = jax.value_and_grad(differentiated)
             if grad_accum == 1:
                 loss, grads = vg(params, batch)
             else:

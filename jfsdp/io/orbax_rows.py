@@ -147,4 +147,14 @@ def _logical_rows(sharded, state) -> dict:
             want = (x.shape[0],) + l.stored_shape if axis else l.stored_shape
             if tuple(x.shape) == want and l.padded_rows != l.rows:
                 out[jax.tree_util.keystr(path + sub_path)] = (axis, l.rows)
+    # subtrees shaped like the parameters but with holes (optax.MaskedNode where a parameter is frozen:
+    # jfsdp/train/frozen.py): a leaf whose key path ends with a parameter's and has its padded shape
+    params = {jax.tree_util.keystr(p): a for p, a in jax.tree_util.tree_flatten_with_path(
+        sharded.layouts, is_leaf=is_layout)[0]}
+    for (key, l), axis in zip(params.items(), jax.tree.leaves(axes)):
+        for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
+            k = jax.tree_util.keystr(path)
+            want = (x.shape[0],) + l.stored_shape if axis and x.ndim else l.stored_shape
+            if k not in out and k.endswith(key) and tuple(x.shape) == want and l.padded_rows != l.rows:
+                out[k] = (axis, l.rows)
     return out

@@ -71,7 +71,8 @@ class _Step:
 
 
 def estimate(plan: FSDP, optimizer, loss_fn: Callable, batch, *, prefetch: bool = False,
-             backend: str | None = None, update_in_backward: bool = False) -> Breakdown:
+             backend: str | None = None, update_in_backward: bool = False, grad_accum: int = 1,
+             grad_sync: str = "every") -> Breakdown:
     """Analytic per-device bytes at the peak of one train step of `plan` on the global `batch`
     (a tree of shapes): the state plus the largest of what is live at four points of the step, the
     head's backward, the units' backward, the embedding's backward and the update (`_peak_points`).
@@ -79,7 +80,11 @@ def estimate(plan: FSDP, optimizer, loss_fn: Callable, batch, *, prefetch: bool 
     the figure is for; the compiled CPU figure assumes XLA:CPU's memory-minimizing scheduler
     (jfsdp.config.xla_flags.CPU_FLAGS, as train.py and the planner compile).
     `update_in_backward`: the step of `make_train_step(update_in_backward=True)`, which runs the
-    prefetch pipeline's loops (two gathered units) and never holds the units' whole gradient."""
+    prefetch pipeline's loops (two gathered units) and never holds the units' whole gradient.
+    `grad_accum` = k > 1: activations of one micro-batch (1/k of the batch), and the accumulated
+    gradient besides the micro-batch's: every gradient shard (`grad_sync='every'`), or, with
+    `grad_sync='once'`, the whole gradient in the reduce dtype twice (the sum so far and the
+    micro-batch's, which the backward pass writes before it is added: `_accumulation_points`)."""
     if getattr(plan, "as_is", False):
         raise ConfigError("the analytic estimate describes jfsdp.Stacked / Staged models; for a model given as it is, "
                           "compile its step (jfsdp.planning.memory.compile_step) and read memory.measure")
@@ -88,12 +93,15 @@ def estimate(plan: FSDP, optimizer, loss_fn: Callable, batch, *, prefetch: bool 
     params, optimizer_b, pad_state, pad_grads = _state(plan, optimizer)
     gathered, units_gathered, one_unit, grad_buffers = _gathered(plan, backend, prefetch or update_in_backward)
     local = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // N, *a.shape[1:]), a.dtype), batch)
-    saved, saved_fwd, recompute, head = _activations(plan, loss_fn, local, backend)
+    micro = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // grad_accum, *a.shape[1:]), a.dtype), local)
+    saved, saved_fwd, recompute, head = _activations(plan, loss_fn, micro, backend)
     step = _Step(params, pad_grads, gathered, units_gathered, one_unit, grad_buffers, saved, saved_fwd, recompute,
                  head)
     points = _peak_points(plan, backend, step)
     if update_in_backward:
         points.update(_update_in_backward_points(plan, step, points["embed"]))
+    if grad_accum > 1:
+        points = _accumulation_points(plan, points, grad_sync)
     name = max(points, key=lambda k: sum(points[k]))
     grads, gath, buffers, activations, pad_g = points[name]
     return Breakdown(params=params, grads=grads, optimizer=optimizer_b, padding=pad_state + pad_g,
@@ -227,6 +235,38 @@ def _peak_points(plan: FSDP, backend: str, s: _Step) -> dict:
         "embed": (unit_grads, s.one_unit if embed_only else 0, held + table, 0, 0),
         "update": (s.params, 0, 0, 0, s.pad_grads),
     }
+
+
+def _accumulation_points(plan: FSDP, points: dict, grad_sync: str) -> dict:
+    """The candidates with k > 1 micro-batches. 'every': the sum of the gradient shards (all of them,
+    master dtype) is held through every micro-batch besides the micro-batch's own. 'once': no gradient
+    shard exists before the reduction after the last micro-batch; the sum of the whole gradients
+    (reduce dtype) is held throughout, and from the units' backward on the micro-batch's whole
+    gradients too (jax differentiates the units' scan into a stacked buffer that is added to the sum
+    once complete); then the reduction turns the sum into shards (a point of its own). A stage run by
+    the prefetch pipeline adds each unit's gradient to the sum in place (jfsdp/engine/pipeline.py): its
+    units' micro-batch gradient is never whole, only the root's is."""
+    S = plan.shards
+    layouts = [(plan.split(plan.layouts)[0], 1)] + stages(plan)
+    shards = sum(n * stored_bytes(l) for l, n in layouts) // S
+    if grad_sync != "once":
+        return {k: (g + (shards if k != "update" else 0), *rest) for k, (g, *rest) in points.items()}
+    rdt = plan.mp.reduce_dtype or plan.mp.param_dtype or jnp.float32
+    whole = sum(n * stored_bytes(l, rdt) for l, n in layouts)
+    pipelined = [bool(plan.prefetch) and n > 1 for _, n in layouts[1:]]
+    # the micro-batch's own whole gradient, beside the sum: the root's and the plain-scan stages'
+    micro = stored_bytes(layouts[0][0], rdt) + sum(n * stored_bytes(l, rdt)
+                                                   for (l, n), p in zip(layouts[1:], pipelined) if not p)
+    out = {}
+    for k, (g, gath, buf, act, pad) in points.items():
+        if k == "head":
+            out[k] = (g, gath, buf + whole, act, pad)
+        elif k in ("units", "embed"):
+            out[k] = (0, gath, buf + whole + micro, act, pad)
+        else:
+            out[k] = (g, gath, buf, act, pad)
+    out["reduce"] = (shards, 0, whole, 0, 0)
+    return out
 
 
 def _update_in_backward_points(plan: FSDP, s: _Step, embed: tuple) -> dict:

@@ -19,9 +19,10 @@ DEFAULT_MEMORY = 80 * 2**30   # per device, where neither --device-memory nor a 
 
 
 def build(model_name, mesh_spec, strategy, precision, remat, batch_size, seq_len, devices=None, attention=None,
-          loss="fused", moe="auto", moe_chunks="auto", backend=None):
+          loss="fused", moe="auto", moe_chunks="auto", backend=None, prefetch=None):
     """(cfg, plan, optimizer, loss_fn, batch shapes) for a named model; nothing allocated.
-    `devices`: the mesh's devices (default: all local ones); `attention`: override the config's."""
+    `devices`: the mesh's devices (default: all local ones); `attention`: override the config's;
+    `prefetch`: fully_shard's."""
     import jax
     import jax.numpy as jnp
 
@@ -47,7 +48,7 @@ def build(model_name, mesh_spec, strategy, precision, remat, batch_size, seq_len
         raise ConfigError(f"batch size {batch_size} does not divide over the {n} devices of the mesh")
     model, moe_opt, loss_fn = models.factory.language_model(cfg, loss, moe, moe_chunks, backend)
     plan = jfsdp.fully_shard(model, mesh, x, strategy=strategy, mp_policy=jfsdp.MixedPrecision.parse(precision),
-                             remat=remat, moe=moe_opt)
+                             remat=remat, moe=moe_opt, prefetch=prefetch)
     return cfg, plan, jfsdp.adamw(1e-4), loss_fn, {"inputs": x, "targets": x}
 
 
@@ -113,9 +114,10 @@ def report(a, budget: int | None = None) -> dict:
             budget = targets.get(a.target).memory_bytes if gpu else DEFAULT_MEMORY
         if a.update_in_backward:
             from jfsdp.train import update_in_backward
-            why = update_in_backward.unsupported(plan, 1)
+            why = update_in_backward.unsupported(plan, a.grad_accum)
             if why:
                 raise ConfigError(f"--update-in-backward: {why}")
+        _check_accumulation(a, plan, batch)
         rep = _estimates(a, cfg, case, budget)
         if not a.no_compile:
             rep.update(_compiled(a, case))
@@ -124,9 +126,23 @@ def report(a, budget: int | None = None) -> dict:
     return rep
 
 
+def _check_accumulation(a, plan, batch) -> None:
+    """--grad-accum / --grad-sync: the batch divides into the micro-batches; 'once' is possible."""
+    from jfsdp.engine import accumulate
+    accumulate.check_grad_sync(a.grad_sync)
+    if a.grad_accum < 1:
+        raise ConfigError(f"--grad-accum must be at least 1, got {a.grad_accum}")
+    plan.check_batch(batch, a.grad_accum)
+    if a.grad_sync == "once" and a.update_in_backward:
+        raise ConfigError("--grad-sync once cannot combine with --update-in-backward")
+    why = accumulate.unsupported(plan) if a.grad_sync == "once" and a.grad_accum > 1 else None
+    if why:
+        raise ConfigError(f"--grad-sync once: {why}")
+
+
 def _estimate(a, case: _Case, batch, backend: str, prefetch: bool):
     return memory.estimate(case.plan, case.optimizer, case.loss_fn, batch, prefetch=prefetch, backend=backend,
-                           update_in_backward=a.update_in_backward)
+                           update_in_backward=a.update_in_backward, grad_accum=a.grad_accum, grad_sync=a.grad_sync)
 
 
 def _estimates(a, cfg, case: _Case, budget: int) -> dict:
@@ -140,7 +156,7 @@ def _estimates(a, cfg, case: _Case, budget: int) -> dict:
     est = _estimate(a, case, case.batch, case.backend, a.prefetch or case.gpu)
     rep = {"model": a.model, "params": cfg.num_params(), "mesh": a.mesh, "devices": plan.n_devices,
            "strategy": plan.strategy.value, "precision": a.precision, "remat": a.remat,
-           "update_in_backward": a.update_in_backward,
+           "update_in_backward": a.update_in_backward, "grad_accum": a.grad_accum, "grad_sync": a.grad_sync,
            "batch_size": case.batch["inputs"].shape[0], "seq_len": a.seq_len, "device_memory": budget,
            "target": a.target, "estimate": est.as_dict()}
     if case.gpu:
@@ -152,7 +168,8 @@ def _estimates(a, cfg, case: _Case, budget: int) -> dict:
         rep["prefetch"] = plan.prefetch
     if here != a.target:
         rep[f"estimate_{here}"] = _estimate(a, case, case.batch, here, a.prefetch).as_dict()
-    rep["comm_formula"] = memory.comm_formula(plan, backend=case.backend)
+    rep["comm_formula"] = memory.comm_formula(plan, backend=case.backend, grad_accum=a.grad_accum,
+                                              grad_sync=a.grad_sync)
     if any(plan.moe_stages):
         rep["moe"] = moe.describe(plan)
     return rep
@@ -164,16 +181,17 @@ def _compiled(a, case: _Case) -> dict:
     plan, here = case.plan, case.here
     t = time.time()
     if case.gpu:
-        compiled = targets.compile_step(a.target, plan, case.optimizer, case.loss_fn, case.batch,
+        compiled = targets.compile_step(a.target, plan, case.optimizer, case.loss_fn, case.batch, a.grad_accum,
                                         overrides=dict(xla_option(o) for o in a.xla_option),
-                                        update_in_backward=a.update_in_backward)
+                                        update_in_backward=a.update_in_backward, grad_sync=a.grad_sync)
     else:
-        compiled = memory.compile_step(plan, case.optimizer, case.loss_fn, case.batch,
-                                       update_in_backward=a.update_in_backward)
+        compiled = memory.compile_step(plan, case.optimizer, case.loss_fn, case.batch, a.grad_accum,
+                                       update_in_backward=a.update_in_backward, grad_sync=a.grad_sync)
     rep = {"compile_s": round(time.time() - t, 1), "compiled": {"backend": here, **memory.measure(compiled)},
            "comm_compiled": {"backend": here, **memory.comm_measured(compiled, plan.n_devices)}}
     if here != a.target:
-        rep[f"comm_formula_{here}"] = memory.comm_formula(plan, backend=here)
+        rep[f"comm_formula_{here}"] = memory.comm_formula(plan, backend=here, grad_accum=a.grad_accum,
+                                                          grad_sync=a.grad_sync)
     if case.gpu:
         text = compiled.as_text()
         ov = hlo.overlap(text, plan.n_devices)
@@ -189,7 +207,7 @@ def _largest_global_batch(a, case: _Case, budget: int) -> int:
     import jax
     import jax.numpy as jnp
 
-    n = case.plan.n_devices
+    n = case.plan.n_devices * a.grad_accum
 
     def fits(per_device):
         shape = jax.ShapeDtypeStruct((per_device * n, a.seq_len), jnp.int32)

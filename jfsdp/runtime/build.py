@@ -21,6 +21,7 @@ from jfsdp.io import checkpoint as jckpt
 from jfsdp.io import hf as jhf
 from jfsdp.runtime import console
 from jfsdp.runtime.config import TrainConfig
+from jfsdp.train import frozen
 from jfsdp.runtime.console import note
 
 
@@ -93,6 +94,29 @@ def shard_model(c: TrainConfig, models, model: ModelChoice, mesh, strategy, mp) 
     logits_sharded = shard("head")
     sharded = shard(None) if c.loss == "fused" else logits_sharded
     return sharded, logits_sharded, loss_fn
+
+
+def make_optimizer(c: TrainConfig, sharded) -> tuple:
+    """(the learning-rate schedule, the run's AdamW): warmup then cosine, weight decay on matrices."""
+    schedule = jfsdp.warmup_cosine(c.lr, c.steps, c.warmup)
+    return schedule, jfsdp.adamw(schedule, weight_decay=c.weight_decay, clip_norm=c.clip or None,
+                                 mask=sharded.decay_mask())
+
+
+def trainable(c: TrainConfig, sharded):
+    """--freeze REGEX -> make_train_step's `trainable` predicate (None: everything trains). A regex
+    that matches no parameter, or every one, is bad input."""
+    if c.freeze is None:
+        return None
+    hit = frozen.matching(sharded, c.freeze)
+    if not hit:
+        raise jfsdp.ConfigError(f"--freeze '{c.freeze}' matches no parameter; the paths are: "
+                                f"{', '.join(frozen.param_paths(sharded))}")
+    if c.update_in_backward:
+        raise jfsdp.ConfigError("--freeze cannot combine with --update-in-backward")
+    note(f"frozen: {', '.join(hit)}")
+    hit = set(hit)
+    return lambda path: path not in hit
 
 
 def model_metrics(models, model: ModelChoice) -> dict:

@@ -21,12 +21,15 @@ class TrainConfig:
     batch_size: int = 16            # global, in sequences
     seq_len: int = 256
     grad_accum: int = 1
+    grad_sync: str = "every"        # with grad_accum > 1: reduce in every micro-batch, or once per step
     lr: float = 3e-3
     warmup: int = 30
     weight_decay: float = 0.1
     clip: float = 1.0               # global gradient norm; 0 turns clipping off
     update_in_backward: bool = False  # optimizer per unit inside the backward pass (jfsdp/train/update_in_backward.py)
     seed: int = 0
+    freeze: str | None = None       # regex over parameter paths ('root/tok_embeddings/embedding'): frozen
+    no_fit_check: bool = False      # skip the planner's estimate against the devices' memory (jfsdp/runtime/fit.py)
     # data
     data: str | None = None         # None: the Python standard library (see jfsdp/io/data.py)
     data_dtype: str | None = None   # for .bin token files (default uint16)

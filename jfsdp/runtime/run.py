@@ -19,12 +19,13 @@ from jfsdp.config.mesh import MeshSpec
 from jfsdp.io import checkpoint as jckpt
 from jfsdp.io import data as jdata
 from jfsdp.io import hf as jhf
-from jfsdp.runtime import build, distributed
+from jfsdp.runtime import build, distributed, fit
 from jfsdp.runtime import metrics as jm
 from jfsdp.runtime.config import TrainConfig
 from jfsdp.runtime.console import bad_input, fail, note
 from jfsdp.runtime.loop import train_loop
 from jfsdp.runtime.report import report
+from jfsdp.train import frozen
 
 
 def train(c: TrainConfig) -> int:
@@ -33,6 +34,8 @@ def train(c: TrainConfig) -> int:
     (status 2)."""
     run = Run(c, time.perf_counter())
     run.describe()
+    if not c.no_fit_check:
+        run.check_fit()
     run.start()
     return report(run, train_loop(run))
 
@@ -44,10 +47,10 @@ class Run:
     def __init__(self, c: TrainConfig, t_launch: float):
         self.t_launch = t_launch
         with bad_input(ValueError):
-            models = build.load_models()
+            self.models = models = build.load_models()
             self.r, self.s = r, s = jfsdp.parse_mesh(c.mesh)
             self.strategy = jfsdp.Strategy.parse(c.strategy)
-            mp = jfsdp.MixedPrecision.parse(c.precision)
+            self.mp = mp = jfsdp.MixedPrecision.parse(c.precision)
             self.model = model = build.choose_model(c, models)
             self.corpus = jdata.load_tokens(c.data, model.config.vocab_size, dtype=c.data_dtype,
                                             tokenizer=model.tokenizer)
@@ -59,6 +62,7 @@ class Run:
             self.sharded, self.logits_sharded, self.loss_fn = build.shard_model(c, models, model, self.mesh,
                                                                                 self.strategy, mp)
             self.metric_fns = build.model_metrics(models, model)
+            self.trainable = build.trainable(c, self.sharded)
             rows = jdata.process_rows(self.sharded.batch_sharding, c.batch_size, c.seq_len)
             self.loader = jdata.Loader(self.corpus, c.batch_size, c.seq_len, seed=c.seed, rows=rows)
             self.ckpt, self.resume_step = build.open_checkpoints(c)
@@ -88,24 +92,39 @@ class Run:
                   + "\n      ".join(distributed.describe_mesh(self.mesh)))
         print(f"data  {self.corpus.describe()}")
         print(f"batch {c.batch_size} x {c.seq_len} = {self.tokens_per_step:,} tokens/step, grad accum "
-              f"{c.grad_accum} | {c.steps} steps = {jm.fmt_count(c.steps * self.tokens_per_step)} tokens "
+              f"{c.grad_accum}{', gradients reduced once per step' if c.grad_sync == 'once' and c.grad_accum > 1 else ''} | {c.steps} steps = {jm.fmt_count(c.steps * self.tokens_per_step)} tokens "
               f"({c.steps * c.batch_size / self.loader.n_windows:.3g} epochs) | lr {c.lr:g}, "
               f"warmup {min(c.warmup, c.steps - 1)}, cosine to {c.lr / 10:g}",
               flush=True)
+
+    def check_fit(self) -> None:
+        """Before anything is allocated: the planner's estimate against the devices' memory
+        (jfsdp.runtime.fit); does not fit: one `error:` line with what would, exit status 2."""
+        c = self.c
+        opt = frozen.optimizer(build.make_optimizer(c, self.sharded)[1], frozen.mask(self.sharded, self.trainable))
+        case = fit.Case(self.sharded, self.loss_fn, opt, c.batch_size,
+                        c.seq_len, c.grad_accum, c.update_in_backward, self.platform, c.grad_sync)
+
+        def reshard(remat):
+            return build.shard_model(dataclasses.replace(c, remat=remat), self.models, self.model, self.mesh,
+                                     self.strategy, self.mp)[0]
+        with bad_input():
+            message = fit.check(case, self.mesh.local_devices, reshard)
+        if message:
+            note(message)
 
     # -- state, optimizer, compiled programs
     def start(self) -> None:
         """The train state (resumed, from Hugging Face weights, or initialized), the compiled step,
         the evaluation function and its fixed validation batches."""
         c, sharded = self.c, self.sharded
-        self.schedule = jfsdp.warmup_cosine(c.lr, c.steps, c.warmup)
-        opt = jfsdp.adamw(self.schedule, weight_decay=c.weight_decay, clip_norm=c.clip or None,
-                          mask=sharded.decay_mask())
+        self.schedule, opt = build.make_optimizer(c, sharded)
         t0 = time.perf_counter()
         with bad_input():
             self.state = self.initial_state(opt)
             train_step = jfsdp.make_train_step(sharded, opt, self.loss_fn, grad_accum=c.grad_accum,
-                                               update_in_backward=c.update_in_backward)
+                                               update_in_backward=c.update_in_backward, grad_sync=c.grad_sync,
+                                               trainable=self.trainable)
             batch = self.put(self.loader.batch(self.loader.step))
             self.compiled = train_step.lower(self.state, batch).compile()
         self.eval_loss = jax.jit(sharded.loss(self.loss_fn))
@@ -122,12 +141,13 @@ class Run:
         """Resumed from --ckpt-dir (the data position too), from --init-from's weights, or initialized."""
         c, sharded, ckpt, step = self.c, self.sharded, self.ckpt, self.resume_step
         if step is None and c.init_from:
-            return jfsdp.init_state(sharded, opt, params=jhf.load_params(sharded, c.init_from))
+            return jfsdp.init_state(sharded, opt, params=jhf.load_params(sharded, c.init_from),
+                                    trainable=self.trainable)
         if step is None:
-            return jfsdp.init_state(sharded, opt, jax.random.key(c.seed))
+            return jfsdp.init_state(sharded, opt, jax.random.key(c.seed), trainable=self.trainable)
         meta = ckpt.read_meta(step)
         ckpt.check_compatible(step, meta, self.identity, sharded)
-        state = ckpt.restore(step, jfsdp.abstract_state(sharded, opt))
+        state = ckpt.restore(step, jfsdp.abstract_state(sharded, opt, trainable=self.trainable))
         if not isinstance(meta.get("loader"), dict) or "step" not in meta["loader"]:
             raise jckpt.CheckpointError(f"{ckpt.step_dir(step) / 'meta/metadata'}: no data position")
         self.loader.restore(meta["loader"])

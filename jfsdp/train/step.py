@@ -9,8 +9,9 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jfsdp.config.errors import ConfigError
+from jfsdp.engine.accumulate import check_grad_sync
 from jfsdp.engine.sharded import FSDP
-from jfsdp.train import update_in_backward as in_backward
+from jfsdp.train import frozen, update_in_backward as in_backward
 
 
 class TrainState(NamedTuple):
@@ -19,26 +20,34 @@ class TrainState(NamedTuple):
     opt_state: Any   # shards too: optax's elementwise state follows the parameters' sharding
 
 
-def state_shardings(sharded: FSDP, optimizer: optax.GradientTransformation) -> TrainState:
+def state_shardings(sharded: FSDP, optimizer: optax.GradientTransformation, trainable=None) -> TrainState:
     """Where every leaf of the train state lives: optimizer leaves that mirror a parameter (Adam's
     moments) are sharded like it, the rest (step counts) replicated. Fixing these for the step's
-    inputs and outputs means one compilation, and lets the planner lower with abstract inputs."""
+    inputs and outputs means one compilation, and lets the planner lower with abstract inputs.
+    `trainable`: frozen parameters have no optimizer state (jfsdp/train/frozen.py)."""
+    train_mask = frozen.mask(sharded, trainable)
+    optimizer = frozen.optimizer(optimizer, train_mask)
     replicated = NamedSharding(sharded.mesh, P())
+    if train_mask is not None:
+        opt = frozen.opt_shardings(sharded, jax.eval_shape(optimizer.init, sharded.abstract_params()), replicated)
+        return TrainState(replicated, sharded.param_shardings, opt)
     opt = optax.tree_map_params(optimizer, lambda _, s: s, jax.eval_shape(optimizer.init, sharded.abstract_params()),
                                 sharded.param_shardings, transform_non_params=lambda _: replicated)
     return TrainState(replicated, sharded.param_shardings, opt)
 
 
-def abstract_state(sharded: FSDP, optimizer: optax.GradientTransformation) -> TrainState:
+def abstract_state(sharded: FSDP, optimizer: optax.GradientTransformation, trainable=None) -> TrainState:
     """The train state as ShapeDtypeStructs with shardings: lower and compile without allocating."""
     params = sharded.abstract_params()
-    shardings = state_shardings(sharded, optimizer)
+    shardings = state_shardings(sharded, optimizer, trainable)
+    optimizer = frozen.optimizer(optimizer, frozen.mask(sharded, trainable))
     opt = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                        jax.eval_shape(optimizer.init, params), shardings.opt_state)
     return TrainState(jax.ShapeDtypeStruct((), jnp.int32, sharding=shardings.step), params, opt)
 
 
-def init_state(sharded: FSDP, optimizer: optax.GradientTransformation, rng=None, params=None) -> TrainState:
+def init_state(sharded: FSDP, optimizer: optax.GradientTransformation, rng=None, params=None,
+               trainable=None) -> TrainState:
     """Sharded state: parameters from deferred init (`rng`) or from `params`, and optimizer state
     placed like them.
 
@@ -46,7 +55,8 @@ def init_state(sharded: FSDP, optimizer: optax.GradientTransformation, rng=None,
     {'root': ..., 'units': stacked} for `Stacked`, {'root': ..., 'stages': [...]} for `Staged`;
     `sharded.from_layers(root, layers)` builds it from per-layer trees) or this sharded's shards (from
     `sharded.shard` / `sharded.init`). Either way the state gets its own copy: the train step donates
-    its input state, and the arrays passed here stay valid."""
+    its input state, and the arrays passed here stay valid. `trainable` (as make_train_step's): no
+    optimizer state for frozen parameters."""
     if params is None and rng is None and hasattr(sharded, "own_params"):
         params = sharded.own_params()   # a concrete NNX model's own weights
     if params is None:
@@ -55,7 +65,8 @@ def init_state(sharded: FSDP, optimizer: optax.GradientTransformation, rng=None,
         params = sharded.init(rng)
     else:
         params = sharded.place(params)
-    shardings = state_shardings(sharded, optimizer)
+    shardings = state_shardings(sharded, optimizer, trainable)
+    optimizer = frozen.optimizer(optimizer, frozen.mask(sharded, trainable))
     opt_state = jax.jit(optimizer.init, out_shardings=shardings.opt_state)(params)
     return TrainState(jax.device_put(jnp.zeros((), jnp.int32), shardings.step), params, opt_state)
 
@@ -102,7 +113,8 @@ def _donated(state) -> bool:
 
 
 def make_train_step(sharded: FSDP, optimizer: optax.GradientTransformation, loss_fn: Callable,
-                    grad_accum: int = 1, donate: bool = True, update_in_backward: bool = False) -> TrainStep:
+                    grad_accum: int = 1, donate: bool = True, update_in_backward: bool = False,
+                    grad_sync: str = "every", trainable=None) -> TrainStep:
     """(state, batch) -> (state, {'loss', 'grad_norm'}), jitted (see `TrainStep`).
 
     `loss_fn(outputs, batch)` is the loss contract (see `FSDP.loss_and_grad`): the head's outputs
@@ -114,8 +126,26 @@ def make_train_step(sharded: FSDP, optimizer: optax.GradientTransformation, loss
     lowers the peak by about one gradient shard of the units. Same result as the usual step; needs
     remat 'full', grad_accum 1, a resharding strategy (or one shard) and an elementwise optimizer
     (`jfsdp.adamw`, optax's adam/sgd family); with clipping the units' backward runs twice (norm,
-    then updates)."""
-    shardings = state_shardings(sharded, optimizer)
+    then updates).
+
+    `grad_sync`: with grad_accum = k > 1, 'every' (default) reduce-scatters each micro-batch's
+    gradients; 'once' adds them up unreduced on each device (one unsharded gradient of the model in
+    the reduce dtype with the prefetch pipeline, two with the plain scan) and reduces once per step: 1/k of the reduce-scatter traffic, same result
+    (jfsdp/engine/accumulate.py). Not with update_in_backward or expert-parallel MoE stages.
+
+    `trainable`: a tree of booleans like the parameters (or a prefix of it), or a predicate on a
+    parameter's path ('root/embed/embedding'); frozen parameters are gathered for compute but get no
+    gradient, reduce-scatter, optimizer state, weight decay or update (jfsdp/train/frozen.py). Pass
+    the same to init_state / abstract_state."""
+    shardings = state_shardings(sharded, optimizer, trainable)
+    train_mask = frozen.mask(sharded, trainable)
+    optimizer = frozen.optimizer(optimizer, train_mask)
+    if train_mask is not None and update_in_backward:
+        raise ConfigError("trainable= (frozen parameters) is not supported with update_in_backward")
+    if check_grad_sync(grad_sync) == "once" and update_in_backward:
+        raise ConfigError("grad_sync='once' cannot combine with update_in_backward: the optimizer runs on each "
+                          "unit's reduced gradient inside the backward pass, which 'once' reduces only after the "
+                          "last micro-batch")
     if update_in_backward:
         why = in_backward.unsupported(sharded, grad_accum)
         if why:
@@ -126,12 +156,12 @@ def make_train_step(sharded: FSDP, optimizer: optax.GradientTransformation, loss
             params, opt_state, loss, norm = fused(state.params, state.opt_state, batch)
             return TrainState(state.step + 1, params, opt_state), {"loss": loss, "grad_norm": norm}
     else:
-        loss_and_grad = sharded.loss_and_grad(loss_fn, grad_accum)
+        loss_and_grad = sharded.loss_and_grad(loss_fn, grad_accum, grad_sync, trainable=train_mask)
 
         def step(state: TrainState, batch):
             loss, grads = loss_and_grad(state.params, sharded.step_batch(batch, state.step))
             updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-            params = optax.apply_updates(state.params, updates)
+            params = frozen.keep_frozen(optax.apply_updates(state.params, updates), state.params, train_mask)
             return TrainState(state.step + 1, params, opt_state), {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
     jitted = jax.jit(step, in_shardings=(shardings, sharded.batch_sharding), out_shardings=(shardings, shardings.step),

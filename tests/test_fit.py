@@ -1,0 +1,100 @@
+"""train.py checks that its plan fits before it allocates anything (jfsdp/runtime/fit.py): the decision
+against a budget set for the test (JFSDP_MEMORY_BUDGET), the command's one error line, and llama-70b
+refused in seconds on this machine's real host memory."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+import jfsdp
+from jfsdp.runtime import fit
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = ["--mesh", "2x4", "--model", "llama-test", "--batch-size", "32", "--seq-len", "256", "--steps", "1",
+        "--metrics-out", "", "--gen-tokens", "0", "--eval-every", "0"]
+
+
+def _case(remat="none"):
+    import models
+    from models.factory import language_model
+    mesh = jfsdp.make_mesh("2x4", jax.devices()[:8])
+    x = jax.ShapeDtypeStruct((1, 256), "int32")
+
+    def shard(remat):
+        module, moe, loss_fn = language_model(models.get_config("llama-test"), "fused", "auto", "auto")
+        return jfsdp.fully_shard(module, mesh, x, remat=remat), loss_fn
+    plan, loss_fn = shard(remat)
+    case = fit.Case(plan, loss_fn, jfsdp.adamw(1e-3, mask=plan.decay_mask()), 32, 256, 1, False, "cpu")
+    return case, lambda r: shard(r)[0]
+
+
+def test_the_decision(monkeypatch):
+    """Above the budget: ConfigError naming estimate, budget and what fits; within the estimate's
+    error below it: a note; well below: nothing."""
+    case, reshard = _case()
+    est = case.estimate()
+    devices = jax.devices()[:8]
+    monkeypatch.setenv(fit.BUDGET_ENV, str(int(est * 0.66)))
+    with pytest.raises(jfsdp.ConfigError) as e:
+        fit.check(case, devices, reshard)
+    msg = str(e.value)
+    assert "does not fit" in msg and f"{est / 2**20:.1f} MiB" in msg and "budget" in msg
+    assert "--remat full" in msg and "--batch-size 16" in msg and "--no-fit-check" in msg
+    # the smaller batch proposed is the largest that fits: one more sequence per device would not
+    budget = int(est * 0.66)
+    assert case.estimate(batch_size=16) <= budget < case.estimate(batch_size=24)
+    monkeypatch.setenv(fit.BUDGET_ENV, str(int(est * 1.05)))
+    note = fit.check(case, devices, reshard)
+    assert note.startswith("fit check:") and "within its error" in note and "proceeding" in note
+    monkeypatch.setenv(fit.BUDGET_ENV, str(int(est * 1.5)))
+    assert fit.check(case, devices, reshard) is None
+
+
+def _cli(args, monkeypatch, capsys):
+    for k in ("XLA_FLAGS", "JAX_PLATFORMS"):
+        monkeypatch.setenv(k, os.environ.get(k, ""))
+    from jfsdp import cli
+    try:
+        code = cli.main(list(args))
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_command_refuses_with_one_line(monkeypatch, capsys):
+    monkeypatch.setenv(fit.BUDGET_ENV, "20MiB")
+    code, out, err = _cli(TINY, monkeypatch, capsys)
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(errors) == 1 and "Traceback" not in err, err
+    assert "does not fit" in errors[0] and "budget is 20.0 MiB per device (JFSDP_MEMORY_BUDGET=20MiB)" in errors[0]
+    assert "compiled the train step" not in out   # refused before the state or the step exist
+
+
+def test_no_fit_check_runs_anyway(monkeypatch, capsys):
+    monkeypatch.setenv(fit.BUDGET_ENV, "20MiB")
+    code, out, err = _cli([*TINY, "--no-fit-check", "--batch-size", "8", "--seq-len", "32"], monkeypatch, capsys)
+    assert code == 0 and "error" not in err, err
+    assert "compiled the train step" in out and "fit check" not in err
+
+
+def test_llama_70b_is_refused_in_seconds():
+    """`python train.py --model llama-70b` on this machine's real host memory (no budget set): one
+    error line, exit status 2, within seconds, and the process never grows past 3 GiB (nothing of
+    the model is allocated; before the check it was killed by the kernel after 39 s)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", fit.BUDGET_ENV)}
+    env["JAX_PLATFORMS"] = "cpu"
+    code = ("import resource, subprocess, sys, time; t = time.time(); "
+            "r = subprocess.run([sys.executable, 'train.py', '--model', 'llama-70b', '--metrics-out', ''], "
+            "capture_output=True, text=True); "
+            "print(r.returncode, round(time.time() - t, 1), resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); "
+            "print(r.stderr, file=sys.stderr)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    rc, seconds, maxrss_kib = r.stdout.split()
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert int(rc) == 2 and len(errors) == 1 and "does not fit" in errors[0], r.stderr
+    assert "GiB per device" in errors[0] and "Traceback" not in r.stderr
+    assert float(seconds) < 60 and int(maxrss_kib) < 3 * 2**20, (seconds, maxrss_kib)
