@@ -339,22 +339,31 @@ def test_the_planners_formulas_refuse_an_as_is_plan():
         memory.comm_formula(sharded)
 
 
-def test_gradient_accumulation_and_bf16_on_an_as_is_plan(nnx_reference):
-    """grad_accum=2 gives the losses of one whole batch (the loss is a mean over equal micro-batches);
-    bf16 parameters and fp32 master weights train to within bf16's rounding of the fp32 run."""
+def test_accumulation_frozen_and_bf16_on_an_as_is_plan(nnx_reference):
+    """grad_accum=2 gives the losses of one whole batch (the loss is a mean over equal micro-batches), with
+    grad_sync 'every' and 'once'; a frozen embedding stays bit-identical; bf16 parameters and fp32 master weights train to within bf16's rounding of the fp32 run."""
     data, ref_losses, _ = nnx_reference
     units = (nnx_ex.LocalBlock, nnx_ex.GlobalBlock)
-    runs = {}
-    for name, kw, accum in (("accum", {}, 2), ("bf16", {"mp_policy": jfsdp.MixedPrecision.parse("bf16")}, 1)):
+    runs, finals = {}, {}
+    frozen = lambda path: not path.startswith("embed")
+    for name, kw, accum, step_kw in (("accum", {}, 2, {}), ("once", {}, 2, {"grad_sync": "once"}),
+                                     ("frozen", {}, 1, {"trainable": frozen}),
+                                     ("bf16", {"mp_policy": jfsdp.MixedPrecision.parse("bf16")}, 1, {})):
         sharded = jfsdp.fully_shard(nnx_model(), mesh("2x4"), data[0], units=units, remat="full", **kw)
         opt = jfsdp_optimizer()
-        state = jfsdp.init_state(sharded, opt)
-        step = jfsdp.make_train_step(sharded, opt, nnx_ex.loss_fn, grad_accum=accum)
+        state = jfsdp.init_state(sharded, opt, trainable=step_kw.get("trainable"))
+        step = jfsdp.make_train_step(sharded, opt, nnx_ex.loss_fn, grad_accum=accum, **step_kw)
         runs[name] = []
         for b in data:
             state, m = step(state, b)
             runs[name].append(float(m["loss"]))
+        finals[name] = sharded.gather(state.params)
     np.testing.assert_allclose(runs["accum"], ref_losses, rtol=1e-5)
+    np.testing.assert_allclose(runs["once"], runs["accum"], rtol=1e-6)   # one reduction per step, same result
+    # frozen embedding: bit-identical after training, and the run differs from the full one
+    np.testing.assert_array_equal(finals["frozen"]["embed"]["embedding"],
+                                  nnx.state(nnx_model(), nnx.Param).to_pure_dict()["embed"]["embedding"])
+    assert runs["frozen"][1:] != ref_losses[1:]
     np.testing.assert_allclose(runs["bf16"], ref_losses, rtol=2e-2)
     assert runs["bf16"] != ref_losses
 

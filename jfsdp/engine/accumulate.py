@@ -109,7 +109,7 @@ def loss_and_grad_once(plan, loss_fn: Callable, grad_accum: int, trainable=None)
             if trainable is not None:   # a frozen leaf: no slot, no gradient (jfsdp/train/frozen.py)
                 paired = jax.tree.map(lambda t, u: u if t else lax.stop_gradient(u.shard), trainable, paired,
                                       is_leaf=lambda x: isinstance(x, Unreduced))
-            return plan.scalar_loss(loss_fn(plan.forward(paired, mb["inputs"]), mb))
+            return plan.batch_loss(loss_fn, paired, mb)
 
         vg = jax.value_and_grad(loss)
         mbs = jax.tree.map(lambda x: x.reshape(grad_accum, -1, *x.shape[1:]), batch)

@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jfsdp.config.errors import ConfigError
 from jfsdp.config.mesh import AXES, DATA_AXIS, FSDP_AXIS, mesh_shape, platform
-from jfsdp.engine.fsdp import Comm, checkpoint_policy, unshard, unshard_tree
+from jfsdp.engine.fsdp import Comm, Unreduced, checkpoint_policy, unshard, unshard_tree
 from jfsdp.engine.flax_models import Found, UnitMatcher, adapt
 from jfsdp.engine.model_tree import path_text, scanned_units, subtree, with_subtree, without
 from jfsdp.engine.layout import Layout, is_layout, listing, paths
@@ -32,6 +32,11 @@ from jfsdp.engine.sharded import FSDP
 from jfsdp.engine.unit_call import call_unit
 
 RNG_ROWS = "jfsdp_rng"   # the batch key that carries (step, row) to the devices when the model draws random numbers
+
+
+def _is_pair(x) -> bool:
+    """A shard paired with its gradient slot (grad_sync='once'): one parameter, not two."""
+    return isinstance(x, Unreduced)
 
 
 def _abstract(tree):
@@ -208,7 +213,7 @@ class AsIs(FSDP):
     def forward(self, params, batch, rows=None):
         """The model's outputs for one device's batch, from shards (inside shard_map)."""
         layouts = self.layouts
-        flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+        flat, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_pair)
         lay = jax.tree.leaves(layouts, is_leaf=is_layout)
         keys = [self.unit_of[jax.tree_util.keystr(p)] for p, _ in flat]
         # the root is gathered once per step; a unit's leaves stay shards until the unit is called
@@ -220,7 +225,8 @@ class AsIs(FSDP):
                 unit_layouts.setdefault(u, []).append(l)
 
         def hook(path, shards, fn, inputs):
-            ls = jax.tree.unflatten(jax.tree.structure(shards), self._unit_layouts(path, shards, unit_layouts))
+            ls = jax.tree.unflatten(jax.tree.structure(shards, is_leaf=_is_pair),
+                                    self._unit_layouts(path, shards, unit_layouts))
             return call_unit(lambda s, i: fn(unshard_tree(s, ls, self.comm), i), shards, inputs, self.policy)
         key = self._step_key(rows)
         units = set(self.units)
@@ -237,7 +243,7 @@ class AsIs(FSDP):
         the same layouts, so any match is right)."""
         if path is not None:
             return unit_layouts[tuple(path)]
-        shapes = [np.shape(x) for x in jax.tree.leaves(shards)]
+        shapes = [np.shape(x.shard if _is_pair(x) else x) for x in jax.tree.leaves(shards, is_leaf=_is_pair)]
         for p in self.scanned:
             ls = unit_layouts[p]
             if [(l.padded_rows // self.shards, *l.shape[1:]) for l in ls] == shapes:
@@ -252,7 +258,7 @@ class AsIs(FSDP):
             return jax.random.fold_in(k, lax.axis_index(AXES))
         return jax.random.fold_in(jax.random.fold_in(k, rows[0, 0]), rows[0, 1])
 
-    def _loss(self, loss_fn, params, batch):
+    def batch_loss(self, loss_fn, params, batch):
         batch = dict(batch)
         rows = batch.pop(RNG_ROWS, None)
         return self.scalar_loss(loss_fn(self.forward(params, batch, rows), batch))

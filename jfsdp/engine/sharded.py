@@ -172,7 +172,8 @@ class FSDP(ParamLayout):
         """`jax.shard_map` over this mesh."""
         return jax.shard_map(f, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
-    def _loss(self, loss_fn, params, batch):
+    def batch_loss(self, loss_fn, params, batch):
+        """One device's mean loss on its rows of `batch` (inside shard_map): the loss contract's scalar."""
         return self.scalar_loss(loss_fn(self.forward(params, batch["inputs"]), batch))
 
     @staticmethod
@@ -201,7 +202,7 @@ class FSDP(ParamLayout):
             return accumulate.loss_and_grad_once(self, loss_fn, grad_accum, trainable)
 
         def differentiated(params, batch):
-            return self._loss(loss_fn, accumulate.stop_frozen(params, trainable), batch)
+            return self.batch_loss(loss_fn, accumulate.stop_frozen(params, trainable), batch)
 
         def local(params, batch):
             vg = jax.value_and_grad(differentiated)
@@ -228,7 +229,7 @@ class FSDP(ParamLayout):
     def loss(self, loss_fn: Callable):
         """(params, batch) -> mean loss, forward only (evaluation). Same contract as `loss_and_grad`."""
         def local(params, batch):
-            return lax.psum(self._loss(loss_fn, params, batch), AXES) / self.n_devices
+            return lax.psum(self.batch_loss(loss_fn, params, batch), AXES) / self.n_devices
         sharded = self.shard_map(local, (self.param_specs, P(AXES)), P())
 
         def fn(params, batch):
