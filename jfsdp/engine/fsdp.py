@@ -67,19 +67,43 @@ unshard.defvjp(_unshard_fwd, _unshard_bwd)
 
 
 def unshard_tree(shards, layouts, comm: Comm):
-    """`unshard` on every leaf of a unit's (or the root's) tree of shards."""
-    return jax.tree.map(lambda l, x: unshard(x, l, comm), layouts, shards, is_leaf=is_layout)
+    """`unshard` on every leaf of a unit's (or the root's) tree of shards; a layout with its own
+    `unshard` (float8.Float8Layout: gathered in float8) gathers its leaf itself."""
+    def one(l, x):
+        return l.unshard(x, comm) if hasattr(l, "unshard") else unshard(x, l, comm)
+    return jax.tree.map(one, layouts, shards, is_leaf=is_layout)
 
 
 def reduce_tree(grads, layouts, comm: Comm):
-    """`reduce_gradient` on every leaf of a tree of whole gradients."""
-    return jax.tree.map(lambda l, g: reduce_gradient(g, l, comm), layouts, grads, is_leaf=is_layout)
+    """`reduce_gradient` on every leaf of a tree of whole gradients (a layout's own `reduce` first)."""
+    def one(l, g):
+        return l.reduce(g, comm) if hasattr(l, "reduce") else reduce_gradient(g, l, comm)
+    return jax.tree.map(one, layouts, grads, is_leaf=is_layout)
+
+
+# Custom-VJP calls that checkpoint policies decide on by their backward function: gathers (saved only
+# when not resharding, as `unshard`) and matmuls (as the remat policy treats dot_general).
+_GATHERS, _DOTS = [_unshard_bwd], []
+
+
+def treat_as_unshard(bwd):
+    """Checkpoint policies treat custom_vjp calls with this backward as `unshard` (a float8 gather)."""
+    _GATHERS.append(bwd)
+
+
+def treat_as_dot(bwd):
+    """Checkpoint policies treat custom_vjp calls with this backward as a matmul (a float8 dot)."""
+    _DOTS.append(bwd)
+
+
+def _bwd_of(prim, params):
+    return getattr(params.get("bwd"), "f", None) if prim.name == "custom_vjp_call" else None
 
 
 def _is_unshard(prim, params) -> bool:
     """Whether a primitive seen by a checkpoint policy is `unshard` (a custom_vjp call whose
     backward is ours)."""
-    return prim.name == "custom_vjp_call" and getattr(params.get("bwd"), "f", None) is _unshard_bwd
+    return any(_bwd_of(prim, params) is b for b in _GATHERS)
 
 
 @functools.cache
@@ -117,6 +141,8 @@ def checkpoint_policy(remat: str, reshard_after_forward: bool):
     def policy(prim, *avals, **params):
         if _is_unshard(prim, params):
             return keep_unsharded
+        if any(_bwd_of(prim, params) is b for b in _DOTS):
+            return base(lax.dot_general_p, *avals, **params)
         return base(prim, *avals, **params)
     return policy
 
