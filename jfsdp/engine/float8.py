@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import flax.linen as nn
 import jax
@@ -249,7 +249,9 @@ def mark(layouts, selected) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class Float8Layout(Layout):
-    """A unit weight gathered in float8: `unshard_tree` and `reduce_tree` (fsdp.py) call these."""
+    """A unit weight gathered in float8: `unshard_tree` and `reduce_tree` (fsdp.py) call these; the
+    planner counts `wire_itemsize` bytes per element for its gather."""
+    wire_itemsize: ClassVar[int] = 1
 
     def unshard(self, shard, comm: Comm):
         return unshard_float8(shard, self, comm)
