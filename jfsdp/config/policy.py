@@ -94,7 +94,7 @@ class MixedPrecision:
     the unit computes in it; gradients are reduce-scattered in `reduce_dtype`; the model output is cast
     to `output_dtype`. None means: leave as is (fp32). `float8` (a `Float8` filter): the units' selected
     dense matmuls run in float8 and their weights are all-gathered in float8 (jfsdp/engine/float8.py);
-    everything else as param_dtype says (which must then be bf16)."""
+    everything else as param_dtype says (bf16; or fp32, where only the float8 matmuls round)."""
     param_dtype: object = None
     reduce_dtype: object = None
     output_dtype: object = None
@@ -108,9 +108,9 @@ class MixedPrecision:
         if self.float8 is not None:
             if not isinstance(self.float8, Float8):
                 raise ConfigError(f"MixedPrecision.float8 must be a jfsdp.Float8 filter or True, got {self.float8!r}")
-            if self.param_dtype != np.dtype(ml_dtypes.bfloat16):
-                raise ConfigError("float8 matmuls need param_dtype bf16 for the rest of the model "
-                                  f"(got {self.param_dtype}); use MixedPrecision.parse('fp8')")
+            if self.param_dtype not in (None, np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32)):
+                raise ConfigError("float8 matmuls take param_dtype bf16 (MixedPrecision.parse('fp8')) or fp32 for "
+                                  f"the rest of the model, got {self.param_dtype}")
 
     @classmethod
     def parse(cls, name: str) -> "MixedPrecision":

@@ -144,7 +144,7 @@ def unshard_float8(shard, layout: Layout, comm: Comm):
     w8 = quantize(shard, scale, E4M3)
     if layout.shards > 1:
         w8 = lax.all_gather(w8, FSDP_AXIS, axis=0, tiled=True)
-    return Float8Weight(layout.unpad(w8).astype(comm.param_dtype or jnp.bfloat16), scale)
+    return Float8Weight(layout.unpad(w8).astype(comm.param_dtype or shard.dtype), scale)
 
 
 def _unshard_float8_fwd(shard, layout, comm):
