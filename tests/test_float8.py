@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
