@@ -34,6 +34,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from jfsdp.config.errors import ConfigError
 from jfsdp.config.policy import Float8
@@ -43,6 +44,7 @@ from jfsdp.engine.layout import Layout, is_layout, paths
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 EPS = 1e-12   # amax floor: an all-zero tensor gets a finite scale
+DOT_OUT = "jfsdp_float8_dot"
 
 
 def scale_for(amax, dtype):
@@ -100,12 +102,13 @@ def _dot(a, b, ca, cb):
 def _dot_fwd(x, w, w_scale, out_dtype):
     x8, xs = dynamic(x, E4M3)
     y = _dot(x8, w.astype(E4M3), x.ndim - 1, 0) * (1.0 / (xs * w_scale))
+    y = checkpoint_name(y.astype(out_dtype), DOT_OUT)   # what remat 'dots' keeps (fsdp.treat_as_dot)
     # w itself is the residual, not its e4m3 cast: whether it is kept is the gather's decision (the
     # checkpoint policy on unshard_float8), as for any matmul on a gathered weight
     # x8 is saved as its bytes: remat re-rounds float residuals with reduce_precision, which reads e4m3fn's
     # top binade (256..448) as infinity (measured: NaN gradients with remat none)
     x8_bytes = lax.bitcast_convert_type(x8, jnp.uint8)
-    return y.astype(out_dtype), (x8_bytes, xs, w, w_scale, jnp.zeros((0,), x.dtype))  # (0,): x's dtype
+    return y, (x8_bytes, xs, w, w_scale, jnp.zeros((0,), x.dtype))  # (0,): x's dtype
 
 
 def _dot_bwd(out_dtype, res, g):
@@ -157,7 +160,7 @@ def _unshard_float8_bwd(layout, comm, _, g):
 
 unshard_float8.defvjp(_unshard_float8_fwd, _unshard_float8_bwd)
 treat_as_unshard(_unshard_float8_bwd)
-treat_as_dot(_dot_bwd)
+treat_as_dot(DOT_OUT)
 
 
 def kernel_of(module):

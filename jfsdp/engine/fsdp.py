@@ -81,9 +81,9 @@ def reduce_tree(grads, layouts, comm: Comm):
     return jax.tree.map(one, layouts, grads, is_leaf=is_layout)
 
 
-# Custom-VJP calls that checkpoint policies decide on by their backward function: gathers (saved only
-# when not resharding, as `unshard`) and matmuls (as the remat policy treats dot_general).
-_GATHERS, _DOTS = [_unshard_bwd], []
+# Custom-VJP calls that checkpoint policies treat as `unshard` (saved only when not resharding), by
+# their backward function; and names (`checkpoint_name`) of values that stand for a matmul's output.
+_GATHERS, _DOT_NAMES = [_unshard_bwd], set()
 
 
 def treat_as_unshard(bwd):
@@ -91,9 +91,15 @@ def treat_as_unshard(bwd):
     _GATHERS.append(bwd)
 
 
-def treat_as_dot(bwd):
-    """Checkpoint policies treat custom_vjp calls with this backward as a matmul (a float8 dot)."""
-    _DOTS.append(bwd)
+def treat_as_dot(name: str):
+    """Checkpoint policies treat a value named `name` (jax.ad_checkpoint.checkpoint_name) as a matmul's
+    output, and the low-precision dot_general that computes it as an intermediate: remat 'dots' then
+    keeps the float8 matmul's bf16 output, not its fp32 accumulator (twice the bytes)."""
+    _DOT_NAMES.add(name)
+
+
+def _is_low_precision_dot(prim, avals) -> bool:
+    return prim is lax.dot_general_p and any(jnp.dtype(a.dtype).itemsize == 1 for a in avals)
 
 
 def _bwd_of(prim, params):
@@ -141,8 +147,10 @@ def checkpoint_policy(remat: str, reshard_after_forward: bool):
     def policy(prim, *avals, **params):
         if _is_unshard(prim, params):
             return keep_unsharded
-        if any(_bwd_of(prim, params) is b for b in _DOTS):
-            return base(lax.dot_general_p, *avals, **params)
+        if prim.name == "name" and params.get("name") in _DOT_NAMES:
+            return base(lax.dot_general_p, *avals)
+        if _is_low_precision_dot(prim, avals):
+            return False
         return base(prim, *avals, **params)
     return policy
 
