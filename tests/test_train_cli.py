@@ -80,6 +80,7 @@ BAD = {
     "negative-steps": (["--steps", "-3"], "--steps must be positive"),
     "steps-not-a-number": (["--steps", "ten"], "invalid int"),
     "resume-without-ckpt-dir": (["--resume"], "--resume needs --ckpt-dir"),
+    "fp8-with-expert-parallel": (["--model", "moe-test", "--precision", "fp8", "--moe", "ep"], "expert-parallel"),
 }
 
 
