@@ -10,7 +10,7 @@ _EXPORTS = {   # module -> the names it gives this package ("alias=name" where t
     "config.errors": ("ConfigError",),
     "config.mesh": ("AXES", "DATA_AXIS", "DATA=DATA_AXIS", "FSDP_AXIS", "MeshSpec", "make_mesh", "mesh_shape",
                     "parse_mesh"),
-    "config.policy": ("REMAT", "MixedPrecision", "Strategy"),
+    "config.policy": ("REMAT", "Float8", "MixedPrecision", "Strategy"),
     "engine.layout": ("Layout", "Stacked", "Stage", "Staged", "stack_units", "unstack_units"),
     "engine.sharded": ("FSDP", "checkpoint_policy", "unshard"),
     "engine.entry": ("fully_shard",),

@@ -19,9 +19,10 @@ import jfsdp.engine.sharded
 import models
 from jfsdp.config import xla_flags
 from jfsdp.planning import hlo
+from jfsdp.planning import hlo_text
 from jfsdp.planning import memory
 from jfsdp.planning import targets
-from jfsdp.engine.layout import stored_bytes
+from jfsdp.engine.layout import is_layout, stored_bytes
 
 # jax's CUDA plugin (the gpu-target extra) has Linux wheels only; CI runs on Linux, where these run.
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="jax-cuda13-plugin: Linux wheels only")
@@ -32,14 +33,14 @@ CFG = dataclasses.replace(models.get_config("llama-test"), dim=256, ffn_dim=688,
 BATCH, SEQ = 8, 128
 
 
-def _case(n_layers, options=None, prefetch=None):
+def _case(n_layers, options=None, prefetch=None, precision="bf16"):
     cfg = dataclasses.replace(CFG, n_layers=n_layers)
     mesh = jfsdp.make_mesh(f"1x{S}", targets.devices("h100", f"1x{S}"))
     x = jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32)
     root, unit, n = models.parts(cfg)
     with targets.tracing_for("h100"):
         plan = jfsdp.fully_shard(jfsdp.Stacked(root, unit, n), mesh, x, strategy="full_shard", remat="full",
-                                 mp_policy=jfsdp.MixedPrecision.parse("bf16"), prefetch=prefetch)
+                                 mp_policy=jfsdp.MixedPrecision.parse(precision), prefetch=prefetch)
         opt, b, loss = jfsdp.adamw(1e-3), {"inputs": x, "targets": x}, models.loss_fn(cfg)
         compiled = targets.compile_step("h100", plan, opt, loss, b, overrides=options)
         est = memory.estimate(plan, opt, loss, b, prefetch=True, backend="gpu")
@@ -57,6 +58,58 @@ def h100():
     cases["plain"] = _case(8, off, prefetch=False)
     cases["flags"] = _case(4, prefetch=False)
     return cases
+
+
+@pytest.fixture(scope="module")
+def h100_fp8():
+    """4 layers as h100[4] (prefetch pipeline, remat full), in fp8: float8 unit matmuls and gathers."""
+    return _case(4, precision="fp8")
+
+
+def _gathered_arrays(text):
+    """(dtype, dims) of every array an all-gather returns, one entry per operand of a combined op."""
+    out = []
+    for c in hlo_text.parse(text).comps.values():
+        for ins in c:
+            if ins.opcode in ("all-gather", "all-gather-start"):
+                parts = hlo_text.tuple_elements(ins.shape) if ins.opcode.endswith("start") else None
+                out += hlo_text.array_types(parts[1] if parts else ins.shape)
+    return out
+
+
+def test_fp8_unit_gathers_are_float8_and_half_the_bytes(h100, h100_fp8):
+    """fp8 compiled for H100: every unit kernel is all-gathered as f8e4m3fn (1 byte per element; the
+    norms' scales ride along in bf16), the root (the tied embedding) stays bf16, and the all-gather
+    bytes per step are the planner's formula exactly; the units' part is half of the bf16 program's
+    within 5%."""
+    cfg, plan, _, compiled, text = h100_fp8
+    _, plan16, _, compiled16, text16 = h100[4]
+    emb = ",".join(map(str, plan.layouts["root"]["tok_embeddings"]["embedding"].stored_shape))
+    arrays = _gathered_arrays(text)
+    assert {d for d, dims in arrays if dims == emb} == {"bf16"}, arrays
+    kernels = {",".join(map(str, l.stored_shape)) for l in jax.tree.leaves(plan.unit_layouts[0], is_leaf=is_layout)
+               if hasattr(l, "wire_itemsize")}
+    assert len(kernels) >= 3 and all(d == "f8e4m3fn" for d, dims in arrays if dims in kernels), arrays
+    got, want = memory.comm_measured(compiled, S), memory.comm_formula(plan, backend="gpu")
+    got16 = memory.comm_measured(compiled16, S)
+    assert got["all-gather"] == pytest.approx(want["all-gather"], rel=1e-6)
+    assert got["reduce-scatter"] == pytest.approx(got16["reduce-scatter"], rel=1e-6)   # in fp32, as bf16's
+    root = stored_bytes(plan.layouts["root"], jnp.bfloat16) * (S - 1) / S
+    ratio = (got["all-gather"] - root) / (got16["all-gather"] - root)
+    assert ratio == pytest.approx(0.5, rel=0.05), ratio
+
+
+def test_fp8_unit_matmuls_are_float8_gemms(h100, h100_fp8):
+    """Every gemm of the units in the scheduled fp8 program has float8 operands (e4m3 x e4m3 forward,
+    e5m2 gradients against e4m3 in the backward), as many as the bf16 program's unit gemms (XLA
+    merges the same matmuls, e.g. q/k/v, in both); the root's (the tied head) stay bf16."""
+    unit = lambda gs: [g for g in gs if "LlamaBlock" in g.op_name]
+    root = lambda gs: [g for g in gs if "LlamaRoot" in g.op_name]
+    g8, g16 = hlo.gemms(h100_fp8[-1]), hlo.gemms(h100[4][-1])
+    assert unit(g8) and all(g.float8 for g in unit(g8)), [(g.name, g.dtypes) for g in unit(g8) if not g.float8]
+    assert len(unit(g8)) == len(unit(g16)) and not any(g.float8 for g in unit(g16))
+    assert {d for g in unit(g8) for d in g.dtypes} == {"f8e4m3fn", "f8e5m2"}
+    assert root(g8) and all(g.dtypes == ("bf16", "bf16") for g in root(g8)) and len(root(g8)) == len(root(g16))
 
 
 def test_targets_are_gpus_of_the_declared_kind():

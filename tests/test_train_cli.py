@@ -85,6 +85,7 @@ BAD = {
     "grad-sync-unknown": (["--grad-sync", "never"], "invalid choice"),
     "freeze-matches-nothing": (["--model", "llama-test", "--freeze", "no_such_param"], "matches no parameter"),
     "freeze-not-a-regex": (["--model", "llama-test", "--freeze", "(unclosed"], "is not a regular expression"),
+    "fp8-with-expert-parallel": (["--model", "moe-test", "--precision", "fp8", "--moe", "ep"], "expert-parallel"),
 }
 
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import os
+import re
 
 import ml_dtypes
 import numpy as np
@@ -59,18 +61,56 @@ def _dtype(x):
 
 
 @dataclasses.dataclass(frozen=True)
+class Float8:
+    """Which of the units' dense matmuls run in float8 (jfsdp/engine/float8.py), as torchtitan's
+    filter_fqns, by path or by size. `skip`: regular expressions searched in a kernel's path inside its
+    unit (e.g. "router", "attention"); `min_size`: kernels with fewer elements stay bf16 (small matmuls
+    lose more to scaling than they gain). Kernels with a dimension that is not a multiple of 16 stay
+    bf16 (float8 gemms on H100 need it). The root (embedding, head, norms) is never float8."""
+    skip: tuple = ("router",)
+    min_size: int = 0
+
+    def __post_init__(self):
+        object.__setattr__(self, "skip", (self.skip,) if isinstance(self.skip, str) else tuple(self.skip))
+        for p in self.skip:
+            try:
+                re.compile(p)
+            except re.error as e:
+                raise ConfigError(f"float8 skip pattern {p!r} is not a regular expression: {e}") from None
+        if not isinstance(self.min_size, int) or self.min_size < 0:
+            raise ConfigError(f"float8 min_size must be a non-negative integer, got {self.min_size!r}")
+
+    def select(self, kernels: dict) -> dict:
+        """{path: shape} -> those of the kernels that run in float8."""
+        return {p: s for p, s in kernels.items()
+                if not any(re.search(r, p) for r in self.skip) and math.prod(s) >= self.min_size
+                and len(s) == 2 and s[0] % 16 == 0 and s[1] % 16 == 0}
+
+
+@dataclasses.dataclass(frozen=True)
 class MixedPrecision:
     """As FSDP2's MixedPrecisionPolicy. Master parameters and optimizer state stay fp32 and sharded;
     the shard is cast to `param_dtype` before the all-gather (so communication is in param_dtype) and
     the unit computes in it; gradients are reduce-scattered in `reduce_dtype`; the model output is cast
-    to `output_dtype`. None means: leave as is (fp32)."""
+    to `output_dtype`. None means: leave as is (fp32). `float8` (a `Float8` filter): the units' selected
+    dense matmuls run in float8 and their weights are all-gathered in float8 (jfsdp/engine/float8.py);
+    everything else as param_dtype says (bf16; or fp32, where only the float8 matmuls round)."""
     param_dtype: object = None
     reduce_dtype: object = None
     output_dtype: object = None
+    float8: object = None
 
     def __post_init__(self):
         for f in ("param_dtype", "reduce_dtype", "output_dtype"):
             object.__setattr__(self, f, _dtype(getattr(self, f)))
+        if self.float8 is True:
+            object.__setattr__(self, "float8", Float8())
+        if self.float8 is not None:
+            if not isinstance(self.float8, Float8):
+                raise ConfigError(f"MixedPrecision.float8 must be a jfsdp.Float8 filter or True, got {self.float8!r}")
+            if self.param_dtype not in (None, np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32)):
+                raise ConfigError("float8 matmuls take param_dtype bf16 (MixedPrecision.parse('fp8')) or fp32 for "
+                                  f"the rest of the model, got {self.param_dtype}")
 
     @classmethod
     def parse(cls, name: str) -> "MixedPrecision":
@@ -78,7 +118,10 @@ class MixedPrecision:
             return cls()
         if name in ("bf16", "bfloat16"):
             return cls(param_dtype=ml_dtypes.bfloat16, reduce_dtype=np.float32, output_dtype=np.float32)
-        raise ConfigError(f"unknown precision '{name}'; choose from fp32, bf16")
+        if name in ("fp8", "float8"):
+            return cls(param_dtype=ml_dtypes.bfloat16, reduce_dtype=np.float32, output_dtype=np.float32,
+                       float8=Float8())
+        raise ConfigError(f"unknown precision '{name}'; choose from {', '.join(PRECISIONS)}")
 
 
     def cast_output(self, out):
@@ -87,6 +130,9 @@ class MixedPrecision:
         if self.output_dtype is not None and hasattr(out, "astype") and hasattr(out, "dtype"):
             return out.astype(self.output_dtype)
         return out
+
+
+PRECISIONS = ("fp32", "bf16", "fp8")
 
 
 def wire_dtype(dtype, backend: str):

@@ -100,19 +100,49 @@ _unshard_unreduced.defvjp(_unreduced_fwd, _unreduced_bwd)
 
 
 def unshard_tree(shards, layouts, comm: Comm):
-    """`unshard` on every leaf of a unit's (or the root's) tree of shards."""
-    return jax.tree.map(lambda l, x: unshard(x, l, comm), layouts, shards, is_leaf=is_layout)
+    """`unshard` on every leaf of a unit's (or the root's) tree of shards; a layout with its own
+    `unshard` (float8.Float8Layout: gathered in float8) gathers its leaf itself."""
+    def one(l, x):
+        return l.unshard(x, comm) if hasattr(l, "unshard") else unshard(x, l, comm)
+    return jax.tree.map(one, layouts, shards, is_leaf=is_layout)
 
 
 def reduce_tree(grads, layouts, comm: Comm):
-    """`reduce_gradient` on every leaf of a tree of whole gradients."""
-    return jax.tree.map(lambda l, g: reduce_gradient(g, l, comm), layouts, grads, is_leaf=is_layout)
+    """`reduce_gradient` on every leaf of a tree of whole gradients (a layout's own `reduce` first)."""
+    def one(l, g):
+        return l.reduce(g, comm) if hasattr(l, "reduce") else reduce_gradient(g, l, comm)
+    return jax.tree.map(one, layouts, grads, is_leaf=is_layout)
+
+
+# Custom-VJP calls that checkpoint policies treat as `unshard` (saved only when not resharding), by
+# their backward function; and names (`checkpoint_name`) of values that stand for a matmul's output.
+_GATHERS, _DOT_NAMES = [_unshard_bwd, _unreduced_bwd], set()
+
+
+def treat_as_unshard(bwd):
+    """Checkpoint policies treat custom_vjp calls with this backward as `unshard` (a float8 gather)."""
+    _GATHERS.append(bwd)
+
+
+def treat_as_dot(name: str):
+    """Checkpoint policies treat a value named `name` (jax.ad_checkpoint.checkpoint_name) as a matmul's
+    output, and the low-precision dot_general that computes it as an intermediate: remat 'dots' then
+    keeps the float8 matmul's bf16 output, not its fp32 accumulator (twice the bytes)."""
+    _DOT_NAMES.add(name)
+
+
+def _is_low_precision_dot(prim, avals) -> bool:
+    return prim is lax.dot_general_p and any(jnp.dtype(a.dtype).itemsize == 1 for a in avals)
+
+
+def _bwd_of(prim, params):
+    return getattr(params.get("bwd"), "f", None) if prim.name == "custom_vjp_call" else None
 
 
 def _is_unshard(prim, params) -> bool:
     """Whether a primitive seen by a checkpoint policy is `unshard` (a custom_vjp call whose
     backward is ours)."""
-    return prim.name == "custom_vjp_call" and getattr(params.get("bwd"), "f", None) in (_unshard_bwd, _unreduced_bwd)
+    return any(_bwd_of(prim, params) is b for b in _GATHERS)
 
 
 @functools.cache
@@ -150,6 +180,10 @@ def checkpoint_policy(remat: str, reshard_after_forward: bool):
     def policy(prim, *avals, **params):
         if _is_unshard(prim, params):
             return keep_unsharded
+        if prim.name == "name" and params.get("name") in _DOT_NAMES:
+            return base(lax.dot_general_p, *avals)
+        if _is_low_precision_dot(prim, avals):
+            return False
         return base(prim, *avals, **params)
     return policy
 

@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jfsdp.config.errors import ConfigError
 from jfsdp.config.mesh import AXES, DATA_AXIS, mesh_shape, platform
 from jfsdp.config.policy import resolve_prefetch
-from jfsdp.engine import accumulate, expert_parallel, moe as moe_engine
+from jfsdp.engine import accumulate, expert_parallel, float8, moe as moe_engine
 from jfsdp.engine.fsdp import Comm, checkpoint_policy, scan_stage, unshard, unshard_tree
 from jfsdp.engine.layout import is_layout, tree_shapes
 from jfsdp.engine.params import ParamLayout
@@ -51,11 +51,34 @@ class FSDP(ParamLayout):
         self.batch_sharding = NamedSharding(mesh, P(AXES))
         # MoE stages (jfsdp/engine/moe.py): per stage None (dense, or gathered like any unit) or its mode
         self.moe, self.moe_stages = moe, moe_engine.resolve(self, moe)
+        self.unit_layouts = self.float8_layouts()
+
+    def float8_layouts(self) -> list:
+        """Each stage's unit layouts as gathered: with a float8 policy the selected Dense kernels are
+        `float8.Float8Layout`s (gathered and multiplied in float8), else the plain layouts."""
+        stage_l = self.split(self.layouts)[1]
+        if self.mp.float8 is None:
+            return stage_l
+        if any(m is not None and m.mode == "ep" for m in self.moe_stages):
+            raise ConfigError("float8 with an expert-parallel MoE stage is not supported (its experts are einsums "
+                              "run by expert_parallel, not Dense matmuls); use moe=MoE('gather') or bf16")
+        return float8.mark_stages(self.model, self.h_shapes, stage_l, self.mp.float8, self.mp.param_dtype)
+
+    def unit_apply(self, unit):
+        """(unit params, h) -> h: the unit's apply, its float8 matmuls intercepted when there are any."""
+        if self.mp.float8 is None:
+            return lambda params, h: unit.apply({"params": params}, h)
+
+        def apply(params, h):
+            with nn.intercept_methods(float8.interceptor):
+                return unit.apply({"params": params}, h)
+        return apply
 
     # ---- the sharded forward: runs inside shard_map on local shards
     def _stage(self, j, h, shards, layouts):
         """Stage j: the prefetch pipeline, expert parallelism, or the plain scan of its units."""
         unit, moe = self.model.stages[j].unit, self.moe_stages[j]
+        layouts = self.unit_layouts[j]
         ep = moe is not None and moe.mode == "ep"   # experts stay local; tokens go to them
         if self.prefetch and self.stage_sizes[j] > 1 and not ep:
             return pipelined_stage(self.stage_passes(j))(h, shards)
@@ -66,7 +89,7 @@ class FSDP(ParamLayout):
                 params = expert_parallel.place_params(unshard_one, shards, layouts, moe.site, self.comm)
                 with nn.intercept_methods(expert_parallel.interceptor(moe, self.moe, self.shards)):
                     return unit.apply({"params": params}, h)
-            return unit.apply({"params": unshard_tree(shards, layouts, self.comm)}, h)
+            return self.unit_apply(unit)(unshard_tree(shards, layouts, self.comm), h)
         keeps_shape = tree_shapes(self.h_shapes[j]) == tree_shapes(self.h_shapes[j + 1])
         return scan_stage(compute, h, shards, self.policy, keeps_shape)
 
@@ -74,8 +97,7 @@ class FSDP(ParamLayout):
         """Stage j's pipelined forward and backward passes (pipeline.py), for the prefetch pipeline
         and for steps that consume each unit's gradient as it is reduced."""
         unit = self.model.stages[j].unit
-        return StagePasses(apply=lambda params, h: unit.apply({"params": params}, h),
-                           layouts=self.split(self.layouts)[1][j], comm=self.comm, n=self.stage_sizes[j],
+        return StagePasses(apply=self.unit_apply(unit), layouts=self.unit_layouts[j], comm=self.comm, n=self.stage_sizes[j],
                            first_stage=j == 0, on_cpu=self.on_cpu)
 
     @functools.cached_property

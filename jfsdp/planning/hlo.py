@@ -269,3 +269,48 @@ def render_overlap(overlaps: list[Overlap]) -> str:
         label = f"{c.name} [{c.operands} x {'/'.join(c.dtypes)}]"
         lines.append(f"  {label:34}{where[-26:]:>26}{o.per_step:>8}{c.wire_bytes / 2**20:>10.2f}  {what}")
     return "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True)
+class Gemm:
+    """One matmul of the scheduled program: its instruction, the loops it sits in, the element types of
+    its dot's two operands (read inside a gemm fusion's computation) and the jax op it came from."""
+    name: str
+    loops: tuple
+    dtypes: tuple       # e.g. ('f8e4m3fn', 'f8e5m2'); () where unknown (a library call)
+    op_name: str
+
+    @property
+    def float8(self) -> bool:
+        return bool(self.dtypes) and all(d.startswith("f8") for d in self.dtypes)
+
+
+def _dot_operand_types(instrs) -> tuple:
+    types = {i.name: i.shape for i in instrs}
+    for i in instrs:
+        if i.opcode in ("dot", "scaled-dot"):
+            args = re.match(r".*?\b(?:scaled-)?dot\(([^)]*)\)", i.line).group(1)
+            names = [a.strip().split()[-1].lstrip("%") for a in args.split(",")][:2]
+            return tuple(array_types(types.get(n, ""))[0][0] if array_types(types.get(n, "")) else "?" for n in names)
+    return ()
+
+
+def gemms(hlo_text: str) -> list[Gemm]:
+    """Every matmul (dot, gemm fusion, cuBLAS call) of an optimized module, where it is scheduled, with
+    its operand types: how a test tells float8 gemms from bf16 ones in a program compiled for a GPU."""
+    mod = parse(hlo_text)
+    out = []
+    for name, loops in walk(mod):
+        for ins in mod.comps[name]:
+            if not _is_matmul(ins) or "__cudnn" in ins.line:
+                continue
+            m = re.search(r'op_name="([^"]*)"', ins.line)
+            called = re.search(r"calls=%?([\w.\-]+)", ins.line)
+            if ins.opcode == "fusion" and called and called.group(1) in mod.comps:
+                dtypes = _dot_operand_types(mod.comps[called.group(1)])
+            elif ins.opcode == "dot":
+                dtypes = _dot_operand_types(mod.comps[name])
+            else:
+                dtypes = ("f8e4m3fn", "f8e4m3fn") if "f8" in ins.line.split("custom_call_target=")[-1][:40] else ()
+            out.append(Gemm(ins.name, loops, dtypes, m.group(1) if m else ""))
+    return out

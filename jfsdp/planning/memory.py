@@ -25,7 +25,7 @@ from jfsdp.engine.sharded import FSDP
 from jfsdp.planning import hlo
 from jfsdp.planning.estimate import Breakdown, estimate
 from jfsdp.engine.layout import stored_bytes
-from jfsdp.planning.sizes import elements, stages
+from jfsdp.planning.sizes import elements, float8_leaves, gathered_bytes, stages
 from jfsdp.train.step import abstract_state, make_train_step
 
 __all__ = ["Breakdown", "abstract_batch", "comm_formula", "comm_measured", "compile_step", "device_peak", "estimate",
@@ -83,7 +83,9 @@ def comm_formula(plan: FSDP, backend: str | None = None, grad_accum: int = 1, gr
     rdt = wire_dtype(plan.mp.reduce_dtype or pdt, backend)
     root_l = plan.split(plan.layouts)[0]
     root_p = stored_bytes(root_l, pdt)
-    unit_p = sum(n * stored_bytes(l, pdt) for l, n in stages(plan))
+    # the units as gathered: a float8 plan's selected kernels go out at 1 byte (plan.unit_layouts)
+    gathered = list(zip(getattr(plan, "unit_layouts", None) or plan.split(plan.layouts)[1], plan.stage_sizes))
+    unit_p = sum(n * gathered_bytes(l, pdt) for l, n in gathered)
     grads = stored_bytes(root_l, rdt) + sum(n * stored_bytes(l, rdt) for l, n in stages(plan))
     psi = elements(plan)[0]
     # the headline formula uses the policy's dtypes, not the backend's
@@ -104,8 +106,10 @@ def comm_formula(plan: FSDP, backend: str | None = None, grad_accum: int = 1, gr
         gathers = 2 if plan.strategy.reshard_after_forward else 1
         f = (S - 1) / S
         out["all-gather"] = (root_p + gathers * unit_p) * f
+        # float8: one fp32 amax all-reduce (max over fsdp) per float8 leaf and gather
+        out["all-reduce"] += gathers * sum(n * float8_leaves(l) for l, n in gathered) * 2 * 4 * f
         out["reduce-scatter"] = grads * f
-        out["all-reduce"] = 2 * (grads / S) * (R - 1) / R  # the shard, summed over replicas
+        out["all-reduce"] += 2 * (grads / S) * (R - 1) / R  # the shard, summed over replicas
         out["all-reduce"] += 2 * (ep_grads / S) * (R - 1) / R  # local experts' gradients, over replicas
         out["all-to-all"] = a2a
         contract = (gathers * psi * pb + psi * rb) * f + 2 * psi * rb / S * (R - 1) / R

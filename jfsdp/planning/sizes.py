@@ -40,3 +40,15 @@ def elements(plan) -> tuple[int, int]:
             real += mult * math.prod(l.shape)
             pad += mult * l.padding
     return real, pad
+
+
+def gathered_bytes(layouts, dtype) -> int:
+    """Bytes one gather of these layouts puts on the wire (padded): `dtype` per element, or a layout's
+    own `wire_itemsize` (a float8-gathered weight: 1 byte, jfsdp.engine.float8.Float8Layout)."""
+    return sum(math.prod(l.stored_shape) * getattr(l, "wire_itemsize", jnp.dtype(dtype).itemsize)
+               for l in jax.tree.leaves(layouts, is_leaf=is_layout))
+
+
+def float8_leaves(layouts) -> int:
+    """How many leaves of these layouts are gathered in float8 (each with one amax all-reduce)."""
+    return sum(hasattr(l, "wire_itemsize") for l in jax.tree.leaves(layouts, is_leaf=is_layout))

@@ -56,13 +56,14 @@ def moe_flops_per_token(cfg, seq_len: int) -> float:
     return 6.0 * n_matmul + 6.0 * L * d * seq_len
 
 def peak_flops(device, precision: str = "bf16") -> float | None:
-    """The device's dense peak FLOP/s for the precision, or None when unknown (e.g. CPU)."""
+    """The device's dense peak FLOP/s for the precision, or None when unknown (e.g. CPU). fp8 counts
+    against the bf16 peak (as torchtitan reports MFU for float8): the gain shows as MFU above bf16's."""
     if device.platform == "cpu":
         return None
     kind = getattr(device, "device_kind", "")
     for key, (bf16, fp32) in PEAK_FLOPS.items():
         if key.lower() in kind.lower():
-            return bf16 if precision == "bf16" else fp32
+            return bf16 if precision in ("bf16", "fp8") else fp32  # fp8: MFU against the bf16 peak
     return None
 
 

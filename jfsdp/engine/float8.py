@@ -1,0 +1,263 @@
+"""Float8 training: the units' dense matmuls in float8 with dynamic tensorwise scaling, and the unit
+weights all-gathered in float8 (one byte per parameter on the wire), as FSDP2 does with float8 linears.
+
+Scaling: one fp32 scale per tensor, `scale = fmax / amax`, recomputed every step from the tensor
+itself (dynamic), so the largest value lands on the format's largest finite number. Forward operands
+(activations, weights) are `float8_e4m3fn` (3 mantissa bits, max 448). The gradient flowing into a
+matmul is `float8_e5m2`: a tensorwise scale fits the largest gradient and gradients span more binades
+than weights and activations (heavy tails, many small entries); e5m2 reaches 2^-16 below its max
+57344 against e4m3's 2^-9 below 448, so fewer small gradients flush to zero, for one mantissa bit
+less. The products accumulate in fp32 (`preferred_element_type`); outputs come back in the
+activations' dtype (bf16).
+
+The float8 all-gather (`unshard_float8`): inside `shard_map` each device takes the amax of its shard
+of the master weight and `pmax`es it over `fsdp`, so every device computes the same scale, the one of
+the whole tensor: the gathered float8 weight is bit for bit the cast of the whole weight. The shard is
+cast to e4m3 and all-gathered; the result is a `Float8Weight` (data, scale) that the matmul uses as
+it is. The VJP is the plain path's (`reduce_gradient`: reduce-scatter in the reduce dtype). A checkpoint
+policy sees this gather as it sees `unshard` (ZeRO-3 gathers again in the backward pass, in float8).
+
+How the matmuls are reached (any Flax model, no model code): the unit's apply runs under
+`nn.intercept_methods(interceptor)`. A `nn.Dense` / `nn.DenseGeneral` whose kernel arrives as a
+`Float8Weight` has its `__call__` replaced by `float8_dot`; every other module runs as written.
+Which kernels get float8 is decided once, from a traced call of the unit (`dense_kernels`), and
+filtered by path and size (`Float8`); the root (embedding, head, norms) is never touched.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, ClassVar
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+
+from jfsdp.config.errors import ConfigError
+from jfsdp.config.policy import Float8
+from jfsdp.config.mesh import FSDP_AXIS
+from jfsdp.engine.fsdp import Comm, reduce_gradient, treat_as_unshard, treat_as_dot
+from jfsdp.engine.layout import Layout, is_layout, paths
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+EPS = 1e-12   # amax floor: an all-zero tensor gets a finite scale
+DOT_OUT = "jfsdp_float8_dot"
+
+
+def scale_for(amax, dtype):
+    """The tensorwise scale that maps `amax` onto `dtype`'s largest finite value (fp32)."""
+    return (float(jnp.finfo(dtype).max) / jnp.maximum(amax.astype(jnp.float32), EPS)).astype(jnp.float32)
+
+
+def quantize(x, scale, dtype):
+    """x * scale, saturated to dtype's finite range, cast to the float8 dtype."""
+    m = float(jnp.finfo(dtype).max)
+    return jnp.clip(x.astype(jnp.float32) * scale, -m, m).astype(dtype)
+
+
+def dynamic(x, dtype):
+    """(x in float8, its scale) with the scale from x's own amax."""
+    s = scale_for(jnp.max(jnp.abs(x)), dtype)
+    return quantize(x, s, dtype), s
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Float8Weight(nn.meta.AxisMetadata):
+    """A gathered unit weight in float8: `data` (the whole weight times `scale`, e4m3 values held in
+    bf16, an exact widening after the gather: a float8 array could not carry the bf16 gradient through
+    jax's transposes, which cast cotangents to the primal's dtype) and its fp32 scale. Flax unboxes it (`unbox`) to the bf16 weight it stands for when a module other than an
+    intercepted Dense reads it; an intercepted Dense multiplies with `data` directly."""
+    data: Any
+    scale: Any
+
+    def unbox(self):
+        return dequantize(self.data, self.scale)
+
+    def replace_boxed(self, val):
+        raise ConfigError("a float8 weight cannot be replaced inside the unit")
+
+    def add_axis(self, index, params):
+        return self
+
+    def remove_axis(self, index, params):
+        return self
+
+
+# ---- the matmul: e4m3 x e4m3 forward, e5m2 gradients, fp32 accumulation, bf16 out
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def float8_dot(x, w, w_scale, out_dtype):
+    """x (..., K) @ W (K, N) where W = w / w_scale and w holds e4m3 values (in any wider dtype: the cast
+    to e4m3 is exact); x is cast to e4m3 with its own dynamic scale."""
+    return _dot_fwd(x, w, w_scale, out_dtype)[0]
+
+
+def _dot(a, b, ca, cb):
+    return lax.dot_general(a, b, (((ca,), (cb,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _dot_fwd(x, w, w_scale, out_dtype):
+    x8, xs = dynamic(x, E4M3)
+    y = _dot(x8, w.astype(E4M3), x.ndim - 1, 0) * (1.0 / (xs * w_scale))
+    y = checkpoint_name(y.astype(out_dtype), DOT_OUT)   # what remat 'dots' keeps (fsdp.treat_as_dot)
+    # w itself is the residual, not its e4m3 cast: whether it is kept is the gather's decision (the
+    # checkpoint policy on unshard_float8), as for any matmul on a gathered weight
+    # x8 is saved as its bytes: remat re-rounds float residuals with reduce_precision, which reads e4m3fn's
+    # top binade (256..448) as infinity (measured: NaN gradients with remat none)
+    x8_bytes = lax.bitcast_convert_type(x8, jnp.uint8)
+    return y, (x8_bytes, xs, w, w_scale, jnp.zeros((0,), x.dtype))  # (0,): x's dtype
+
+
+def _dot_bwd(out_dtype, res, g):
+    x8_bytes, xs, w, ws, like_x = res
+    x8, w8 = lax.bitcast_convert_type(x8_bytes, E4M3), w.astype(E4M3)
+    g8, gs = dynamic(g, E5M2)
+    dx = (_dot(g8, w8, g.ndim - 1, 1) * (1.0 / (gs * ws))).astype(like_x.dtype)
+    k, n = w8.shape
+    # the weight's gradient, by the convention of Float8Weight: with respect to the weight it stands for
+    dw = _dot(x8.reshape(-1, k), g8.reshape(-1, n), 0, 0) * (1.0 / (xs * gs))
+    return dx, dw.astype(w.dtype), jnp.zeros_like(ws)
+
+
+float8_dot.defvjp(_dot_fwd, _dot_bwd)
+
+
+@jax.custom_vjp
+def dequantize(w, scale):
+    """The bf16 weight a Float8Weight stands for, for a module that reads it as a plain array. Its
+    cotangent passes straight to `data` (the Float8Weight convention)."""
+    return (w.astype(jnp.float32) / scale).astype(w.dtype)
+
+
+dequantize.defvjp(lambda w8, s: (dequantize(w8, s), s), lambda s, g: (g, jnp.zeros_like(s)))
+
+
+# ---- the float8 all-gather
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def unshard_float8(shard, layout: Layout, comm: Comm):
+    """A weight's row-shard (master dtype) -> Float8Weight of the whole weight. The amax is `pmax`ed
+    over `fsdp` first (padding rows are zeros), so the scale is the whole tensor's on every device."""
+    amax = jnp.max(jnp.abs(shard)).astype(jnp.float32)
+    if layout.shards > 1:
+        amax = lax.pmax(amax, FSDP_AXIS)
+    scale = scale_for(amax, E4M3)
+    w8 = quantize(shard, scale, E4M3)
+    if layout.shards > 1:
+        w8 = lax.all_gather(w8, FSDP_AXIS, axis=0, tiled=True)
+    return Float8Weight(layout.unpad(w8).astype(comm.param_dtype or shard.dtype), scale)
+
+
+def _unshard_float8_fwd(shard, layout, comm):
+    return unshard_float8(shard, layout, comm), None
+
+
+def _unshard_float8_bwd(layout, comm, _, g):
+    return (reduce_gradient(g.data, layout, comm),)
+
+
+unshard_float8.defvjp(_unshard_float8_fwd, _unshard_float8_bwd)
+treat_as_unshard(_unshard_float8_bwd)
+treat_as_dot(DOT_OUT)
+
+
+def kernel_of(module):
+    """The raw kernel variable a Dense module will read (boxes other than Float8Weight opened)."""
+    k = module.get_variable("params", "kernel")
+    while isinstance(k, nn.meta.AxisMetadata) and not isinstance(k, Float8Weight):
+        k = k.unbox()
+    return k
+
+
+def _dense_call(mod, x, w: Float8Weight):
+    """nn.Dense / nn.DenseGeneral (no batch_dims) on a float8 kernel: contracted axes moved last and
+    flattened, one float8_dot, reshaped back; bias added in the output dtype."""
+    axes = getattr(mod, "axis", -1)
+    axes = tuple(a % x.ndim for a in ((axes,) if isinstance(axes, int) else axes))
+    rest = [a for a in range(x.ndim) if a not in axes]
+    xt = jnp.transpose(x, rest + list(axes)) if rest + list(axes) != list(range(x.ndim)) else x
+    k = math.prod(x.shape[a] for a in axes)
+    feats = w.data.shape[len(axes):]
+    out_dtype = mod.dtype or x.dtype
+    y = float8_dot(xt.reshape(*xt.shape[:len(rest)], k), w.data.reshape(k, -1), w.scale, out_dtype)
+    y = y.reshape(*xt.shape[:len(rest)], *feats)
+    if mod.use_bias:
+        y = y + jnp.asarray(nn.meta.unbox(mod.get_variable("params", "bias"))).astype(out_dtype)
+    return y
+
+
+def handles(mod) -> bool:
+    """Whether the interceptor can run this module's matmul in float8."""
+    return isinstance(mod, nn.Dense) or (isinstance(mod, nn.DenseGeneral) and not mod.batch_dims)
+
+
+def interceptor(next_fun, args, kwargs, context):
+    """flax method interceptor: a Dense whose kernel is a Float8Weight runs `float8_dot`."""
+    mod = context.module
+    if context.method_name != "__call__" or not handles(mod) or not mod.has_variable("params", "kernel"):
+        return next_fun(*args, **kwargs)
+    w = kernel_of(mod)
+    if not isinstance(w, Float8Weight):
+        return next_fun(*args, **kwargs)
+    return _dense_call(mod, *args, w)
+
+
+def dense_kernels(unit, params, h) -> dict:
+    """{path of a kernel in the unit's parameter tree (keystr): its shape} for every Dense the interceptor
+    can run in float8, from a traced (abstract) call of the unit."""
+    found = {}
+
+    def spy(next_fun, args, kwargs, context):
+        mod = context.module
+        if context.method_name == "__call__" and handles(mod) and mod.has_variable("params", "kernel"):
+            path = "".join(f"[{p!r}]" for p in (*mod.path, "kernel"))
+            found[path] = tuple(jnp.shape(nn.meta.unbox(mod.get_variable("params", "kernel"))))
+        return next_fun(*args, **kwargs)
+
+    def run(p, x):
+        with nn.intercept_methods(spy):
+            return unit.apply({"params": p}, x)
+    jax.eval_shape(run, params, h)
+    return found
+
+
+def mark_stages(model, h_shapes, stage_layouts, spec: Float8, param_dtype) -> list:
+    """Each stage's unit layout tree with the kernels that `spec` selects marked `Float8Layout` (found by
+    tracing each unit once, abstractly). ConfigError when the filter selects no matmul at all."""
+    out, found = [], {}
+    for j, (st, layouts) in enumerate(zip(model.stages, stage_layouts)):
+        params = jax.tree.map(lambda l: jax.ShapeDtypeStruct(l.shape, param_dtype or l.dtype), layouts,
+                              is_leaf=is_layout)
+        kernels = dense_kernels(st.unit, params, h_shapes[j])
+        found.update({f"stage {j}{p}": s for p, s in kernels.items()})
+        out.append(mark(layouts, spec.select(kernels)))
+    if not any(isinstance(l, Float8Layout) for t in out for l in jax.tree.leaves(t, is_leaf=is_layout)):
+        raise ConfigError(f"float8: the filter selects no unit matmul ({len(found)} Dense kernels in the units; "
+                          f"skip={list(spec.skip)}, min_size={spec.min_size}; dimensions must be multiples of 16)")
+    return out
+
+
+def mark(layouts, selected) -> Any:
+    """The unit's layout tree with the selected kernels' leaves as `Float8Layout`s."""
+    flat = paths(layouts, is_layout)
+    missing = set(selected) - set(flat)
+    if missing:
+        raise ConfigError(f"float8: kernels {sorted(missing)} are not parameters of the unit")
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(layouts, is_leaf=is_layout)
+    return jax.tree_util.tree_unflatten(treedef, [
+        Float8Layout(l.shape, l.dtype, l.shards) if jax.tree_util.keystr(p) in selected else l for p, l in leaves])
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8Layout(Layout):
+    """A unit weight gathered in float8: `unshard_tree` and `reduce_tree` (fsdp.py) call these; the
+    planner counts `wire_itemsize` bytes per element for its gather."""
+    wire_itemsize: ClassVar[int] = 1
+
+    def unshard(self, shard, comm: Comm):
+        return unshard_float8(shard, self, comm)
+
+    def reduce(self, g, comm: Comm):
+        return reduce_gradient(g.data if isinstance(g, Float8Weight) else g, self, comm)

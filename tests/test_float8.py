@@ -1,0 +1,277 @@
+"""Float8 training (jfsdp/engine/float8.py) on CPU devices: the matmul against an fp32 reference within
+float8's error bound, the scale of a float8 all-gather identical on every shard, the FSDP step in fp8
+against a single-device fp8 trainer written here (no jfsdp), and bad input. What the program compiled for
+an H100 does (f8 all-gathers, f8 gemms) is in tests/test_gpu_target.py."""
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jfsdp
+import models
+from jfsdp.engine import float8
+from jfsdp.engine.fsdp import Comm
+from jfsdp.engine.layout import Layout
+from tests import reference as ref
+
+U4M3 = 2.0 ** -4    # unit roundoff of e4m3 (3 mantissa bits, round to nearest)
+U5M2 = 2.0 ** -3    # e5m2 (2 mantissa bits)
+SUB4M3 = 2.0 ** -10  # half the spacing of e4m3's subnormals (2^-9): absolute error below 2^-6
+SUB5M2 = 2.0 ** -17  # e5m2's: spacing 2^-16
+BF16 = 2.0 ** -8
+
+
+def _err(a, u, sub, amax, fmax):
+    """Elementwise rounding bound of a tensorwise-scaled cast: relative u, absolute `sub` in the scaled
+    units (subnormals), brought back by the scale fmax / amax."""
+    return u * np.abs(a) + sub * amax / fmax
+
+
+def test_float8_matmul_within_float8_error_bound():
+    """float8_dot and its gradients against fp32 numpy: every element within the bound that rounding both
+    operands to float8 (scaled by their own amax) and the output to bf16 allows, and the error is
+    really float8's (far above bf16's)."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(4, 32, 128)).astype(np.float32)
+    x[0, 0, :4] = 30.0                                     # outliers: a tensorwise scale must cope
+    w = (rng.normal(size=(128, 96)) * 0.02).astype(np.float32)
+    g = rng.normal(size=(4, 32, 96)).astype(np.float32) * 1e-3
+    xb = np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32)   # the bf16 activations the unit computes on
+    w8, ws = float8.dynamic(jnp.asarray(w), float8.E4M3)
+    wq = jnp.asarray(w8, jnp.bfloat16)
+    y, vjp = jax.vjp(lambda a, b: float8.float8_dot(a, b, ws, jnp.bfloat16), jnp.asarray(x, jnp.bfloat16), wq)
+    dx, dw = vjp(jnp.asarray(g, jnp.bfloat16))
+    gb = np.asarray(jnp.asarray(g, jnp.bfloat16), np.float32)
+    e4, e5 = float(jnp.finfo(float8.E4M3).max), float(jnp.finfo(float8.E5M2).max)
+    ex = _err(xb, U4M3, SUB4M3, np.abs(xb).max(), e4)
+    ew = _err(w, U4M3, SUB4M3, np.abs(w).max(), e4)
+    eg = _err(gb, U5M2, SUB5M2, np.abs(gb).max(), e5)
+
+    def check(got, want, bound, what):
+        got = np.asarray(got, np.float32)
+        bound = bound + BF16 * np.abs(want) + 1e-7
+        assert np.all(np.abs(got - want) <= bound), f"{what}: {np.max(np.abs(got - want) / bound):.2f} x the bound"
+        rel = np.linalg.norm(got - want) / np.linalg.norm(want)
+        assert rel > 4 * BF16 / 16, f"{what}: error {rel:.2e} is not float8's: the matmul did not run in float8"
+        return rel
+    ax, aw, ag = np.abs(xb), np.abs(w), np.abs(gb)
+    check(y, xb @ w, ex @ aw + ax @ ew + ex @ ew, "y")
+    check(dx, gb @ w.T, eg @ aw.T + ag @ ew.T + eg @ ew.T, "dx")
+    xf, gf = xb.reshape(-1, 128), gb.reshape(-1, 96)
+    exf, egf = ex.reshape(-1, 128), eg.reshape(-1, 96)
+    check(dw, xf.T @ gf, exf.T @ np.abs(gf) + np.abs(xf).T @ egf + exf.T @ egf, "dw")
+
+
+def test_float8_gather_scale_is_identical_on_every_shard():
+    """A weight of 100 rows (padded to 104 over 8 shards) with its largest element on one shard: every
+    shard computes the whole tensor's scale (pmax of the amax), bit for bit, and the gathered weight is
+    the cast of the whole tensor (numpy and ml_dtypes), byte for byte."""
+    rng = np.random.default_rng(1)
+    w = (rng.normal(size=(100, 64)) * 0.05).astype(np.float32)
+    w[97, 3] = -0.9
+    layout = Layout((100, 64), jnp.dtype(jnp.float32), 8)
+    mesh = jfsdp.make_mesh("1x8", jax.devices()[:8])
+
+    def local(shard):
+        fw = float8.unshard_float8(shard, layout, Comm((), 1 / 8, jnp.bfloat16, jnp.float32))
+        return fw.data[None], fw.scale[None]
+    f = jax.shard_map(local, mesh=mesh, in_specs=P("fsdp"), out_specs=(P("fsdp"), P("fsdp")), check_vma=False)
+    data, scales = jax.jit(f)(jnp.asarray(np.asarray(layout.pad(w, np))))
+    scales = np.asarray(scales)
+    want = np.float32(448.0) / np.float32(0.9)
+    assert scales.dtype == np.float32 and len(set(scales.view(np.uint32).tolist())) == 1
+    assert scales[0] == want
+    cast = (w * want).astype(ml_dtypes.float8_e4m3fn)
+    for d in np.asarray(data):
+        assert np.array_equal(d.astype(ml_dtypes.float8_e4m3fn).view(np.uint8), cast.view(np.uint8))
+
+
+# ---- the single-device reference in the same precision, without jfsdp: a Dense whose kernel is fp32
+# runs as float8 (kernel and input cast with their own amax scale, e4m3; the incoming gradient e5m2;
+# fp32 accumulation; bf16 out); the rest of the model in bf16 (tests/reference.py's forward).
+def _q(x, dtype):
+    m = float(jnp.finfo(dtype).max)
+    s = m / jnp.maximum(jnp.max(jnp.abs(x)).astype(jnp.float32), 1e-12)
+    return jnp.clip(x.astype(jnp.float32) * s, -m, m).astype(dtype).astype(jnp.float32) / s
+
+
+@jax.custom_vjp
+def _ref_dense(x, k):
+    return (_q(x, jnp.float8_e4m3fn) @ _q(k, jnp.float8_e4m3fn)).astype(x.dtype)
+
+
+def _ref_fwd(x, k):
+    return _ref_dense(x, k), (x, k)
+
+
+def _ref_bwd(res, g):
+    x, k = res
+    g8, x8, k8 = _q(g, jnp.float8_e5m2), _q(x, jnp.float8_e4m3fn), _q(k, jnp.float8_e4m3fn)
+    dk = x8.reshape(-1, x.shape[-1]).T @ g8.reshape(-1, g.shape[-1])
+    return (g8 @ k8.T).astype(x.dtype), dk.astype(x.dtype).astype(k.dtype)   # dW in the compute dtype
+
+
+_ref_dense.defvjp(_ref_fwd, _ref_bwd)
+
+
+def _ref_interceptor(next_fun, args, kwargs, context):
+    mod = context.module
+    if context.method_name == "__call__" and isinstance(mod, nn.Dense):
+        k = mod.get_variable("params", "kernel")
+        if k.dtype == jnp.float32:
+            return _ref_dense(args[0], k)
+    return next_fun(*args, **kwargs)
+
+
+def _ref_forward(root, unit, params, inputs, dtype):
+    cast = lambda t: jax.tree.map(lambda x: x.astype(dtype), t)
+    # unit kernels stay fp32 (the master weights the float8 cast reads); everything else in `dtype`
+    units = jax.tree_util.tree_map_with_path(
+        lambda p, x: x if jax.tree_util.keystr(p).endswith("['kernel']") else x.astype(dtype), params["units"])
+    h = root.apply({"params": cast(params["root"])}, inputs, method="embed")
+    for i in range(jax.tree.leaves(units)[0].shape[0]):
+        with nn.intercept_methods(_ref_interceptor):
+            h = unit.apply({"params": jax.tree.map(lambda x: x[i], units)}, h)
+    return root.apply({"params": cast(params["root"])}, h, method="head").astype(jnp.float32)
+
+
+CFG = dataclasses.replace(models.get_config("llama-test"), dim=64, ffn_dim=128, n_heads=4, n_kv_heads=2, n_layers=2)
+STEPS, BATCH, SEQ, DEVICES = 3, 8, 16, 4
+# fp8 with the rest of the model in bf16 (parse('fp8')) and in fp32 (MixedPrecision(float8=True))
+POLICIES = {"bf16": jfsdp.MixedPrecision.parse("fp8"), "fp32": jfsdp.MixedPrecision(float8=True)}
+
+
+@pytest.fixture(scope="module")
+def fp8_case():
+    root, unit, n = models.parts(CFG)
+    rng = np.random.default_rng(0)
+    batches = []
+    for _ in range(STEPS):
+        tok = rng.integers(0, CFG.vocab_size, (BATCH, SEQ + 1))
+        batches.append({"inputs": jnp.asarray(tok[:, :-1], jnp.int32), "targets": jnp.asarray(tok[:, 1:], jnp.int32)})
+    lf = models.loss_fn(CFG)
+    out = dict(root=root, unit=unit, n=n, batches=batches)
+    with jax.default_device(jax.devices()[0]):
+        init = ref.init_params(root, unit, n, batches[0]["inputs"])
+        for rest in POLICIES:
+            # one device's rows at a time: an activation's (and a gradient's) scale is its own device's
+            # amax, as in torchtitan's tensorwise recipe (no cross-device amax but the weights')
+            def loss(p, b, rest=rest):
+                rows = [jax.tree.map(lambda x: x[i * BATCH // DEVICES:(i + 1) * BATCH // DEVICES], b)
+                        for i in range(DEVICES)]
+                dtype = jnp.bfloat16 if rest == "bf16" else jnp.float32
+                return sum(lf(_ref_forward(root, unit, p, r["inputs"], dtype), r) for r in rows) / DEVICES
+            steps = batches if rest == "fp32" else batches[:1]
+            losses, final, grads = ref.run_steps(ref.optimizer(), loss, init, steps)
+            out[rest] = dict(losses=losses, final=jax.device_get(final), grads=jax.device_get(grads))
+    out["init"] = jax.device_get(init)
+    return out
+
+
+def _run(c, mesh_spec, strategy, remat, mp, steps):
+    r, s = jfsdp.parse_mesh(mesh_spec)
+    mesh = jfsdp.make_mesh(mesh_spec, devices=jax.devices()[:r * s])
+    plan = jfsdp.fully_shard(jfsdp.Stacked(c["root"], c["unit"], c["n"]), mesh, c["batches"][0]["inputs"],
+                             strategy=strategy, remat=remat, mp_policy=mp)
+    lf = models.loss_fn(CFG)
+    loss, grads = jax.jit(plan.loss_and_grad(lf))(plan.shard(c["init"]), jax.device_put(c["batches"][0], plan.batch_sharding))
+    if not steps:
+        return [float(loss)], plan.gather(grads), None
+    opt = jfsdp.adamw(ref.LR, b1=ref.B1, b2=ref.B2, eps=ref.EPS, weight_decay=ref.WD, clip_norm=ref.CLIP,
+                      mask=plan.decay_mask())
+    state = jfsdp.init_state(plan, opt, params=plan.shard(c["init"]))
+    step = jfsdp.make_train_step(plan, opt, lf)
+    losses = []
+    for b in c["batches"][:steps]:
+        state, m = step(state, jax.device_put(b, plan.batch_sharding))
+        losses.append(float(m["loss"]))
+    return losses, plan.gather(grads), plan.gather(state.params)
+
+
+def _leaf_errors(got, want):
+    """{path: L2 of got - want over L2 of want} per leaf."""
+    return {jax.tree_util.keystr(p): np.linalg.norm(np.asarray(g, np.float64) - w) / np.linalg.norm(w)
+            for (p, w), g in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(got))}
+
+
+# What tolerance holds, and why. The reference models the recipe exactly: weights scaled by the whole
+# tensor's amax (the engine pmax'es it over shards), activations and gradients by each device's own rows
+# (the reference runs one device's rows at a time; scaling the whole batch at once instead moves the
+# gradients by 12% in L2, measured). With one device (batch 2) the engine's gradients equal the
+# reference's bit for bit; with 2 devices within 4e-7. But a float8 cast turns a summation-order
+# difference in its input into a whole float8 step on an element near a rounding boundary (e5m2: 25%),
+# and the backward pass carries it on: the reference against itself, jitted and eager, already differs
+# by 6e-5 on 8 rows. Measured here (jax 0.10.2, XLA:CPU, 2026-11-24; 4 devices, fp32 elsewhere):
+# first-step gradients within 2.3% in L2 per leaf, losses over 3 steps within 1.9e-4 relative, AdamW
+# updates within 11% in L2 per leaf. Bounds: gradients 5%, losses 1e-3, updates 20% (bf16's, from
+# tests/test_equivalence.py); the bf16-rest reference is 9.9% away, beyond twice what is measured. With
+# the rest in bf16 (parse('fp8')) bf16's own floor (0.7% between the bf16 engine and reference) is
+# amplified the same way to 8.7%, as far as float8 is from bf16: only the loss is compared (1e-4;
+# measured 1.6e-5 on 8 devices).
+@pytest.mark.parametrize("mesh_spec,strategy,remat,steps", [("1x4", "full_shard", "full", STEPS),
+                                                            ("2x2", "shard_grad_op", "dots", 0)])
+def test_fp8_step_matches_single_device_fp8(fp8_case, mesh_spec, strategy, remat, steps):
+    c, want = fp8_case, fp8_case["fp32"]
+    losses, grads, final = _run(c, mesh_spec, strategy, remat, POLICIES["fp32"], steps)
+    errs = _leaf_errors(grads, want["grads"])
+    assert max(errs.values()) <= 0.05, errs
+    np.testing.assert_allclose(losses, want["losses"][:len(losses)], rtol=1e-3)
+    # float8 is really on: the bf16-rest reference's first-step gradients are further from these
+    assert max(_leaf_errors(grads, c["bf16"]["grads"]).values()) > 2 * max(errs.values())
+    if not steps:
+        return
+    upd = _leaf_errors(jax.tree.map(lambda a, b: np.asarray(a, np.float64) - b, final, c["init"]),
+                       jax.tree.map(lambda a, b: np.asarray(a, np.float64) - b, want["final"], c["init"]))
+    assert max(upd.values()) <= 0.2, upd
+
+
+def test_fp8_with_bf16_matches_single_device_loss(fp8_case):
+    losses, _, _ = _run(fp8_case, "1x4", "full_shard", "none", POLICIES["bf16"], 0)
+    np.testing.assert_allclose(losses[0], fp8_case["bf16"]["losses"][0], rtol=1e-4)
+
+
+def test_float8_bad_input_is_one_config_error():
+    root, unit, n = models.parts(CFG)
+    x = jax.ShapeDtypeStruct((8, 16), jnp.int32)
+    mesh = jfsdp.make_mesh("1x8", jax.devices()[:8])
+    shard = lambda mp: jfsdp.fully_shard(jfsdp.Stacked(root, unit, n), mesh, x, mp_policy=mp)
+    fp8 = lambda **kw: dataclasses.replace(jfsdp.MixedPrecision.parse("fp8"), float8=jfsdp.Float8(**kw))
+    cases = [(lambda: shard(fp8(skip=("w",))), "selects no unit matmul"),      # every kernel's path has a 'w'
+             (lambda: shard(fp8(min_size=10**9)), "selects no unit matmul"),
+             (lambda: jfsdp.MixedPrecision(param_dtype="fp16", float8=True), "param_dtype bf16"),
+             (lambda: jfsdp.Float8(skip=("(",)), "not a regular expression"),
+             (lambda: jfsdp.MixedPrecision.parse("fp4"), "unknown precision")]
+    from models import moe
+    mcfg = models.get_config("moe-test")
+    mroot, stages = moe.parts(mcfg)
+    ep = lambda: jfsdp.fully_shard(jfsdp.Staged(mroot, stages), mesh, x, mp_policy=jfsdp.MixedPrecision.parse("fp8"),
+                                   moe=jfsdp.MoE(mode="ep"))
+    cases.append((ep, "expert-parallel"))
+    for make, msg in cases:
+        with pytest.raises(jfsdp.ConfigError, match=msg) as e:
+            make()
+        assert "\n" not in str(e.value)
+
+
+def test_remat_dots_keeps_the_float8_matmul_output_in_bf16(capsys):
+    """Under remat 'dots' a float8 matmul saves its bf16 output, as a bf16 matmul does, and neither its
+    fp32 accumulator nor its gathered weight (llama-8b compiled for H100 was 98.5 GiB with the
+    accumulator saved, 60.0 GiB without, docs/float8.md)."""
+    from jfsdp.engine.fsdp import checkpoint_policy
+    x = jnp.ones((4, 32, 64), jnp.bfloat16)
+    w = jnp.ones((64, 48), jnp.float32)
+    layout, comm = Layout((64, 48), jnp.dtype(jnp.float32), 1), Comm((), 1.0, jnp.bfloat16, jnp.float32)
+
+    def unit(x, w):
+        fw = float8.unshard_float8(w, layout, comm)
+        return jnp.sum(jnp.tanh(float8.float8_dot(x, fw.data, fw.scale, jnp.bfloat16)).astype(jnp.float32))
+    capsys.readouterr()
+    jax.ad_checkpoint.print_saved_residuals(jax.checkpoint(unit, policy=checkpoint_policy("dots", True)), x, w)
+    saved = [line.split()[0] for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert "bf16[4,32,48]" in saved, saved
+    assert "f32[4,32,48]" not in saved and "bf16[64,48]" not in saved, saved
