@@ -147,11 +147,11 @@ class NNXModel:
         """The non-parameter state with every random key folded with `key` and counts reset, so that
         each step (and each device, each micro-batch) draws its own random numbers from the seed."""
         def fold(x):
+            value = x.get_value() if hasattr(x, "get_value") else x.value   # .value: flax before 0.12
             if isinstance(x, nnx.RngKey):
-                value = x.get_value() if hasattr(x, "get_value") else x.value
                 return x.replace(jax.random.fold_in(value, jax.random.key_data(key)[-1]))
             if isinstance(x, nnx.RngCount):
-                return x.replace(jnp.zeros_like(x.value))
+                return x.replace(jnp.zeros_like(value))
             return x
         return jax.tree.map(fold, self.rest, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
