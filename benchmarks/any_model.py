@@ -1,6 +1,7 @@
 """A model given as it is against the same model as `jfsdp.Stacked`: memory, depth, compile time.
 
     python benchmarks/any_model.py --json benchmarks/results/any_model.json [--target h100] [--quick]
+    python benchmarks/any_model.py --compile-time-only --json benchmarks/results/any_model_compile.json
     python benchmarks/any_model.py --model llama-1b --depths 16 --batch 8 --seq 2048 --attention auto --no-compile-time \
         --target h100 --json benchmarks/results/any_model_llama1b.json
 
@@ -99,12 +100,15 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--no-compile-time", action="store_true", help="skip the compile-time rows")
+    p.add_argument("--compile-time-only", action="store_true", help="only the compile-time rows")
     p.add_argument("--attention", default="xla", help="the model's attention (models.llama.ATTENTION); 'auto' is "
                    "blockwise from 1024 tokens on CPU")
     a = p.parse_args(argv)
     base = models.get_config(a.model)
     rows = []
     depths = tuple(int(d) for d in a.depths.split(",")) if a.depths else (4, 8) if a.quick else (4, 8, 16)
+    if a.compile_time_only:
+        depths, a.target = (), None
     shape = dict(batch=a.batch, seq=a.seq, attention=a.attention)
     strategies = ("full_shard",) if a.depths else ("full_shard", "shard_grad_op")
     for n in depths:
