@@ -28,6 +28,16 @@ def init_params(root, unit, n_units, inputs, seed=0):
     return {"root": root_p, "units": jax.tree.map(lambda *xs: jnp.stack(xs), *units)}
 
 
+def token_batches(vocab, steps, batch, seq, seed=0):
+    """`steps` batches of random tokens: inputs and their next-token targets."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(steps):
+        x = rng.integers(0, vocab, (batch, seq + 1)).astype(np.int32)
+        out.append({"inputs": x[:, :-1], "targets": x[:, 1:]})
+    return out
+
+
 def optimizer():
     # decay matrices only: ndim >= 2 per unit (stacked unit leaves carry one more axis)
     mask = lambda p: {"root": jax.tree.map(lambda x: x.ndim >= 2, p["root"]),

@@ -27,12 +27,7 @@ def is_trainable(path):
 
 
 def _batches():
-    rng = np.random.default_rng(1)
-    out = []
-    for _ in range(STEPS):
-        x = rng.integers(0, CFG.vocab_size, (BATCH, SEQ + 1)).astype(np.int32)
-        out.append({"inputs": x[:, :-1], "targets": x[:, 1:]})
-    return out
+    return ref.token_batches(CFG.vocab_size, STEPS, BATCH, SEQ, seed=1)
 
 
 @functools.lru_cache(maxsize=None)

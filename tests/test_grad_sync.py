@@ -25,12 +25,7 @@ MESHES = [("1x8", "full_shard"), ("2x4", "hybrid_shard"), ("8x1", "no_shard")]
 
 
 def _batches():
-    rng = np.random.default_rng(0)
-    out = []
-    for _ in range(STEPS):
-        x = rng.integers(0, CFG.vocab_size, (BATCH, SEQ + 1)).astype(np.int32)
-        out.append({"inputs": x[:, :-1], "targets": x[:, 1:]})
-    return out
+    return ref.token_batches(CFG.vocab_size, STEPS, BATCH, SEQ, seed=0)
 
 
 @functools.lru_cache(maxsize=None)
