@@ -20,14 +20,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from jfsdp.config.errors import ConfigError
-from jfsdp.config.mesh import AXES, DATA_AXIS, FSDP_AXIS, mesh_shape, platform
-from jfsdp.engine.fsdp import Comm, Unreduced, checkpoint_policy, unshard, unshard_tree
+from jfsdp.config.mesh import AXES, mesh_shape
+from jfsdp.engine.fsdp import Unreduced, unshard, unshard_tree
 from jfsdp.engine.flax_models import Found, UnitMatcher, adapt
 from jfsdp.engine.model_tree import path_text, scanned_units, subtree, with_subtree, without
-from jfsdp.engine.layout import Layout, is_layout, listing, paths
+from jfsdp.engine.layout import is_layout, listing, paths
 from jfsdp.engine.sharded import FSDP
 from jfsdp.engine.unit_call import call_unit
 
@@ -64,32 +64,21 @@ class AsIs(FSDP):
 
     def __init__(self, model, mesh, example_batch, units, call, strategy, mp_policy, remat, seed=0,
                  rng_streams=("dropout",), init=None):
-        r, s = mesh_shape(mesh)
         self.model, self.mesh = adapt(model, call, rng_streams, init), mesh
-        self.shards = s if strategy.sharded else 1
-        self.strategy, self.mp, self.remat = strategy, mp_policy, remat
-        self.replicas, self.n_devices = r, r * s
-        reduce_axes = ((DATA_AXIS,) if r > 1 else ()) if strategy.sharded else tuple(a for a in AXES if mesh.shape[a] > 1)
-        self.comm = Comm(reduce_axes, 1.0 / self.n_devices, mp_policy.param_dtype, mp_policy.reduce_dtype)
-        self.policy = checkpoint_policy(remat, strategy.reshard_after_forward or self.shards == 1)
-        self.on_cpu = platform(mesh) == "cpu"
+        self.shards = mesh_shape(mesh)[1] if strategy.sharded else 1
+        self.set_strategy(strategy, mp_policy, remat)
         self.prefetch, self.moe, self.moe_stages = False, None, ()
-        self.batch_sharding = NamedSharding(mesh, P(AXES))
         self.seed = seed
         self.example_batch = _abstract(example_batch if isinstance(example_batch, Mapping)
                                        else {"inputs": example_batch})
         self.matcher = UnitMatcher(units)
-        full = self._discover()
-        layout = lambda shape, x: Layout(tuple(shape), jnp.dtype(x.dtype), self.shards)
-        root, stages = self.split(full)
-        self.layouts = self.join(jax.tree.map(lambda x: layout(x.shape, x), root),
-                                 [jax.tree.map(lambda x: layout(x.shape[1:], x), t) for t in stages])
-        row = FSDP_AXIS if strategy.sharded else None
-        root_l, stage_l = self.split(self.layouts)
-        self.param_specs = self.join(jax.tree.map(lambda _: P(row), root_l, is_leaf=is_layout),
-                                     [jax.tree.map(lambda _: P(None, row), l, is_leaf=is_layout) for l in stage_l])
-        self.param_shardings = jax.tree.map(lambda p: NamedSharding(mesh, p), self.param_specs)
+        self.lay_out(self._discover(), strategy.sharded)
+        # each leaf's unit (None: the root), and each unit's leaf layouts in the order of its tree
         self.unit_of = {k: self._unit_containing(p) for p, k in self._leaf_paths()}
+        self.leaf_layouts = {}
+        for (_, k), l in zip(self._leaf_paths(), jax.tree.leaves(self.layouts, is_leaf=is_layout)):
+            if self.unit_of[k] is not None:
+                self.leaf_layouts.setdefault(self.unit_of[k], []).append(l)
 
     # ---- what the model is made of
     def _discover(self):
@@ -212,21 +201,15 @@ class AsIs(FSDP):
     # ---- the sharded forward
     def forward(self, params, batch, rows=None):
         """The model's outputs for one device's batch, from shards (inside shard_map)."""
-        layouts = self.layouts
         flat, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_pair)
-        lay = jax.tree.leaves(layouts, is_leaf=is_layout)
+        lay = jax.tree.leaves(self.layouts, is_leaf=is_layout)
         keys = [self.unit_of[jax.tree_util.keystr(p)] for p, _ in flat]
         # the root is gathered once per step; a unit's leaves stay shards until the unit is called
         tree = jax.tree.unflatten(treedef, [x if u is not None else unshard(x, l, self.comm)
                                             for (_, x), l, u in zip(flat, lay, keys)])
-        unit_layouts = {}
-        for (p, _), l, u in zip(flat, lay, keys):
-            if u is not None:
-                unit_layouts.setdefault(u, []).append(l)
 
         def hook(path, shards, fn, inputs):
-            ls = jax.tree.unflatten(jax.tree.structure(shards, is_leaf=_is_pair),
-                                    self._unit_layouts(path, shards, unit_layouts))
+            ls = jax.tree.unflatten(jax.tree.structure(shards, is_leaf=_is_pair), self._unit_layouts(path, shards))
             return call_unit(lambda s, i: fn(unshard_tree(s, ls, self.comm), i), shards, inputs, self.policy)
         key = self._step_key(rows)
         units = set(self.units)
@@ -237,15 +220,15 @@ class AsIs(FSDP):
             out = self.model.apply(tree, batch, hook, units, key, self.matcher.classes)
         return self.mp.cast_output(out)
 
-    def _unit_layouts(self, path, shards, unit_layouts):
+    def _unit_layouts(self, path, shards):
         """The layouts of a unit's leaves; for a unit made inside the model's own NNX scan (path None),
         those of the scanned unit whose per-layer shards have the shapes of `shards` (units alike have
         the same layouts, so any match is right)."""
         if path is not None:
-            return unit_layouts[tuple(path)]
+            return self.leaf_layouts[tuple(path)]
         shapes = [np.shape(x.shard if _is_pair(x) else x) for x in jax.tree.leaves(shards, is_leaf=_is_pair)]
         for p in self.scanned:
-            ls = unit_layouts[p]
+            ls = self.leaf_layouts[p]
             if [(l.padded_rows // self.shards, *l.shape[1:]) for l in ls] == shapes:
                 return ls
         raise ConfigError("a unit called inside an NNX transform matches no unit the model scans")

@@ -31,16 +31,21 @@ class ParamLayout:
         self.stage_sizes = tuple(s.n_units for s in model.stages)
         self.example_inputs = jax.ShapeDtypeStruct(example_inputs.shape, example_inputs.dtype)
         self.h_shapes = self._trace_shapes()
-        full = jax.eval_shape(self._init_full, jax.random.key(0), self.example_inputs)
+        self.lay_out(jax.eval_shape(self._init_full, jax.random.key(0), self.example_inputs), sharded)
+
+    def lay_out(self, full, sharded: bool):
+        """`layouts`, `param_specs` and `param_shardings` from the full parameters' shapes (`split` into the
+        root and the stages, whose leaves are stacked on axis 0): every leaf padded to `self.shards` rows,
+        split over the `fsdp` axis when `sharded` (a stage's leaves within each unit), else replicated."""
         root, stages = self.split(full)
-        layout = lambda shape, x: Layout(tuple(shape), jnp.dtype(x.dtype), shards)
+        layout = lambda shape, x: Layout(tuple(shape), jnp.dtype(x.dtype), self.shards)
         per_unit = lambda t: jax.tree.map(lambda x: layout(x.shape[1:], x), t)
         self.layouts = self.join(jax.tree.map(lambda x: layout(x.shape, x), root), [per_unit(u) for u in stages])
         row = FSDP_AXIS if sharded else None
         root_l, stage_l = self.split(self.layouts)
         self.param_specs = self.join(jax.tree.map(lambda _: P(row), root_l, is_leaf=is_layout),
                                      [jax.tree.map(lambda _: P(None, row), l, is_leaf=is_layout) for l in stage_l])
-        self.param_shardings = jax.tree.map(lambda p: NamedSharding(mesh, p), self.param_specs)
+        self.param_shardings = jax.tree.map(lambda p: NamedSharding(self.mesh, p), self.param_specs)
 
     def split(self, tree):
         """A tree in the parameter layout -> (root part, [stacked tree of each stage])."""

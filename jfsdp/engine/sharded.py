@@ -33,25 +33,32 @@ class FSDP(ParamLayout):
     (`init`, `shard`, `gather`, `layouts`, `from_layers`, ...) is `ParamLayout`'s."""
 
     def __init__(self, model, mesh, example_inputs, strategy, mp_policy, remat, prefetch=None, moe=None):
-        r, s = mesh_shape(mesh)
-        super().__init__(model, mesh, example_inputs, shards=s if strategy.sharded else 1, sharded=strategy.sharded)
+        super().__init__(model, mesh, example_inputs, shards=mesh_shape(mesh)[1] if strategy.sharded else 1,
+                         sharded=strategy.sharded)
+        self.set_strategy(strategy, mp_policy, remat)
+        self.prefetch = resolve_prefetch(prefetch, strategy, remat, self.shards, on_gpu=platform(mesh) == "gpu")
+        # MoE stages (jfsdp/engine/moe.py): per stage None (dense, or gathered like any unit) or its mode
+        self.moe, self.moe_stages = moe, moe_engine.resolve(self, moe)
+        self.unit_layouts = self.float8_layouts()
+
+    def set_strategy(self, strategy, mp_policy, remat):
+        """How this model runs on `self.mesh` with `self.shards` row-shards: the strategy, the precision,
+        the remat policy, the communication (`Comm`) and the batch's placement. Shared by every way a
+        model is described (`AsIs` too)."""
+        r, s = mesh_shape(self.mesh)
         self.strategy, self.mp, self.remat = strategy, mp_policy, remat
         self.replicas, self.n_devices = r, r * s
         if strategy.sharded:
             reduce_axes = (DATA_AXIS,) if r > 1 else ()
         else:
-            reduce_axes = tuple(a for a in AXES if mesh.shape[a] > 1)
+            reduce_axes = tuple(a for a in AXES if self.mesh.shape[a] > 1)
         self.comm = Comm(reduce_axes, 1.0 / self.n_devices, mp_policy.param_dtype, mp_policy.reduce_dtype)
         # With one shard (NO_SHARD, or any strategy on an Rx1 mesh) unshard is at most a cast: redoing
         # it in the backward pass is free, while saving it would stack a second copy of every unit's
         # parameters (DDP's peak held the weights twice).
         self.policy = checkpoint_policy(remat, strategy.reshard_after_forward or self.shards == 1)
-        self.on_cpu = platform(mesh) == "cpu"
-        self.prefetch = resolve_prefetch(prefetch, strategy, remat, self.shards, on_gpu=platform(mesh) == "gpu")
-        self.batch_sharding = NamedSharding(mesh, P(AXES))
-        # MoE stages (jfsdp/engine/moe.py): per stage None (dense, or gathered like any unit) or its mode
-        self.moe, self.moe_stages = moe, moe_engine.resolve(self, moe)
-        self.unit_layouts = self.float8_layouts()
+        self.on_cpu = platform(self.mesh) == "cpu"
+        self.batch_sharding = NamedSharding(self.mesh, P(AXES))
 
     def float8_layouts(self) -> list:
         """Each stage's unit layouts as gathered: with a float8 policy the selected Dense kernels are
