@@ -11,7 +11,7 @@ precision, AdamW, remat full unless said, jfsdp's XLA:GPU options, cuDNN attenti
    (the GPU default for remat full), the plain scan with jfsdp's XLA flags, and XLA's defaults (and
    the memory prefetch costs);
 4. the torchtitan Llama 3.1 8B configuration (8 GPUs, local batch 2, seq 8192) with remat dots
-   (torchtitan's selective checkpointing; plain scan) and full (prefetch pipeline, then plain scan).
+   (torchtitan's selective checkpointing) and full, each on the prefetch pipeline and the plain scan.
 """
 from __future__ import annotations
 
@@ -112,7 +112,7 @@ def main(argv=None) -> int:
     if not a.skip_8b:
         eight_b = models.get_config("llama-8b")
         rows = [compile_case(a.target, eight_b, "1x8", "full_shard", r, 16, 8192, prefetch=p)
-                for r, p in (("dots", None), ("full", None), ("full", False))]
+                for r, p in (("dots", None), ("dots", False), ("full", None), ("full", False))]
         out["torchtitan_8b"] = rows
         show("torchtitan Llama 3.1 8B: 8 GPUs, local batch 2, seq 8192 (FSDP2: 82.4 GiB, 77.0 with torch.compile)",
              rows, ["remat", "prefetch", "compiled_gib", "estimate_gib", "exposed_gib", "hidden_gib",

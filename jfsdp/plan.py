@@ -65,8 +65,8 @@ def _args(argv):
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (the batch divides into them)")
     p.add_argument("--grad-sync", default="every", choices=("every", "once"),
                    help="with --grad-accum K: reduce the gradients in every micro-batch (every), or add them up "
-                   "unreduced and reduce once per step (once: 1/K of the reduce-scatter bytes, unsharded gradients "
-                   "per device in the reduce dtype: one with the prefetch pipeline, two with the plain scan)")
+                   "unreduced and reduce once per step (once: 1/K of the reduce-scatter bytes, one unsharded gradient "
+                   "per device in the reduce dtype)")
     p.add_argument("--no-compile", action="store_true", help="estimate only (skip the compiled measurement)")
     p.add_argument("--json", default=None, help="also write the report as JSON to this file")
     return p.parse_args(argv)
@@ -131,7 +131,7 @@ def render(r: dict) -> str:
                   "ep = all-to-all of the tokens; jfsdp/engine/moe.py)"] + [f"  {x}" for x in r["moe"]]
     if r.get("overlap"):
         lines += ["", f"overlap in the scheduled {here} program (per step; hidden = a matmul or loop runs while "
-                  "it is in flight)", r["overlap_table"]]
+                  "it is in flight)", f"  units run by {r['schedule']}", r["overlap_table"]]
         for k, o in r["overlap"].items():
             lines.append(f"  {k:26}hidden {_gib(o['hidden_bytes'])}   exposed {_gib(o['exposed_bytes'])}")
         lines.append("  dtypes on the wire: " + ", ".join(f"{k} {d}" for k, d in r["collective_dtypes"]))

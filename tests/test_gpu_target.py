@@ -33,13 +33,13 @@ CFG = dataclasses.replace(models.get_config("llama-test"), dim=256, ffn_dim=688,
 BATCH, SEQ = 8, 128
 
 
-def _case(n_layers, options=None, prefetch=None, precision="bf16"):
+def _case(n_layers, options=None, prefetch=None, precision="bf16", remat="full", strategy="full_shard"):
     cfg = dataclasses.replace(CFG, n_layers=n_layers)
     mesh = jfsdp.make_mesh(f"1x{S}", targets.devices("h100", f"1x{S}"))
     x = jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32)
     root, unit, n = models.parts(cfg)
     with targets.tracing_for("h100"):
-        plan = jfsdp.fully_shard(jfsdp.Stacked(root, unit, n), mesh, x, strategy="full_shard", remat="full",
+        plan = jfsdp.fully_shard(jfsdp.Stacked(root, unit, n), mesh, x, strategy=strategy, remat=remat,
                                  mp_policy=jfsdp.MixedPrecision.parse(precision), prefetch=prefetch)
         opt, b, loss = jfsdp.adamw(1e-3), {"inputs": x, "targets": x}, models.loss_fn(cfg)
         compiled = targets.compile_step("h100", plan, opt, loss, b, overrides=options)
@@ -162,7 +162,7 @@ def test_throughput_sets_the_flags_train_py_sets(monkeypatch, capsys):
 
     single = [  # (mesh, strategy, remat, update in backward) -> prefetches on GPUs
         ("1x8", "full_shard", "full", False, True), ("2x4", "hybrid_shard", "full", False, True),
-        ("1x8", "full_shard", "dots", False, False), ("8x1", "full_shard", "full", False, False),
+        ("1x8", "full_shard", "dots", False, True), ("8x1", "full_shard", "full", False, False),
         ("1x8", "shard_grad_op", "full", False, False), ("1x8", "no_shard", "none", False, False),
         ("1x8", "shard_grad_op", "full", True, True)]
     for mesh, strategy, remat, ib, want in single:
@@ -287,6 +287,30 @@ def test_prefetch_overlap_in_steady_state(h100):
     assert all(o.hidden for k in ("all-gather", "reduce-scatter") for o in _in_loops(flags, k))
 
 
+@pytest.mark.parametrize("remat,strategy", [("dots", "full_shard"), ("none", "full_shard"),
+                                            ("full", "shard_grad_op")])
+def test_prefetch_under_every_policy_and_strategy(h100, remat, strategy):
+    """The prefetch pipeline under selective checkpointing (dots), no checkpointing (none) and ZeRO-2
+    (shard_grad_op, prefetch=True: its backward gathers nothing): inside the loops every all-gather is
+    in flight while a matmul runs; exposed per step: the root's gathers and the first unit's gather of
+    each pass that gathers (two under ZeRO-3, one under ZeRO-2), as with remat full. Against the plain
+    scan with jfsdp's XLA flags (the 'flags' case's options): at most one gathered unit more memory."""
+    _, plan, _, compiled, text = _case(4, prefetch=True, remat=remat, strategy=strategy)
+    assert plan.prefetch
+    ov = hlo.overlap(text, S)
+    inside = _in_loops(ov, "all-gather")
+    assert inside and all(o.hidden for o in inside), hlo.render_overlap(ov)
+    root_ag = stored_bytes(plan.layouts["root"], jnp.bfloat16) * (S - 1) / S
+    unit_ag = inside[0].collective.wire_bytes
+    passes = 2 if strategy == "full_shard" else 1
+    got = hlo.overlap_summary(ov)["all-gather"]
+    assert got["exposed_bytes"] == pytest.approx(root_ag + passes * unit_ag, rel=0.01), hlo.render_overlap(ov)
+    assert got["hidden_bytes"] == pytest.approx((passes * 4 - passes) * unit_ag, rel=0.01), hlo.render_overlap(ov)
+    plain = _case(4, prefetch=False, remat=remat, strategy=strategy)[3]
+    extra = memory.measure(compiled)["total"] - memory.measure(plain)["total"]
+    assert extra <= stored_bytes(plan.layouts["units"], jnp.bfloat16), extra
+
+
 def test_prefetch_costs_at_most_one_gathered_unit(h100):
     _, plan, _, prefetched, _ = h100[8]
     _, _, _, without, _ = h100["plain"]
@@ -302,10 +326,10 @@ def test_prefetch_option():
     x = jax.ShapeDtypeStruct((8, 16), jnp.int32)
     mesh = jfsdp.make_mesh("1x8", jax.devices()[:8])
     shard = lambda **kw: jfsdp.fully_shard(jfsdp.Stacked(root, unit, n), mesh, x, **kw)
-    for kw in ({"remat": "dots"}, {"remat": "none"}, {"remat": "full", "strategy": "shard_grad_op"},
-               {"remat": "full", "strategy": "no_shard"}):
-        with pytest.raises(jfsdp.ConfigError, match="prefetch=True"):
-            shard(prefetch=True, **kw)
+    with pytest.raises(jfsdp.ConfigError, match="prefetch=True.*nothing to gather"):
+        shard(prefetch=True, remat="full", strategy="no_shard")
+    for kw in ({"remat": "dots"}, {"remat": "none"}, {"remat": "full", "strategy": "shard_grad_op"}):
+        assert shard(prefetch=True, **kw).prefetch
     assert not shard(remat="dots").prefetch
     with pytest.raises(jfsdp.ConfigError, match="prefetch must be"):
         shard(remat="full", prefetch="yes")

@@ -1,9 +1,12 @@
 """Gradient accumulation with one reduction per step (`grad_sync='once'`, jfsdp/engine/accumulate.py):
 the same losses and parameters as reducing in every micro-batch and as a single-device reference,
 1/k of the gradient collectives' bytes in the compiled program with the all-gathers unchanged, and
-the memory the planner says (two unsharded gradients in the reduce dtype, within its 10%)."""
+the memory the planner says (one unsharded gradient in the reduce dtype, within its 10%)."""
 import dataclasses
 import functools
+import json
+import os
+import subprocess
 import sys
 
 import jax
@@ -14,6 +17,7 @@ import pytest
 
 import jfsdp
 import models
+from jfsdp.config.xla_flags import cpu_xla_flags
 from jfsdp.planning import hlo, memory
 from tests import reference as ref
 
@@ -100,12 +104,14 @@ def test_collectives_once_per_step(mesh_spec, strategy):
         assert all(not c.loops for c in colls if c.kind == "reduce-scatter")
 
 
-@pytest.mark.parametrize("mesh_spec,strategy", MESHES[:2])
-def test_memory_is_what_the_planner_says(mesh_spec, strategy):
-    """Compiled peak of 'once' = the planner's estimate within its 10%, and above 'every' by the
-    unsharded gradients it holds: at least one, at most two. (8x1 no_shard: within 2% under XLA:CPU's
-    memory-minimizing scheduler, which train.py and the planner set and this test process does not:
-    docs/training.md.)"""
+_PEAKS = """
+import dataclasses, json
+import jax, jax.numpy as jnp, numpy as np
+import jfsdp, models
+from jfsdp.planning import memory
+from tests.test_grad_sync import K, BATCH, SEQ, WIDE, MESHES, _whole
+out = {}
+for mesh_spec, strategy in MESHES:
     r, s = jfsdp.parse_mesh(mesh_spec)
     mesh = jfsdp.make_mesh(mesh_spec, devices=jax.devices()[: r * s])
     root, unit, n = models.parts(WIDE)
@@ -113,14 +119,33 @@ def test_memory_is_what_the_planner_says(mesh_spec, strategy):
     b = {"inputs": x, "targets": x}
     plan = jfsdp.fully_shard(jfsdp.Stacked(root, unit, n), mesh, x, strategy=strategy, remat="full")
     opt, loss = jfsdp.adamw(1e-3), models.loss_fn(WIDE)
-    compiled = {}
+    got = {"whole": _whole(plan)}
     for sync in ("once", "every"):
-        compiled[sync] = c = memory.compile_step(plan, opt, loss, b, grad_accum=K, grad_sync=sync)
-        e = memory.estimate(plan, opt, loss, b, backend="cpu", grad_accum=K, grad_sync=sync)
-        assert e.total == pytest.approx(memory.measure(c)["total"], rel=0.10), sync
-    once, every = compiled["once"], compiled["every"]
-    extra = memory.measure(once)["total"] - memory.measure(every)["total"]
-    assert _whole(plan) <= extra <= 2 * _whole(plan), (extra, _whole(plan))
+        got[sync] = memory.measure(memory.compile_step(plan, opt, loss, b, grad_accum=K, grad_sync=sync))["total"]
+        got[sync + "_estimate"] = memory.estimate(plan, opt, loss, b, backend="cpu", grad_accum=K, grad_sync=sync).total
+    out[mesh_spec] = got
+print(json.dumps(out))
+"""
+
+
+def test_memory_is_what_the_planner_says():
+    """Compiled peaks (XLA:CPU with jfsdp.config.xla_flags.CPU_FLAGS, as train.py and the planner run;
+    a process of its own, since XLA:CPU reads that flag from XLA_FLAGS only): 'once' is the planner's
+    estimate within its 10% on 1x8, 2x4 and 8x1 (no_shard), and it holds one unsharded gradient, not
+    two: at most one whole gradient above 'every' (less where 'every' holds shards or, for no_shard,
+    the all-reduced sum beside the micro-batch's), and on 1x8 at least half of one above it (the sum is
+    real). Measured 2026-11-24: 0.86, 0.61 and -0.95 whole gradients above 'every'."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_xla_flags("--xla_force_host_platform_device_count=8"))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", _PEAKS], env=env, capture_output=True, text=True, timeout=900, cwd=root)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    for mesh_spec, m in got.items():
+        assert m["once_estimate"] == pytest.approx(m["once"], rel=0.10), (mesh_spec, m)
+        assert m["once"] - m["every"] <= m["whole"], (mesh_spec, m)
+    m = got["1x8"]
+    assert m["once"] - m["every"] >= 0.5 * m["whole"], m
+    assert m["every_estimate"] == pytest.approx(m["every"], rel=0.10), m
 
 
 def _whole(plan):

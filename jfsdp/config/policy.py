@@ -165,22 +165,36 @@ def prefetch_unsupported(strategy: Strategy, remat: str, shards: int) -> str | N
     """Why the explicit prefetch pipeline cannot run this combination (None: it can)."""
     if not strategy.sharded or shards == 1:
         return "there is nothing to gather (no_shard, or one shard on an Rx1 mesh)"
-    if not strategy.reshard_after_forward:
-        return f"{strategy.value} keeps the gathered units from forward to backward (no second gather to prefetch)"
-    if remat != "full":
-        return f"it saves only each unit's input (remat 'full'), got remat '{remat}'"
     return None
+
+
+# Why the default leaves ZeRO-2 to XLA's own pipeliner (docs/gpus.md has the figures): its backward has no
+# gather to prefetch, and on the plain scan XLA already hides the forward gathers as well and hides unit
+# 0's reduce-scatter, which the pipeline leaves exposed.
+_ZERO2_PLAIN = "its backward gathers nothing and XLA's pipeliner hides its forward gathers as well"
 
 
 def prefetch_by_default(strategy: Strategy, remat: str, shards: int, on_gpu: bool) -> bool:
     """`fully_shard(prefetch=None)`'s choice: the pipeline where it is supported and the devices are
-    GPUs, or as JFSDP_PREFETCH=1 / 0 says on every platform. Also read by train.py before jax
-    starts its backend, so that XLA gets the pipeline's flags."""
+    GPUs, or as JFSDP_PREFETCH=1 / 0 says on every platform; resharding strategies only (ZeRO-2 takes
+    it with prefetch=True). Also read by train.py before jax starts its backend, so that XLA gets the
+    pipeline's flags."""
     env = os.environ.get("JFSDP_PREFETCH", "").strip().lower()
     if env not in ("", "0", "1", "true", "false"):
         raise ConfigError(f"JFSDP_PREFETCH must be 1 or 0, got {env!r}")
     on = env in ("1", "true") if env else on_gpu
-    return on and prefetch_unsupported(strategy, remat, shards) is None
+    return on and prefetch_unsupported(strategy, remat, shards) is None and strategy.reshard_after_forward
+
+
+def schedule(strategy: Strategy, remat: str, shards: int, prefetch: bool) -> str:
+    """One line for the planner's overlap report: which schedule runs the units, and why not the
+    prefetch pipeline where it does not."""
+    if prefetch:
+        return "jfsdp's prefetch pipeline (each unit's gather in flight while the previous unit computes)"
+    why = prefetch_unsupported(strategy, remat, shards)
+    if why is None and not strategy.reshard_after_forward:
+        why = f"{strategy.value}: {_ZERO2_PLAIN} (prefetch=True runs it)"
+    return f"the plain scan, XLA's pipeliner: {why or 'prefetch off (prefetch=False or JFSDP_PREFETCH=0)'}"
 
 
 def resolve_prefetch(prefetch, strategy: Strategy, remat: str, shards: int, on_gpu: bool) -> bool:
@@ -192,8 +206,8 @@ def resolve_prefetch(prefetch, strategy: Strategy, remat: str, shards: int, on_g
         raise ConfigError(f"prefetch must be True, False or None (automatic), got {prefetch!r}")
     why = prefetch_unsupported(strategy, remat, shards)
     if prefetch is True and why:
-        raise ConfigError(f"prefetch=True (the explicit prefetch pipeline) needs a resharding strategy with "
-                          f"remat 'full': {why}; use prefetch=None or False")
+        raise ConfigError(f"prefetch=True (the explicit prefetch pipeline) needs a sharded strategy over more "
+                          f"than one shard: {why}; use prefetch=None or False")
     if prefetch is not None:
         return prefetch
     return prefetch_by_default(strategy, remat, shards, on_gpu)

@@ -4,18 +4,20 @@ With `grad_accum=k` the usual step (`FSDP.loss_and_grad`, `grad_sync='every'`) r
 unit's gradient in each of the k micro-batches: k reduce-scatters per step, and only gradient shards
 are held. Here, as FSDP2's `set_requires_gradient_sync(False)` on all but the last micro-batch (DDP's
 `no_sync`), each device adds up its own whole gradients over the k micro-batches and reduces them once
-after the last: 1/k of the reduce-scatter (or all-reduce) traffic, for unsharded gradients of the model
-per device, in the reduce dtype (below: one or two). The all-gathers do not change: every micro-batch gathers the
-units it computes with.
+after the last: 1/k of the reduce-scatter (or all-reduce) traffic, for one unsharded gradient of the model per
+device, in the reduce dtype. The all-gathers do not change: every micro-batch gathers the units
+it computes with.
 
 How: every parameter's shard is paired with a slot for its whole gradient (`fsdp.Unreduced`);
 `unshard`'s backward then returns the unreduced gradient as the slot's cotangent and nothing for the
 shard. The accumulation scan carries the sums in the slots and differentiates with respect to them;
 `reduce_gradient` (the same reduce-scatter, replica sum and 1/N as `unshard`'s backward) runs once,
-after the scan. Where the plain scan runs a stage, jax differentiates it into a stacked buffer of the
-micro-batch's gradients that is then added to the sum: two unsharded gradients at the peak. Where the
-prefetch pipeline runs it (jfsdp/engine/pipeline.py), its backward loop adds each unit's gradient to
-the sum in place and hands back slot + gradient: one.
+after the scan. A stage of a `Stacked`/`Staged` model then runs the stage passes of
+jfsdp/engine/pipeline.py (prefetching where the plan prefetches, one unit per iteration where not),
+whose backward adds each unit's gradient to the sum in place and hands back slot + gradient: one
+unsharded gradient held. (Differentiating the plain scan would build the micro-batch's gradients in a
+stacked buffer of their own and add it to the sum afterwards: two.) A model given as it is (as_is.py)
+differentiates its own loop or scan that way, and holds up to two.
 """
 from __future__ import annotations
 
@@ -48,19 +50,9 @@ def unsupported(plan) -> str | None:
     return None
 
 
-def _pipelined(plan, j) -> bool:
-    """Whether stage j runs the prefetch pipeline (FSDP._stage), whose backward adds each unit's whole
-    gradient to the slots in place (its slot cotangent is the new sum, not the micro-batch's gradient)."""
-    return bool(plan.prefetch) and plan.stage_sizes[j] > 1
-
-
-def _add(plan, sums, grads):
-    """The sums after one micro-batch: slot + gradient, where the pipeline has not added them already."""
-    root_s, stage_s = plan.split(sums)
-    root_g, stage_g = plan.split(grads)
-    return plan.join(jax.tree.map(jnp.add, root_s, root_g),
-                     [g if _pipelined(plan, j) else jax.tree.map(jnp.add, s, g)
-                      for j, (s, g) in enumerate(zip(stage_s, stage_g))])
+def is_unreduced(shards) -> bool:
+    """Whether a stage's shards come paired with gradient slots (`fsdp.Unreduced`): grad_sync='once'."""
+    return any(isinstance(x, Unreduced) for x in jax.tree.leaves(shards, is_leaf=lambda x: isinstance(x, Unreduced)))
 
 
 def _reduce_dtype(plan, layout):
@@ -116,7 +108,7 @@ def loss_and_grad_once(plan, loss_fn: Callable, grad_accum: int, trainable=None)
 
         def acc(carry, mb):
             l, g = vg(carry[1], mb)   # the slots carry the sums (read only by the pipeline's backward)
-            return (carry[0] + l, _add(plan, carry[1], g)), None
+            return (carry[0] + l, g), None   # each slot's cotangent is its new sum
 
         (total, whole), _ = lax.scan(acc, (jnp.zeros((), jnp.float32), slots(plan)), mbs)
         grads = reduce_whole(plan, whole, trainable)

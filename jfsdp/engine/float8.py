@@ -39,7 +39,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jfsdp.config.errors import ConfigError
 from jfsdp.config.policy import Float8
 from jfsdp.config.mesh import FSDP_AXIS
-from jfsdp.engine.fsdp import Comm, reduce_gradient, treat_as_unshard, treat_as_dot
+from jfsdp.engine.fsdp import Comm, Unreduced, reduce_gradient, treat_as_unshard, treat_as_dot
 from jfsdp.engine.layout import Layout, is_layout, paths
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -136,13 +136,35 @@ dequantize.defvjp(lambda w8, s: (dequantize(w8, s), s), lambda s, g: (g, jnp.zer
 
 
 # ---- the float8 all-gather
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def unshard_float8(shard, layout: Layout, comm: Comm):
+def unshard_float8(shard, layout: Layout, comm: Comm, amax=None):
     """A weight's row-shard (master dtype) -> Float8Weight of the whole weight. The amax is `pmax`ed
-    over `fsdp` first (padding rows are zeros), so the scale is the whole tensor's on every device."""
-    amax = jnp.max(jnp.abs(shard)).astype(jnp.float32)
-    if layout.shards > 1:
-        amax = lax.pmax(amax, FSDP_AXIS)
+    over `fsdp` first (padding rows are zeros), so the scale is the whole tensor's on every device;
+    `amax` passes that value in where the caller has it already (`unit_amaxes`)."""
+    if amax is None:
+        amax = jnp.max(jnp.abs(lax.stop_gradient(shard))).astype(jnp.float32)   # the scale is not differentiated
+        amax = lax.pmax(amax, FSDP_AXIS) if layout.shards > 1 else amax
+    return _unshard_float8(shard, amax, layout, comm)
+
+
+def unit_amaxes(stacked, layouts):
+    """The amax of every float8 leaf of every unit of a stage (`Float8Layout`; a `fsdp.Unreduced` pair's
+    shard), all `pmax`ed in one all-reduce: a tree like `layouts` with (units,) arrays, None elsewhere;
+    None when the stage has no float8 leaf. The stage passes (pipeline.py) take them once per step, so
+    that no all-reduce stands between a unit's prefetched gather and the computation it hides behind."""
+    ls, tdef = jax.tree.flatten(layouts, is_leaf=is_layout)
+    xs = [lax.stop_gradient(x.shard if isinstance(x, Unreduced) else x) for x in tdef.flatten_up_to(stacked)]
+    picks = [i for i, l in enumerate(ls) if isinstance(l, Float8Layout)]
+    if not picks:
+        return None
+    local = jnp.stack([jnp.max(jnp.abs(xs[i].reshape(xs[i].shape[0], -1)), axis=1).astype(jnp.float32)
+                       for i in picks])
+    local = lax.pmax(local, FSDP_AXIS) if ls[picks[0]].shards > 1 else local
+    row = dict(zip(picks, local))
+    return tdef.unflatten([row.get(i) for i in range(len(ls))])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _unshard_float8(shard, amax, layout: Layout, comm: Comm):
     scale = scale_for(amax, E4M3)
     w8 = quantize(shard, scale, E4M3)
     if layout.shards > 1:
@@ -150,15 +172,15 @@ def unshard_float8(shard, layout: Layout, comm: Comm):
     return Float8Weight(layout.unpad(w8).astype(comm.param_dtype or shard.dtype), scale)
 
 
-def _unshard_float8_fwd(shard, layout, comm):
-    return unshard_float8(shard, layout, comm), None
+def _unshard_float8_fwd(shard, amax, layout, comm):
+    return _unshard_float8(shard, amax, layout, comm), None
 
 
 def _unshard_float8_bwd(layout, comm, _, g):
-    return (reduce_gradient(g.data, layout, comm),)
+    return reduce_gradient(g.data, layout, comm), None
 
 
-unshard_float8.defvjp(_unshard_float8_fwd, _unshard_float8_bwd)
+_unshard_float8.defvjp(_unshard_float8_fwd, _unshard_float8_bwd)
 treat_as_unshard(_unshard_float8_bwd)
 treat_as_dot(DOT_OUT)
 
@@ -256,8 +278,8 @@ class Float8Layout(Layout):
     planner counts `wire_itemsize` bytes per element for its gather."""
     wire_itemsize: ClassVar[int] = 1
 
-    def unshard(self, shard, comm: Comm):
-        return unshard_float8(shard, self, comm)
+    def unshard(self, shard, comm: Comm, amax=None):
+        return unshard_float8(shard, self, comm, amax)
 
     def reduce(self, g, comm: Comm):
         return reduce_gradient(g.data if isinstance(g, Float8Weight) else g, self, comm)

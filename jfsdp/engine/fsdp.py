@@ -37,9 +37,10 @@ class Comm:
 
 class Unreduced(NamedTuple):
     """A shard and a slot for its whole gradient: `unshard` gathers `shard` as usual, and its backward
-    leaves the gradient unreduced, as `slot`'s cotangent (the parameter's unpadded shape, reduce
-    dtype; the slot's value is never read). Gradient accumulation with one reduce-scatter per step
-    differentiates with respect to the slots (jfsdp/engine/accumulate.py)."""
+    leaves the gradient unreduced and adds it to the slot (the parameter's unpadded shape, reduce
+    dtype): the slot carries the running sum, and its cotangent is the new sum. Gradient accumulation
+    with one reduce-scatter per step differentiates with respect to the slots
+    (jfsdp/engine/accumulate.py)."""
     shard: Any
     slot: Any
 
@@ -88,23 +89,29 @@ def _unshard_unreduced(shard, slot, layout: Layout, comm: Comm):
 
 
 def _unreduced_fwd(shard, slot, layout, comm):
-    return _unshard(shard, layout, comm), None
+    return _unshard(shard, layout, comm), slot
 
 
-def _unreduced_bwd(layout, comm, _, g):
-    # no gradient for the shard; the whole one, in the reduce dtype, for the slot
-    return None, g.astype(comm.reduce_dtype or g.dtype)
+def _unreduced_bwd(layout, comm, slot, g):
+    # no gradient for the shard; for the slot, the sum it carries plus the whole gradient: the old sum
+    # dies here, so no second whole gradient of the parameter waits beside it
+    return None, slot + g.astype(slot.dtype)
 
 
 _unshard_unreduced.defvjp(_unreduced_fwd, _unreduced_bwd)
 
 
-def unshard_tree(shards, layouts, comm: Comm):
+def unshard_tree(shards, layouts, comm: Comm, amaxes=None):
     """`unshard` on every leaf of a unit's (or the root's) tree of shards; a layout with its own
-    `unshard` (float8.Float8Layout: gathered in float8) gathers its leaf itself."""
-    def one(l, x):
-        return l.unshard(x, comm) if hasattr(l, "unshard") else unshard(x, l, comm)
-    return jax.tree.map(one, layouts, shards, is_leaf=is_layout)
+    `unshard` (float8.Float8Layout: gathered in float8) gathers its leaf itself, with its amax from
+    `amaxes` (a tree like `layouts`, float8.unit_amaxes) where given."""
+    def one(l, x, a=None):
+        if not hasattr(l, "unshard"):
+            return unshard(x, l, comm)
+        return l.unshard(x, comm) if a is None else l.unshard(x, comm, a)
+    if amaxes is None:
+        return jax.tree.map(one, layouts, shards, is_leaf=is_layout)
+    return jax.tree.map(one, layouts, shards, amaxes, is_leaf=is_layout)
 
 
 def reduce_tree(grads, layouts, comm: Comm):

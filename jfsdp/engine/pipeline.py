@@ -1,10 +1,12 @@
 """The prefetch pipeline: a stage of units as an explicit software pipeline with its own VJP.
 
-`fully_shard(prefetch=...)` (remat 'full' with a resharding strategy; the default on GPUs) replaces the
+`fully_shard(prefetch=...)` (every remat policy and sharded strategy; the default on GPUs) replaces the
 plain scan of fsdp.py with this: unit i+1's all-gather in flight while unit i computes, unit i's
-reduce-scatter while unit i-1's backward computes; two gathered units at most. The backward loop hands
-each unit's reduced gradient shard to a consumer, which is how the optimizer-in-backward step
-(jfsdp/train/update_in_backward.py) plugs in.
+reduce-scatter while unit i-1's backward computes; two gathered units at most. What the forward pass
+saves for the backward is what the checkpoint policy saves (the residuals of each unit's VJP), the
+gathered parameters only where the strategy keeps them (ZeRO-2). The backward loop hands each unit's
+reduced gradient shard to a consumer, which is how the optimizer-in-backward step
+(jfsdp/train/update_in_backward.py) and gradient accumulation with one reduction (accumulate.py) plug in.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jfsdp.engine.float8 import unit_amaxes
 from jfsdp.engine.fsdp import Comm, Unreduced, reduce_tree, unshard_tree
 from jfsdp.engine.layout import at_row
 
@@ -32,29 +35,58 @@ def tie(a, b, on_cpu: bool):
     return jax.tree.map(lambda t: t + zero.astype(t.dtype), a), b
 
 
-def _save(hs, h, i):
-    return jax.tree.map(lambda a, x: lax.dynamic_update_index_in_dim(a, x, i, 0), hs, h)
+@dataclasses.dataclass(frozen=True)
+class Saved:
+    """What a stage's forward pass keeps for its backward: each unit's VJP residuals (what the checkpoint
+    policy saves, the unit's input included), less the gathered parameters where the backward gathers
+    them again. `stacked`: units 0..len-1 stacked on axis 0; `last`: unit n-1's, apart, when the
+    forward loop peeled it. `how`/`how_last` rebuild a VJP from them: (its tree structure, for each of
+    its leaves -1 where stored, else the index of the gathered parameter leaf it is). `amax`: the float8
+    leaves' amaxes of every unit (float8.unit_amaxes), for the backward's gathers; None without float8."""
+    stacked: Any
+    last: Any
+    how: Any
+    how_last: Any
+    amax: Any = None
+
+    def pullback(self, i, g):
+        """Unit i's VJP (a function of its output's cotangent), with `g` its gathered parameters (None
+        where they were saved)."""
+        peeled = self.last is not None and isinstance(i, int) and i == self.n_stacked
+        stored, (tdef, src) = (self.last, self.how_last) if peeled else (at_row(self.stacked, i), self.how)
+        it, gathered = iter(stored), jax.tree.leaves(g)
+        return jax.tree.unflatten(tdef, [next(it) if s < 0 else gathered[s] for s in src])
+
+    @property
+    def n_stacked(self) -> int:
+        return jax.tree.leaves(self.stacked)[0].shape[0] if jax.tree.leaves(self.stacked) else 0
+
+
+jax.tree_util.register_dataclass(Saved, data_fields=["stacked", "last", "amax"], meta_fields=["how", "how_last"])
 
 
 @dataclasses.dataclass(frozen=True)
 class StagePasses:
-    """One stage's forward and backward passes as an explicit software pipeline (remat 'full'):
-    `forward(h, shards, keep) -> (h, saved inputs or None)` and
+    """One stage's forward and backward passes as an explicit software pipeline:
+    `forward(h, shards, keep) -> (h, Saved or None)` and
     `backward(saved, dh, acc, read, consume) -> (dh into the stage, acc)`.
 
     Forward: unit i+1's all-gather is issued before unit i computes and carried into the next
     iteration, so it is in flight during unit i's compute; only unit 0's gather waits. At most two
-    gathered units live (this one and the prefetched one). Saved for backward: the units' inputs.
-    Backward, in reverse: unit i-1's gather is issued before unit i is recomputed and differentiated
-    (`jax.vjp` of the unit); unit i's gradient is carried (unreduced, param_dtype) and reduce-scattered
-    in the next iteration, while unit i-1's backward computes. Only unit n-1's gather and unit 0's
-    reduce-scatter have nothing to hide behind. The first and last units run outside the loop (peeled)
-    so that nothing is gathered or reduced twice.
+    gathered units live (this one and the prefetched one). Each unit runs under `jax.vjp` of the unit
+    checkpointed with `policy`; its residuals are saved, except the gathered parameters when the backward
+    gathers them again (`keep_gathered` False: ZeRO-3; remat 'full' then saves only the unit's input).
+    Backward, in reverse: unit i-1's gather is issued before unit i's VJP runs (ZeRO-2 has none to
+    issue); unit i's gradient is carried (unreduced, param_dtype) and reduce-scattered in the next
+    iteration, while unit i-1's backward computes. Only unit n-1's gather and unit 0's reduce-scatter
+    have nothing to hide behind. The first and last units run outside the loop (peeled) so that nothing
+    is gathered or reduced twice. With `prefetch` False the same passes run one unit per iteration
+    with nothing in flight (the plain scan's schedule), for the consumers below.
 
     What happens to each reduced gradient shard is the caller's: the backward loop carries `acc`, reads
     unit i's shards with `read(acc, i)` (so that a caller may carry the parameters and update them in
     place) and hands unit i's gradient shard to `consume(acc, i, shard) -> acc` (stack it as the
-    gradient; or apply the optimizer to unit i then and there; or add up its squared norm), in the order
+    gradient; or apply the optimizer to unit i then and there; or add it to a running sum), in the order
     n-1, ..., 0."""
     apply: Callable      # (unit params, h) -> h
     layouts: Any         # the unit's Layout tree
@@ -62,66 +94,100 @@ class StagePasses:
     n: int               # units in the stage
     first_stage: bool
     on_cpu: bool
-    unreduced: bool = False   # hand each unit's whole gradient (reduce dtype) to the consumer, unreduced
+    unreduced: bool = False       # hand each unit's whole gradient (reduce dtype) to the consumer, unreduced
+    policy: Any = None            # what the unit's backward reuses (fsdp.checkpoint_policy); None: its input only
+    keep_gathered: bool = False   # ZeRO-2: the gathered units are saved, the backward gathers nothing
+    prefetch: bool = True
 
-    def gather(self, shards):
-        return unshard_tree(shards, self.layouts, self.comm)
+    def gather(self, shards, amax=None):
+        return unshard_tree(shards, self.layouts, self.comm, amax)
 
     def reduce(self, grads):
         if self.unreduced:
             return jax.tree.map(lambda g: g.astype(self.comm.reduce_dtype or g.dtype), grads)
         return reduce_tree(grads, self.layouts, self.comm)
 
-    def unit_vjp(self, g, h, dh):
-        return jax.vjp(self.apply, g, h)[1](dh)  # recompute the unit, then differentiate it
+    def unit(self, g, h):
+        """Unit forward, keeping its VJP: (output, the residuals to save, how to rebuild the VJP)."""
+        policy = self.policy or jax.checkpoint_policies.nothing_saveable
+        out, vjp = jax.vjp(jax.checkpoint(self.apply, policy=policy), g, h)
+        leaves, tdef = jax.tree.flatten(vjp)
+        params = [] if self.keep_gathered else jax.tree.leaves(g)
+        src = tuple(next((k for k, p in enumerate(params) if p is x), -1) for x in leaves)
+        return out, [x for x, s in zip(leaves, src) if s < 0], (tdef, src)
 
     def forward(self, h, shards, keep: bool):
-        n = self.n
-        hs = jax.tree.map(lambda a: jnp.zeros((n, *a.shape), a.dtype), h) if keep else None
-        first = at_row(shards, 0)
+        # every float8 leaf's amax, all units at once: one all-reduce per pass, none inside the loop
+        amax = unit_amaxes(shards, self.layouts)
+        unit_shards = lambda i: (at_row(shards, i), at_row(amax, i))   # (a None amax stays None)
+        first = unit_shards(0)
         if not self.first_stage:
             # a later stage's unit 0 is gathered when its input is ready, not hoisted to the top of
             # the step (where XLA would combine it with the root's and keep it through the earlier
             # stages). The first stage's goes with the root's: nothing runs before them, and tied to h
             # it was combined with the head's gather instead, exposing that.
             first, h = tie(first, h, self.on_cpu)
-        if n == 1:
-            return self.apply(self.gather(first), h), (_save(hs, h, 0) if keep else None)
+        run = self.unit if keep else lambda g, h: (self.apply(g, h), [], None)
+        hows = []
+
+        def step(g, h):
+            out, stored, how = run(g, h)
+            hows.append(how)
+            return out, stored
+        if not self.prefetch:
+            h, stacked = lax.scan(lambda h, i: step(self.gather(*unit_shards(i)), h), h, jnp.arange(self.n))
+            return h, (Saved(stacked, None, hows[-1], None, amax) if keep else None)
+        if self.n == 1:
+            h, last = step(self.gather(*first), h)
+            return h, (Saved([], last, None, hows[-1], amax) if keep else None)
 
         def body(carry, i):
-            h, g, hs = carry
-            nxt = self.gather(at_row(shards, i + 1))  # prefetch: in flight while unit i computes
-            if keep:
-                hs = _save(hs, h, i)
-            return (self.apply(g, h), nxt, hs), None
-        (h, g, hs), _ = lax.scan(body, (h, self.gather(first), hs), jnp.arange(n - 1))
-        if keep:
-            hs = _save(hs, h, n - 1)
-        return self.apply(g, h), hs
+            h, g = carry
+            nxt = self.gather(*unit_shards(i + 1))  # prefetch: in flight while unit i computes
+            out, stored = step(g, h)
+            return (out, nxt), stored
+        (h, g), stacked = lax.scan(body, (h, self.gather(*first)), jnp.arange(self.n - 1))
+        h, last = step(g, h)
+        return h, (Saved(stacked, last, hows[0], hows[-1], amax) if keep else None)
 
-    def backward(self, hs, dh, acc, read, consume):
+    def regather(self, acc, read, i, amax):
+        if self.keep_gathered:
+            return None
+        return self.gather(read(acc, i), at_row(amax, i))
+
+    def backward(self, saved: Saved, dh, acc, read, consume):
         n, on_cpu = self.n, self.on_cpu
+        if not self.prefetch:
+            def plain(carry, i):
+                dh, acc = carry
+                dg, dh = saved.pullback(i, self.regather(acc, read, i, saved.amax))(dh)
+                return (dh, consume(acc, i, self.reduce(dg))), None
+            return lax.scan(plain, (dh, acc), jnp.arange(n - 1, -1, -1))[0]
         # The barriers order what XLA would otherwise combine into one collective at the top of the
         # step: unit n-1's gather waits for dh (not hoisted into the forward pass), unit n-2's for
         # unit n-1's (so it is in flight during unit n-1's backward, not before it).
-        last, dh = tie(read(acc, n - 1), dh, on_cpu)
-        g = self.gather(last)
+        g = None
+        if not self.keep_gathered:
+            last, dh = tie(read(acc, n - 1), dh, on_cpu)
+            g = self.gather(last, at_row(saved.amax, n - 1))
         if n == 1:
-            dg, dh = self.unit_vjp(g, at_row(hs, 0), dh)
+            dg, dh = saved.pullback(0, g)(dh)
             return dh, consume(acc, 0, self.reduce(dg))
-        prev, g = tie(read(acc, n - 2), g, on_cpu)
-        nxt = self.gather(prev)
-        pend, dh = self.unit_vjp(g, at_row(hs, n - 1), dh)
+        nxt = None
+        if not self.keep_gathered:
+            prev, g = tie(read(acc, n - 2), g, on_cpu)
+            nxt = self.gather(prev, at_row(saved.amax, n - 2))
+        pend, dh = saved.pullback(n - 1, g)(dh)
 
         def body(carry, i):  # units n-2 .. 1
             dh, g, pend, acc = carry
             acc = consume(acc, i + 1, self.reduce(pend))  # unit i+1's reduce-scatter, during unit i's backward
-            nxt = self.gather(read(acc, i - 1))  # prefetch, during unit i's backward
-            dg, dh = self.unit_vjp(g, at_row(hs, i), dh)
+            nxt = self.regather(acc, read, i - 1, saved.amax)  # prefetch, during unit i's backward
+            dg, dh = saved.pullback(i, g)(dh)
             return (dh, nxt, dg, acc), None
         (dh, g, pend, acc), _ = lax.scan(body, (dh, nxt, pend, acc), jnp.arange(n - 2, 0, -1))
         one = self.reduce(pend)  # unit 1's reduce-scatter, during unit 0's backward ...
-        dg, dh = self.unit_vjp(g, at_row(hs, 0), dh)
+        dg, dh = saved.pullback(0, g)(dh)
         dg, one = lax.optimization_barrier((dg, one))  # ... finished before unit 0's, not combined with it
         return dh, consume(consume(acc, 1, one), 0, self.reduce(dg))
 

@@ -87,8 +87,9 @@ class FSDP(ParamLayout):
         unit, moe = self.model.stages[j].unit, self.moe_stages[j]
         layouts = self.unit_layouts[j]
         ep = moe is not None and moe.mode == "ep"   # experts stay local; tokens go to them
-        if self.prefetch and self.stage_sizes[j] > 1 and not ep:
-            return pipelined_stage(self.stage_passes(j))(h, shards)
+        if not ep and (accumulate.is_unreduced(shards) or (self.prefetch and self.stage_sizes[j] > 1)):
+            # grad_sync='once' runs the passes (prefetching or not) for their in-place gradient sum
+            return pipelined_stage(self.stage_passes(j, prefetch=bool(self.prefetch)))(h, shards)
 
         def compute(h, shards):
             if ep:
@@ -100,12 +101,15 @@ class FSDP(ParamLayout):
         keeps_shape = tree_shapes(self.h_shapes[j]) == tree_shapes(self.h_shapes[j + 1])
         return scan_stage(compute, h, shards, self.policy, keeps_shape)
 
-    def stage_passes(self, j) -> StagePasses:
+    def stage_passes(self, j, prefetch: bool = True) -> StagePasses:
         """Stage j's pipelined forward and backward passes (pipeline.py), for the prefetch pipeline
-        and for steps that consume each unit's gradient as it is reduced."""
+        and for steps that consume each unit's gradient as it is reduced. They save what the remat
+        policy saves, and the gathered units where the strategy keeps them (ZeRO-2)."""
         unit = self.model.stages[j].unit
+        keep = self.shards > 1 and not self.strategy.reshard_after_forward
         return StagePasses(apply=self.unit_apply(unit), layouts=self.unit_layouts[j], comm=self.comm, n=self.stage_sizes[j],
-                           first_stage=j == 0, on_cpu=self.on_cpu)
+                           first_stage=j == 0, on_cpu=self.on_cpu, policy=self.policy, keep_gathered=keep,
+                           prefetch=prefetch)
 
     @functools.cached_property
     def root_use(self) -> tuple:

@@ -241,11 +241,10 @@ def _accumulation_points(plan: FSDP, points: dict, grad_sync: str) -> dict:
     """The candidates with k > 1 micro-batches. 'every': the sum of the gradient shards (all of them,
     master dtype) is held through every micro-batch besides the micro-batch's own. 'once': no gradient
     shard exists before the reduction after the last micro-batch; the sum of the whole gradients
-    (reduce dtype) is held throughout, and from the units' backward on the micro-batch's whole
-    gradients too (jax differentiates the units' scan into a stacked buffer that is added to the sum
-    once complete); then the reduction turns the sum into shards (a point of its own). A stage run by
-    the prefetch pipeline adds each unit's gradient to the sum in place (jfsdp/engine/pipeline.py): its
-    units' micro-batch gradient is never whole, only the root's is."""
+    (reduce dtype) is held throughout, one copy: each parameter's gradient is added to the sum where it
+    is made (the stage passes' backward adds each unit's in place, jfsdp/engine/pipeline.py; a root
+    leaf's is added by `unshard`'s backward, fsdp.Unreduced); then the reduction turns the sum into
+    shards (a point of its own)."""
     S = plan.shards
     layouts = [(plan.split(plan.layouts)[0], 1)] + stages(plan)
     shards = sum(n * stored_bytes(l) for l, n in layouts) // S
@@ -253,16 +252,12 @@ def _accumulation_points(plan: FSDP, points: dict, grad_sync: str) -> dict:
         return {k: (g + (shards if k != "update" else 0), *rest) for k, (g, *rest) in points.items()}
     rdt = plan.mp.reduce_dtype or plan.mp.param_dtype or jnp.float32
     whole = sum(n * stored_bytes(l, rdt) for l, n in layouts)
-    pipelined = [bool(plan.prefetch) and n > 1 for _, n in layouts[1:]]
-    # the micro-batch's own whole gradient, beside the sum: the root's and the plain-scan stages'
-    micro = stored_bytes(layouts[0][0], rdt) + sum(n * stored_bytes(l, rdt)
-                                                   for (l, n), p in zip(layouts[1:], pipelined) if not p)
     out = {}
     for k, (g, gath, buf, act, pad) in points.items():
         if k == "head":
             out[k] = (g, gath, buf + whole, act, pad)
         elif k in ("units", "embed"):
-            out[k] = (0, gath, buf + whole + micro, act, pad)
+            out[k] = (0, gath, buf + whole, act, pad)
         else:
             out[k] = (g, gath, buf, act, pad)
     out["reduce"] = (shards, 0, whole, 0, 0)

@@ -13,6 +13,7 @@ import dataclasses
 import time
 
 from jfsdp.config.errors import ConfigError
+from jfsdp.config.policy import schedule
 from jfsdp.planning import hlo, memory, targets
 
 DEFAULT_MEMORY = 80 * 2**30   # per device, where neither --device-memory nor a named GPU says
@@ -166,6 +167,7 @@ def _estimates(a, cfg, case: _Case, budget: int) -> dict:
         rep["xla_options"] = targets.compiler_options(dict(xla_option(o) for o in a.xla_option),
                                                       plan.prefetch or a.update_in_backward)
         rep["prefetch"] = plan.prefetch
+        rep["schedule"] = schedule(plan.strategy, plan.remat, plan.shards, plan.prefetch)
     if here != a.target:
         rep[f"estimate_{here}"] = _estimate(a, case, case.batch, here, a.prefetch).as_dict()
     rep["comm_formula"] = memory.comm_formula(plan, backend=case.backend, grad_accum=a.grad_accum,
