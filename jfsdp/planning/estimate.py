@@ -71,6 +71,7 @@ class _Step:
     recompute: int        # what one unit's backward recomputes on top of them
     head: int             # the head's and the loss's activations
     grads: int            # the real elements of the gradient shards (the trainable parameters')
+    unit_grad: int        # one shard's worth: a unit's unsharded gradient where nothing is sharded (S = 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,12 +137,12 @@ def estimate(plan: FSDP, optimizer, loss_fn: Callable, batch, *, prefetch: bool 
     micro = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // grad_accum, *a.shape[1:]), a.dtype), local)
     saved, saved_fwd, recompute, head = _activations(plan, loss_fn, micro, backend, g.mask)
     step = _Step(params, pad_grads, gathered, units_gathered, one_unit, grad_buffers, saved, saved_fwd, recompute,
-                 head, g.real_bytes // plan.shards)
+                 head, g.real_bytes // plan.shards, _unit_grad(plan, g))
     points = _peak_points(plan, backend, step, g)
     if update_in_backward:
         points.update(_update_in_backward_points(plan, step, points["embed"], g))
     if grad_accum > 1:
-        points = _accumulation_points(plan, points, grad_sync, g)
+        points = _accumulation_points(plan, points, grad_sync, g, step.unit_grad)
     name = max(points, key=lambda k: sum(points[k]))
     grads, gath, buffers, activations, pad_g = points[name]
     return Breakdown(params=params, grads=grads, optimizer=optimizer_b, padding=pad_state + pad_g,
@@ -224,6 +225,15 @@ def _gathered(plan: FSDP, backend: str, two_units: bool, g: _Grads) -> tuple[int
     return gathered, units_gathered, one_unit, grad_buffers
 
 
+def _unit_grad(plan: FSDP, g: _Grads) -> int:
+    """One unit's unsharded gradient in the reduce dtype where the plan has one shard (its all-reduce
+    runs per unit, out of place: `_peak_points`); 0 where it is sharded."""
+    if plan.shards > 1:
+        return 0
+    rdt = plan.mp.reduce_dtype or plan.mp.param_dtype or jnp.float32
+    return max((stored_bytes(l, rdt) for l, _ in g.stages), default=0)
+
+
 def _activations(plan: FSDP, loss_fn: Callable, local, backend: str, mask=None) -> tuple[int, int, int, int]:
     """(saved unit activations in the backward pass, the same in the forward pass, one unit's
     recomputation, the head's activations) per device for the local batch `local`; `mask`: the
@@ -261,6 +271,10 @@ def _peak_points(plan: FSDP, backend: str, s: _Step, g: _Grads) -> dict:
         reduce_dtype for the reduce-scatter) and one gathered unit (XLA:GPU overlaps the last
         unit's backward with it and reduces both in one combined reduce-scatter).
     (d) the update: the state and every gradient shard.
+    With one shard (S = 1: DDP, an Rx1 mesh) the units' backward also holds the unit's gradient as
+    the backward writes it and its all-reduce's output, which XLA writes out of place before it goes
+    into the stacked gradient: two unit gradients in the reduce dtype (measured 1.6-1.8 of them on
+    XLA:CPU, at 2 and 4 units alike: docs/planner.md).
     Gradients of trainable leaves only (`g`): a frozen root weight has no unsharded gradient either."""
     pdt = plan.mp.param_dtype or jnp.float32
     rdt = plan.mp.reduce_dtype or pdt
@@ -276,14 +290,14 @@ def _peak_points(plan: FSDP, backend: str, s: _Step, g: _Grads) -> dict:
     table = stored_bytes(embed_only, gdt) + (stored_bytes(embed_only, rdt_wire) if rdt_wire != gdt else 0)
     return {
         "head": (0, s.gathered, s.grad_buffers, s.saved_fwd + s.head, 0),
-        "units": (unit_grads, s.units_gathered, s.grad_buffers + stored_bytes(shared, gdt) + held,
+        "units": (unit_grads, s.units_gathered, s.grad_buffers + 2 * s.unit_grad + stored_bytes(shared, gdt) + held,
                   s.saved + s.recompute, 0),
         "embed": (unit_grads, s.one_unit if embed_only else 0, held + table, 0, 0),
         "update": (s.grads, 0, 0, 0, s.pad_grads),
     }
 
 
-def _accumulation_points(plan: FSDP, points: dict, grad_sync: str, g: _Grads) -> dict:
+def _accumulation_points(plan: FSDP, points: dict, grad_sync: str, g: _Grads, unit_grad: int = 0) -> dict:
     """The candidates with k > 1 micro-batches. 'every': the sum of the gradient shards (all of them,
     master dtype) is held through every micro-batch besides the micro-batch's own. 'once': no gradient
     shard exists before the reduction after the last micro-batch; the sum of the whole gradients
@@ -291,7 +305,9 @@ def _accumulation_points(plan: FSDP, points: dict, grad_sync: str, g: _Grads) ->
     gradients too (jax differentiates the units' scan into a stacked buffer that is added to the sum
     once complete); then the reduction turns the sum into shards (a point of its own). A stage run by
     the prefetch pipeline adds each unit's gradient to the sum in place (jfsdp/engine/pipeline.py): its
-    units' micro-batch gradient is never whole, only the root's is. Trainable leaves only (`g`)."""
+    units' micro-batch gradient is never whole, only the root's is. Trainable leaves only (`g`). With
+    one shard, 'once' runs no all-reduce per unit: of its two unit gradients (`unit_grad` each,
+    `_peak_points`) only the one the backward writes remains."""
     S = plan.shards
     layouts = [(g.root_tree, 1)] + g.stages
     shards = sum(n * stored_bytes(l) for l, n in layouts) // S
@@ -308,7 +324,7 @@ def _accumulation_points(plan: FSDP, points: dict, grad_sync: str, g: _Grads) ->
         if k == "head":
             out[k] = (g, gath, buf + whole, act, pad)
         elif k in ("units", "embed"):
-            out[k] = (0, gath, buf + whole + micro, act, pad)
+            out[k] = (0, gath, buf + whole + micro - (unit_grad if k == "units" else 0), act, pad)
         else:
             out[k] = (g, gath, buf, act, pad)
     out["reduce"] = (shards, 0, whole, 0, 0)
