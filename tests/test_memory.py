@@ -198,12 +198,13 @@ def test_plan_freeze_against_the_compiled_step(tmp_path):
     estimate against XLA:CPU's compiled step with those leaves frozen (make_train_step(trainable=),
     compiled by the planner with train.py's CPU flags) within the planner's error (10% on CPU:
     jfsdp.runtime.fit.ESTIMATE_ERROR; measured 1.063, 2026-11-24); the state between steps and the
-    reduce-scatter bytes exact; and below the same plan training everything by at least the frozen
-    leaves' gradient shards and AdamW moments."""
+    reduce-scatter bytes exact; and below the same plan training everything (estimated only: its
+    compiled step is test_estimate_within_10_percent_of_compiled's kind) by at least the frozen
+    leaves' gradient shards and AdamW moments, and their reduce-scatter bytes."""
     args = ["--model", "llama-small", "--mesh", "1x8", "--precision", "fp32", "--batch-size", "8", "--seq-len", "128",
             "--target", "cpu"]
     reports = {}
-    for name, extra in (("all", []), ("frozen", ["--freeze", "tok_emb|feed_forward"])):
+    for name, extra in (("all", ["--no-compile"]), ("frozen", ["--freeze", "tok_emb|feed_forward"])):
         out = tmp_path / f"{name}.json"
         p = _plan(*args, *extra, "--json", str(out))
         assert p.returncode == 0, p.stderr
@@ -218,10 +219,9 @@ def test_plan_freeze_against_the_compiled_step(tmp_path):
     # the frozen leaves' (S-1)/S reduce-scatter bytes and 3/S of their fp32 bytes (gradient shard, two
     # moments), from the model config's own shapes: 384 x 259 embedding, 3 MLP matrices 384 x 1024 x 6
     frozen_bytes = (259 * 384 + 6 * 3 * 384 * 1024) * 4
-    drop = full["comm_compiled"]["reduce-scatter"] - r["comm_compiled"]["reduce-scatter"]
+    drop = full["comm_formula"]["reduce-scatter"] - r["comm_compiled"]["reduce-scatter"]
     assert drop == pytest.approx(frozen_bytes * 7 / 8, rel=0.02)
     assert full["estimate"]["total"] - r["estimate"]["total"] >= frozen_bytes * 3 / 8
-    assert full["compiled"]["total"] - r["compiled"]["total"] >= frozen_bytes * 3 / 8
 
 
 def test_plan_freeze_matching_nothing_is_an_error():
