@@ -37,6 +37,7 @@ import jax.numpy as jnp  # noqa: E402
 import jfsdp  # noqa: E402
 import models  # noqa: E402
 from jfsdp.planning import memory  # noqa: E402
+from jfsdp.train import losses  # noqa: E402
 
 GiB = 2**30
 SEQ = 2048
@@ -53,7 +54,7 @@ def setup(cfg, mesh_spec, strategy, remat="full", per_device_batch=1):
     # as train.py and the planner run it: the fused, chunked head + cross-entropy (no full logits)
     plan = jfsdp.fully_shard(jfsdp.Stacked(root, unit, n, head_method="head_features"), mesh, x, strategy=strategy,
                              remat=remat, mp_policy=jfsdp.MixedPrecision.parse("fp32"))
-    return plan, jfsdp.adamw(1e-4), jfsdp.train.losses.lm_loss(vocab_major=cfg.tie_embeddings), {"inputs": x, "targets": x}
+    return plan, jfsdp.adamw(1e-4), losses.lm_loss(vocab_major=cfg.tie_embeddings), {"inputs": x, "targets": x}
 
 
 def measure(cfg, mesh_spec, strategy, remat="full") -> dict:

@@ -67,6 +67,10 @@ def _args(argv):
                    help="with --grad-accum K: reduce the gradients in every micro-batch (every), or add them up "
                    "unreduced and reduce once per step (once: 1/K of the reduce-scatter bytes, one unsharded gradient "
                    "per device in the reduce dtype)")
+    p.add_argument("--freeze", default=None, metavar="REGEX",
+                   help="plan train.py --freeze REGEX: the parameters whose path (e.g. root/tok_embeddings/embedding, "
+                   "units/feed_forward/w1/kernel; re.search) matches are frozen: no gradient, reduce-scatter or "
+                   "optimizer state")
     p.add_argument("--no-compile", action="store_true", help="estimate only (skip the compiled measurement)")
     p.add_argument("--json", default=None, help="also write the report as JSON to this file")
     return p.parse_args(argv)
@@ -97,6 +101,7 @@ def render(r: dict) -> str:
     lines = [f"{r['model']} ({r['params'] / 1e9:.2f}B parameters) on mesh {r['mesh']} ({r['devices']} devices), "
              f"{r['strategy']}, {r['precision']}, remat {r['remat']}, batch {r['batch_size']} x {r['seq_len']} tokens"
              + (", optimizer inside the backward pass" if r.get("update_in_backward") else "")
+             + (f", {len(r['frozen'])} parameters frozen (--freeze '{r['freeze']}')" if r.get("frozen") else "")
              + (f", {r['grad_accum']} micro-batches, gradients reduced "
                 + ("once per step" if r.get("grad_sync") == "once" else "in every micro-batch")
                 if r.get("grad_accum", 1) > 1 else ""),

@@ -1,6 +1,8 @@
 """train.py checks that its plan fits before it allocates anything (jfsdp/runtime/fit.py): the decision
 against a budget set for the test (JFSDP_MEMORY_BUDGET), the command's one error line, and llama-70b
 refused in seconds on this machine's real host memory."""
+import dataclasses
+import math
 import os
 import subprocess
 import sys
@@ -11,23 +13,24 @@ import pytest
 
 import jfsdp
 from jfsdp.runtime import fit
+from jfsdp.train import frozen
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--mesh", "2x4", "--model", "llama-test", "--batch-size", "32", "--seq-len", "256", "--steps", "1",
         "--metrics-out", "", "--gen-tokens", "0", "--eval-every", "0"]
 
 
-def _case(remat="none"):
+def _case(remat="none", batch=32, seq=256):
     import models
     from models.factory import language_model
     mesh = jfsdp.make_mesh("2x4", jax.devices()[:8])
-    x = jax.ShapeDtypeStruct((1, 256), "int32")
+    x = jax.ShapeDtypeStruct((1, seq), "int32")
 
     def shard(remat):
         module, moe, loss_fn = language_model(models.get_config("llama-test"), "fused", "auto", "auto")
         return jfsdp.fully_shard(module, mesh, x, remat=remat), loss_fn
     plan, loss_fn = shard(remat)
-    case = fit.Case(plan, loss_fn, jfsdp.adamw(1e-3, mask=plan.decay_mask()), 32, 256, 1, False, "cpu")
+    case = fit.Case(plan, loss_fn, jfsdp.adamw(1e-3, mask=plan.decay_mask()), batch, seq, 1, False, "cpu")
     return case, lambda r: shard(r)[0]
 
 
@@ -79,6 +82,28 @@ def test_no_fit_check_runs_anyway(monkeypatch, capsys):
     code, out, err = _cli([*TINY, "--no-fit-check", "--batch-size", "8", "--seq-len", "32"], monkeypatch, capsys)
     assert code == 0 and "error" not in err, err
     assert "compiled the train step" in out and "fit check" not in err
+
+
+def test_frozen_parameters_are_not_counted(monkeypatch, capsys):
+    """--freeze: the estimate has no gradient shards or optimizer state for the frozen leaves (the
+    planner's, jfsdp/planning/estimate.py), so a fine-tune that fits only without them runs, and the
+    same run training everything is refused."""
+    case, _ = _case(batch=8, seq=32)
+    trainable, hit = frozen.freeze(case.sharded, "tok_emb|feed_forward")
+    whole, frozen_est = case.estimate(), dataclasses.replace(case, trainable=trainable).estimate()
+    # at least the frozen leaves' gradient shard and two AdamW moments (fp32, over 4 shards) go
+    layouts = dict(zip(frozen.param_paths(case.sharded),
+                       jax.tree.leaves(case.sharded.layouts, is_leaf=lambda x: isinstance(x, jfsdp.Layout))))
+    units = sum(case.sharded.stage_sizes)
+    dropped = sum((1 if p.startswith("root") else units) * math.prod(layouts[p].stored_shape) * 4 * 3 // 4 for p in hit)
+    assert whole - frozen_est >= dropped, (whole, frozen_est, dropped)
+    monkeypatch.setenv(fit.BUDGET_ENV, str((whole + frozen_est) // 2))
+    args = [*TINY, "--batch-size", "8", "--seq-len", "32"]
+    code, out, err = _cli([*args, "--freeze", "tok_emb|feed_forward"], monkeypatch, capsys)
+    assert code == 0 and "error" not in err, err
+    assert "compiled the train step" in out
+    code, out, err = _cli(args, monkeypatch, capsys)
+    assert code == 2 and "does not fit" in err and "compiled the train step" not in out, err
 
 
 def test_llama_70b_is_refused_in_seconds():

@@ -193,6 +193,47 @@ def test_plan_json_report_llama70b_on_64_devices(tmp_path):
     assert "fits in" in p.stdout and "largest global batch" in p.stdout
 
 
+def test_plan_freeze_against_the_compiled_step(tmp_path):
+    """`--freeze 'tok_emb|feed_forward'` (the tied embedding and the MLPs) on llama-small 1x8: the
+    estimate against XLA:CPU's compiled step with those leaves frozen (make_train_step(trainable=),
+    compiled by the planner with train.py's CPU flags) within the planner's error (10% on CPU:
+    jfsdp.runtime.fit.ESTIMATE_ERROR; measured 1.063, 2026-11-24); the state between steps and the
+    reduce-scatter bytes exact; and below the same plan training everything (estimated only: its
+    compiled step is test_estimate_within_10_percent_of_compiled's kind) by at least the frozen
+    leaves' gradient shards and AdamW moments, and their reduce-scatter bytes."""
+    args = ["--model", "llama-small", "--mesh", "1x8", "--precision", "fp32", "--batch-size", "8", "--seq-len", "128",
+            "--target", "cpu"]
+    reports = {}
+    for name, extra in (("all", ["--no-compile"]), ("frozen", ["--freeze", "tok_emb|feed_forward"])):
+        out = tmp_path / f"{name}.json"
+        p = _plan(*args, *extra, "--json", str(out))
+        assert p.returncode == 0, p.stderr
+        reports[name] = json.loads(out.read_text())
+    r, full = reports["frozen"], reports["all"]
+    assert r["frozen"] == ["root/tok_embeddings/embedding", "units/feed_forward/w1/kernel",
+                           "units/feed_forward/w2/kernel", "units/feed_forward/w3/kernel"]
+    assert abs(r["estimate"]["total"] / r["compiled"]["total"] - 1) < 0.10, (r["estimate"], r["compiled"])
+    assert r["estimate"]["persistent"] == pytest.approx(r["compiled"]["argument"], rel=0.01)
+    assert r["comm_formula"]["reduce-scatter"] == pytest.approx(r["comm_compiled"]["reduce-scatter"], rel=0.01)
+    assert r["comm_formula"]["all-gather"] == pytest.approx(full["comm_formula"]["all-gather"])   # still gathered
+    # the frozen leaves' (S-1)/S reduce-scatter bytes and 3/S of their fp32 bytes (gradient shard, two
+    # moments), from the model config's own shapes: 384 x 259 embedding, 3 MLP matrices 384 x 1024 x 6
+    frozen_bytes = (259 * 384 + 6 * 3 * 384 * 1024) * 4
+    drop = full["comm_formula"]["reduce-scatter"] - r["comm_compiled"]["reduce-scatter"]
+    assert drop == pytest.approx(frozen_bytes * 7 / 8, rel=0.02)
+    assert full["estimate"]["total"] - r["estimate"]["total"] >= frozen_bytes * 3 / 8
+
+
+def test_plan_freeze_matching_nothing_is_an_error():
+    p = _plan("--model", "llama-test", "--mesh", "1x4", "--freeze", "no_such_param", "--no-compile")
+    lines = [l for l in p.stderr.splitlines() if l.strip() and "Warning" not in l]
+    assert p.returncode == 2 and len(lines) == 1, p.stderr
+    assert lines[0].startswith("error: --freeze 'no_such_param' matches no parameter; the paths are: ")
+    assert "root/tok_embeddings/embedding" in lines[0] and "units/attention/wq/kernel" in lines[0]
+    p = _plan("--model", "llama-test", "--mesh", "1x4", "--freeze", "(unclosed", "--no-compile")
+    assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].startswith("error: --freeze '(unclosed' is not")
+
+
 def test_update_holds_one_gradient_tree():
     """On one device the step's temporaries are the gradients plus small activations: the update
     (clipping, AdamW) reads each gradient where it is used instead of writing a clipped copy of the

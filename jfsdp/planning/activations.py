@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jfsdp.config.policy import REMAT_POLICIES, wire_dtype
+from jfsdp.engine.layout import is_layout
 from jfsdp.engine.sharded import FSDP
 from jfsdp.planning.sizes import as_shapes, nbytes, tree_bytes
 
@@ -22,12 +23,14 @@ def residual_bytes(f, *args, skip_args=True) -> int:
     for aval, where in saved_residuals(f, *args):
         if skip_args and where.startswith("from the argument"):
             continue
+        if skip_args and where.startswith("output of stop_gradient") and __file__ in where:
+            continue   # a frozen parameter (_stop_frozen): an argument too
         total += int(math.prod(aval.shape)) * jnp.dtype(aval.dtype).itemsize
     return total
 
 
 def activation_estimate(plan: FSDP, loss_fn: Callable, local_batch, backend: str | None = None,
-                        widen: bool = True) -> dict:
+                        widen: bool = True, trainable=None) -> dict:
     """Activation bytes per device, from the traced model on one device's batch, per stage:
     `per_unit`: saved by a unit's checkpoint policy (plus the unit's input, which the scan keeps);
     `unit_working`: everything one unit's backward needs at once (its activations with nothing
@@ -35,39 +38,51 @@ def activation_estimate(plan: FSDP, loss_fn: Callable, local_batch, backend: str
     `stages` lists {'per_unit', 'unit_working'} of each stage; the top-level `per_unit` and
     `unit_working` are the first stage's (the whole answer for a one-stage model).
     `widen=False`: in param_dtype as the program writes it, not as the backend computes it
-    (`wire_dtype`): what XLA:CPU stores from the forward pass (see `jfsdp.planning.estimate`)."""
+    (`wire_dtype`): what XLA:CPU stores from the forward pass (see `jfsdp.planning.estimate`).
+    `trainable`: a tree of booleans like the parameters (jfsdp.train.frozen.mask), None when all
+    train: frozen leaves are differentiated as the step does, not at all (`lax.stop_gradient`), so
+    what only their gradients would need is not counted."""
     m = plan.model
     pdt = jnp.dtype(plan.mp.param_dtype or jnp.float32)
     pdt = wire_dtype(pdt, backend or jax.default_backend()) if widen else pdt
     root_layouts, stage_layouts = plan.split(plan.layouts)
     root_p = as_shapes(root_layouts, pdt)
+    root_t, stage_t = plan.split(trainable) if trainable is not None else (None, [None] * len(stage_layouts))
     h = jax.eval_shape(lambda r, x: m.root.apply({"params": r}, x, method=m.embed_method), root_p,
                        local_batch["inputs"])
-    stages, h = _unit_activations(plan, stage_layouts, pdt, h)
-    head = _head_activations(plan, loss_fn, local_batch, root_p, h)
+    stages, h = _unit_activations(plan, stage_layouts, pdt, h, stage_t)
+    head = _head_activations(plan, loss_fn, local_batch, root_p, h, root_t)
     return {**stages[0], "head": head, "stages": stages}
 
 
-def _unit_activations(plan: FSDP, stage_layouts, pdt, h):
+def _stop_frozen(params, trainable):
+    """`params` with `lax.stop_gradient` on the leaves that `trainable` (booleans, or None) freezes."""
+    if trainable is None:
+        return params
+    return jax.tree.map(lambda t, p: p if t else jax.lax.stop_gradient(p), trainable, params)
+
+
+def _unit_activations(plan: FSDP, stage_layouts, pdt, h, stage_trainable):
     """([{'per_unit', 'unit_working'} per stage], the last stage's output shape), from the
     embedding's output shape `h`."""
     policy = getattr(jax.checkpoint_policies, REMAT_POLICIES[plan.remat])
     stages = []
-    for st, layouts in zip(plan.model.stages, stage_layouts):
+    for st, layouts, t in zip(plan.model.stages, stage_layouts, stage_trainable):
         unit_p = as_shapes(layouts, pdt)
-        unit_fn = lambda x, p, unit=st.unit: unit.apply({"params": p}, x)
+        unit_fn = lambda x, p, unit=st.unit, t=t: unit.apply({"params": _stop_frozen(p, t)}, x)
         stages.append({"per_unit": residual_bytes(jax.checkpoint(unit_fn, policy=policy), h, unit_p) + tree_bytes(h),
                        "unit_working": residual_bytes(unit_fn, h, unit_p) + tree_bytes(h)})
         h = jax.eval_shape(unit_fn, h, unit_p)
     return stages, h
 
 
-def _head_activations(plan: FSDP, loss_fn: Callable, local_batch, root_p, h) -> int:
-    """What the head and the loss keep for their backward, and the gradients their backward makes."""
+def _head_activations(plan: FSDP, loss_fn: Callable, local_batch, root_p, h, root_trainable=None) -> int:
+    """What the head and the loss keep for their backward, and the gradients their backward makes
+    (a frozen weight's none)."""
     m = plan.model
 
     def head(x, r):
-        return m.root.apply({"params": r}, x, method=m.head_method)
+        return m.root.apply({"params": _stop_frozen(r, root_trainable)}, x, method=m.head_method)
 
     out = jax.eval_shape(head, h, root_p)
     total = residual_bytes(lambda x, r, batch: loss_fn(plan.mp.cast_output(head(x, r)), batch), h, root_p, local_batch)
@@ -76,10 +91,22 @@ def _head_activations(plan: FSDP, loss_fn: Callable, local_batch, root_p, h) -> 
     # a fused head + loss (hidden, weight): the weight's gradient (one buffer of its dtype, written
     # block by block), and the hidden states' fp32 gradient accumulator and the product added into it
     *hs, w = jax.tree.leaves(out)
-    total += nbytes(w) + 2 * sum(math.prod(x.shape) * 4 for x in hs)
+    total += (0 if _frozen_weight(plan, w, root_trainable) else nbytes(w)) + 2 * sum(math.prod(x.shape) * 4 for x in hs)
     chunk = getattr(loss_fn, "chunk", None)
     if chunk:   # jfsdp.train.losses.lm_loss: a few (chunk, vocabulary) fp32 buffers at a time
         vocab = w.shape[0] if getattr(loss_fn, "vocab_major", False) else w.shape[-1]
         tokens = math.prod(local_batch["inputs"].shape)
         total += 2 * min(chunk, tokens) * vocab * 4
     return total
+
+
+def _frozen_weight(plan: FSDP, w, root_trainable) -> bool:
+    """Whether the fused head's output weight `w` is a frozen root leaf (one the head reads, of its
+    shape or its transpose's): then its backward makes no gradient for it."""
+    if root_trainable is None:
+        return False
+    layouts = jax.tree.leaves(plan.split(plan.layouts)[0], is_leaf=is_layout)
+    flags = jax.tree.leaves(root_trainable)
+    shapes = {tuple(w.shape), tuple(reversed(w.shape))}
+    reads = plan.root_use[1]
+    return any(not flags[i] and tuple(layouts[i].shape) in shapes for i in reads)

@@ -5,6 +5,7 @@ is compiled; `jfsdp.planning.memory.measure` is the compiled answer it is checke
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable
 
 import jax
@@ -17,6 +18,7 @@ from jfsdp.engine.sharded import FSDP
 from jfsdp.planning.activations import activation_estimate
 from jfsdp.engine.layout import stored_bytes
 from jfsdp.planning.sizes import elements, stages, tree_bytes
+from jfsdp.train import frozen
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,11 +70,46 @@ class _Step:
     saved_fwd: int        # the same, as the forward pass wrote them
     recompute: int        # what one unit's backward recomputes on top of them
     head: int             # the head's and the loss's activations
+    grads: int            # the real elements of the gradient shards (the trainable parameters')
+    unit_grad: int        # one shard's worth: a unit's unsharded gradient where nothing is sharded (S = 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Grads:
+    """The parameters that have gradients: the layouts with frozen leaves set to None (`root`: the
+    root's leaves in the order of `FSDP.root_use`'s indices, None where frozen; `stages`:
+    [(one unit's layouts, units)])."""
+    mask: object          # frozen.mask's tree of booleans, None when everything trains
+    root: list
+    stages: list
+    real_bytes: int       # bytes of their real elements, in their own (master) dtype
+    pad_elements: int
+    real_elements: int
+
+    @property
+    def root_tree(self) -> list:
+        return [l for l in self.root if l is not None]
+
+
+def grad_layouts(plan: FSDP, trainable=None) -> _Grads:
+    """The layouts of the leaves that get gradients under `trainable` (None: all of them)."""
+    mask = frozen.mask(plan, trainable)
+    layouts = plan.layouts if mask is None else jax.tree.map(lambda t, l: l if t else None, mask, plan.layouts)
+    root, stage_l = plan.split(layouts)
+    root_all = jax.tree.leaves(plan.split(plan.layouts)[0], is_leaf=is_layout)
+    root_keep = root_all if mask is None else [l if t else None for l, t in
+                                               zip(root_all, jax.tree.leaves(plan.split(mask)[0]))]
+    st = list(zip(stage_l, plan.stage_sizes))
+    leaves = [(l, 1) for l in root_keep if l is not None] + [
+        (l, n) for u, n in st for l in jax.tree.leaves(u, is_leaf=is_layout)]
+    real = sum(n * math.prod(l.shape) * jnp.dtype(l.dtype).itemsize for l, n in leaves)
+    return _Grads(mask, root_keep, st, real, sum(n * l.padding for l, n in leaves),
+                  sum(n * math.prod(l.shape) for l, n in leaves))
 
 
 def estimate(plan: FSDP, optimizer, loss_fn: Callable, batch, *, prefetch: bool = False,
              backend: str | None = None, update_in_backward: bool = False, grad_accum: int = 1,
-             grad_sync: str = "every") -> Breakdown:
+             grad_sync: str = "every", trainable=None) -> Breakdown:
     """Analytic per-device bytes at the peak of one train step of `plan` on the global `batch`
     (a tree of shapes): the state plus the largest of what is live at four points of the step, the
     head's backward, the units' backward, the embedding's backward and the update (`_peak_points`).
@@ -84,24 +121,28 @@ def estimate(plan: FSDP, optimizer, loss_fn: Callable, batch, *, prefetch: bool 
     `grad_accum` = k > 1: activations of one micro-batch (1/k of the batch), and the accumulated
     gradient besides the micro-batch's: every gradient shard (`grad_sync='every'`), or, with
     `grad_sync='once'`, the whole gradient in the reduce dtype twice (the sum so far and the
-    micro-batch's, which the backward pass writes before it is added: `_accumulation_points`)."""
+    micro-batch's, which the backward pass writes before it is added: `_accumulation_points`).
+    `trainable` (as make_train_step's: a tree of booleans or a predicate on parameter paths;
+    `optimizer` is the unmasked one): frozen leaves are still held and gathered, but have no gradient
+    shard, unsharded gradient or optimizer state (`_Grads`)."""
     if getattr(plan, "as_is", False):
         raise ConfigError("the analytic estimate describes jfsdp.Stacked / Staged models; for a model given as it is, "
                           "compile its step (jfsdp.planning.memory.compile_step) and read memory.measure")
     backend = backend or jax.default_backend()
     N = plan.n_devices
-    params, optimizer_b, pad_state, pad_grads = _state(plan, optimizer)
-    gathered, units_gathered, one_unit, grad_buffers = _gathered(plan, backend, prefetch or update_in_backward)
+    g = grad_layouts(plan, trainable)
+    params, optimizer_b, pad_state, pad_grads = _state(plan, optimizer, g)
+    gathered, units_gathered, one_unit, grad_buffers = _gathered(plan, backend, prefetch or update_in_backward, g)
     local = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // N, *a.shape[1:]), a.dtype), batch)
     micro = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // grad_accum, *a.shape[1:]), a.dtype), local)
-    saved, saved_fwd, recompute, head = _activations(plan, loss_fn, micro, backend)
+    saved, saved_fwd, recompute, head = _activations(plan, loss_fn, micro, backend, g.mask)
     step = _Step(params, pad_grads, gathered, units_gathered, one_unit, grad_buffers, saved, saved_fwd, recompute,
-                 head)
-    points = _peak_points(plan, backend, step)
+                 head, g.real_bytes // plan.shards, _unit_grad(plan, g))
+    points = _peak_points(plan, backend, step, g)
     if update_in_backward:
-        points.update(_update_in_backward_points(plan, step, points["embed"]))
+        points.update(_update_in_backward_points(plan, step, points["embed"], g))
     if grad_accum > 1:
-        points = _accumulation_points(plan, points, grad_sync)
+        points = _accumulation_points(plan, points, grad_sync, g, step.unit_grad)
     name = max(points, key=lambda k: sum(points[k]))
     grads, gath, buffers, activations, pad_g = points[name]
     return Breakdown(params=params, grads=grads, optimizer=optimizer_b, padding=pad_state + pad_g,
@@ -109,17 +150,20 @@ def estimate(plan: FSDP, optimizer, loss_fn: Callable, batch, *, prefetch: bool 
                      activations=activations, batch=tree_bytes(local))
 
 
-def _state(plan: FSDP, optimizer) -> tuple[int, int, int, int]:
-    """(parameters, optimizer state, padding of both, padding of the gradients) of one shard."""
+def _state(plan: FSDP, optimizer, g: _Grads) -> tuple[int, int, int, int]:
+    """(parameters, optimizer state, padding of both, padding of the gradients) of one shard. The
+    optimizer state and the gradients are the trainable leaves' (`g`) only."""
     S = plan.shards
     master = max(jnp.dtype(l.dtype).itemsize for l in jax.tree.leaves(plan.layouts, is_leaf=is_layout))
     real, pad = elements(plan)
     params = real * master // S
-    opt_total = tree_bytes(jax.eval_shape(optimizer.init, plan.abstract_params()))
-    opt_per_byte = opt_total / ((real + pad) * master)  # AdamW: 2.0 (two fp32 moments)
-    optimizer_b = int(round(params * opt_per_byte))
-    pad_state = int(round(pad * master * (1 + opt_per_byte) / S))
-    return params, optimizer_b, pad_state, pad * master // S
+    # the state of the optimizer as the step runs it: on the trainable leaves only (frozen.optimizer)
+    opt = frozen.optimizer(optimizer, g.mask)
+    opt_total = tree_bytes(jax.eval_shape(opt.init, plan.abstract_params()))
+    opt_per_byte = opt_total / (g.real_bytes + g.pad_elements * master)  # AdamW: 2.0 (two fp32 moments)
+    optimizer_b = int(round(g.real_bytes * opt_per_byte)) // S
+    pad_state = int(round((pad * master + g.pad_elements * master * opt_per_byte) / S))
+    return params, optimizer_b, pad_state, g.pad_elements * master // S
 
 
 def _root_leaves(plan: FSDP) -> list:
@@ -138,9 +182,10 @@ def _gathered_units(plan: FSDP, gdt) -> list:
     return unit_g
 
 
-def _gathered(plan: FSDP, backend: str, two_units: bool) -> tuple[int, int, int, int]:
+def _gathered(plan: FSDP, backend: str, two_units: bool, g: _Grads) -> tuple[int, int, int, int]:
     """(gathered at the head's backward, the units' part of it, one gathered unit, unsharded unit
-    gradients) per device. `two_units`: the prefetch pipeline keeps the next unit gathered too."""
+    gradients) per device. `two_units`: the prefetch pipeline keeps the next unit gathered too. A
+    frozen leaf is gathered like any other, but has no gradient (`g`)."""
     S, st = plan.shards, stages(plan)
     pdt = plan.mp.param_dtype or jnp.float32
     rdt = plan.mp.reduce_dtype or pdt
@@ -166,7 +211,7 @@ def _gathered(plan: FSDP, backend: str, two_units: bool) -> tuple[int, int, int,
             grad_buffers = 0
         else:
             gathered = root_g + sum(u * n for u, (_, n) in zip(unit_g, st))
-            grad_buffers = max(stored_bytes(l, rdt) for l, _ in st)
+            grad_buffers = max(stored_bytes(l, rdt) for l, _ in g.stages)
     else:
         # One shard (NO_SHARD, or any strategy on an Rx1 mesh): unshard is at most a cast, which the
         # backward pass redoes rather than keeps (FSDP), so a param_dtype copy exists for the root
@@ -180,11 +225,21 @@ def _gathered(plan: FSDP, backend: str, two_units: bool) -> tuple[int, int, int,
     return gathered, units_gathered, one_unit, grad_buffers
 
 
-def _activations(plan: FSDP, loss_fn: Callable, local, backend: str) -> tuple[int, int, int, int]:
+def _unit_grad(plan: FSDP, g: _Grads) -> int:
+    """One unit's unsharded gradient in the reduce dtype where the plan has one shard (its all-reduce
+    runs per unit, out of place: `_peak_points`); 0 where it is sharded."""
+    if plan.shards > 1:
+        return 0
+    rdt = plan.mp.reduce_dtype or plan.mp.param_dtype or jnp.float32
+    return max((stored_bytes(l, rdt) for l, _ in g.stages), default=0)
+
+
+def _activations(plan: FSDP, loss_fn: Callable, local, backend: str, mask=None) -> tuple[int, int, int, int]:
     """(saved unit activations in the backward pass, the same in the forward pass, one unit's
-    recomputation, the head's activations) per device for the local batch `local`."""
+    recomputation, the head's activations) per device for the local batch `local`; `mask`: the
+    trainable leaves (frozen ones are not differentiated)."""
     st = stages(plan)
-    act = activation_estimate(plan, loss_fn, local, backend)
+    act = activation_estimate(plan, loss_fn, local, backend, trainable=mask)
     recompute = max(s["unit_working"] - s["per_unit"] for s in act["stages"])
     saved = sum(n * s["per_unit"] for s, (_, n) in zip(act["stages"], st))
     # Until the backward scan starts, the saved activations are held in the dtype the forward wrote:
@@ -193,12 +248,12 @@ def _activations(plan: FSDP, loss_fn: Callable, local, backend: str) -> tuple[in
     saved_fwd = saved
     pdt = plan.mp.param_dtype or jnp.float32
     if wire_dtype(pdt, backend) != jnp.dtype(pdt):
-        act_fwd = activation_estimate(plan, loss_fn, local, backend, widen=False)
+        act_fwd = activation_estimate(plan, loss_fn, local, backend, widen=False, trainable=mask)
         saved_fwd = sum(n * s["per_unit"] for s, (_, n) in zip(act_fwd["stages"], st))
     return saved, saved_fwd, recompute, act["head"]
 
 
-def _peak_points(plan: FSDP, backend: str, s: _Step) -> dict:
+def _peak_points(plan: FSDP, backend: str, s: _Step, g: _Grads) -> dict:
     """The four candidates for the peak, each (gradient shards, gathered, unsharded gradients,
     activations, padding of the gradients); the largest is the estimate.
     (a) the head's backward: the gathered root and the head's working set; no gradient shard
@@ -215,38 +270,45 @@ def _peak_points(plan: FSDP, backend: str, s: _Step) -> dict:
         lookup's gradient is a scatter-add into a whole table, in param_dtype, and its cast to
         reduce_dtype for the reduce-scatter) and one gathered unit (XLA:GPU overlaps the last
         unit's backward with it and reduces both in one combined reduce-scatter).
-    (d) the update: the state and every gradient shard."""
+    (d) the update: the state and every gradient shard.
+    With one shard (S = 1: DDP, an Rx1 mesh) the units' backward also holds the unit's gradient as
+    the backward writes it and its all-reduce's output, which XLA writes out of place before it goes
+    into the stacked gradient: two unit gradients in the reduce dtype (measured 1.6-1.8 of them on
+    XLA:CPU, at 2 and 4 units alike: docs/planner.md).
+    Gradients of trainable leaves only (`g`): a frozen root weight has no unsharded gradient either."""
     pdt = plan.mp.param_dtype or jnp.float32
     rdt = plan.mp.reduce_dtype or pdt
     gdt = wire_dtype(pdt, backend)
-    unit_grads = sum(n * stored_bytes(l) for l, n in stages(plan)) // plan.shards
-    leaves = _root_leaves(plan)
+    unit_grads = sum(n * stored_bytes(l) for l, n in g.stages) // plan.shards
+    leaves = g.root
     embed_reads, head_reads = plan.root_use
-    shared = [leaves[i] for i in sorted(embed_reads & head_reads)]
-    head_only = [leaves[i] for i in sorted(head_reads - embed_reads)]
-    embed_only = [leaves[i] for i in sorted(embed_reads - head_reads)]
+    shared = [leaves[i] for i in sorted(embed_reads & head_reads) if leaves[i] is not None]
+    head_only = [leaves[i] for i in sorted(head_reads - embed_reads) if leaves[i] is not None]
+    embed_only = [leaves[i] for i in sorted(embed_reads - head_reads) if leaves[i] is not None]
     held = stored_bytes(head_only, pdt) if backend == "cpu" else 0
     rdt_wire = wire_dtype(rdt, backend)
     table = stored_bytes(embed_only, gdt) + (stored_bytes(embed_only, rdt_wire) if rdt_wire != gdt else 0)
     return {
         "head": (0, s.gathered, s.grad_buffers, s.saved_fwd + s.head, 0),
-        "units": (unit_grads, s.units_gathered, s.grad_buffers + stored_bytes(shared, gdt) + held,
+        "units": (unit_grads, s.units_gathered, s.grad_buffers + 2 * s.unit_grad + stored_bytes(shared, gdt) + held,
                   s.saved + s.recompute, 0),
         "embed": (unit_grads, s.one_unit if embed_only else 0, held + table, 0, 0),
-        "update": (s.params, 0, 0, 0, s.pad_grads),
+        "update": (s.grads, 0, 0, 0, s.pad_grads),
     }
 
 
-def _accumulation_points(plan: FSDP, points: dict, grad_sync: str) -> dict:
+def _accumulation_points(plan: FSDP, points: dict, grad_sync: str, g: _Grads, unit_grad: int = 0) -> dict:
     """The candidates with k > 1 micro-batches. 'every': the sum of the gradient shards (all of them,
     master dtype) is held through every micro-batch besides the micro-batch's own. 'once': no gradient
     shard exists before the reduction after the last micro-batch; the sum of the whole gradients
     (reduce dtype) is held throughout, one copy: each parameter's gradient is added to the sum where it
     is made (the stage passes' backward adds each unit's in place, jfsdp/engine/pipeline.py; a root
     leaf's is added by `unshard`'s backward, fsdp.Unreduced); then the reduction turns the sum into
-    shards (a point of its own)."""
+    shards (a point of its own). Trainable leaves only (`g`). With one shard, 'once' runs no
+    all-reduce per unit: of its two unit gradients (`unit_grad` each, `_peak_points`) only the one the
+    backward writes remains."""
     S = plan.shards
-    layouts = [(plan.split(plan.layouts)[0], 1)] + stages(plan)
+    layouts = [(g.root_tree, 1)] + g.stages
     shards = sum(n * stored_bytes(l) for l, n in layouts) // S
     if grad_sync != "once":
         return {k: (g + (shards if k != "update" else 0), *rest) for k, (g, *rest) in points.items()}
@@ -257,23 +319,23 @@ def _accumulation_points(plan: FSDP, points: dict, grad_sync: str) -> dict:
         if k == "head":
             out[k] = (g, gath, buf + whole, act, pad)
         elif k in ("units", "embed"):
-            out[k] = (0, gath, buf + whole, act, pad)
+            out[k] = (0, gath, buf + whole - (unit_grad if k == "units" else 0), act, pad)
         else:
             out[k] = (g, gath, buf, act, pad)
     out["reduce"] = (shards, 0, whole, 0, 0)
     return out
 
 
-def _update_in_backward_points(plan: FSDP, s: _Step, embed: tuple) -> dict:
+def _update_in_backward_points(plan: FSDP, s: _Step, embed: tuple, g: _Grads) -> dict:
     """The units', embedding's and update's candidates when the optimizer runs inside the backward
     pass. No stacked gradient: each unit's gradient shard is consumed (one leaf's rows at a time: its
     gradient and new parameter and moment rows) inside the backward loop. The root's gradient
     shards, reduced right after the head's backward, are held to the root's update at the end (the
     tied weight's head gradient is reduced then too: no unsharded gradient is held)."""
     S = plan.shards
-    root_grads = stored_bytes(_root_leaves(plan)) // S
-    unit_leaves = [x for l, _ in stages(plan) for x in jax.tree.leaves(l, is_leaf=is_layout)]
-    rows = 4 * max(stored_bytes([x]) for x in unit_leaves) // S
+    root_grads = stored_bytes(g.root_tree) // S
+    unit_leaves = [x for l, _ in g.stages for x in jax.tree.leaves(l, is_leaf=is_layout)]
+    rows = 4 * max((stored_bytes([x]) for x in unit_leaves), default=0) // S
     return {"units": (root_grads + rows, s.units_gathered, s.grad_buffers, s.saved + s.recompute, 0),
             "embed": (root_grads,) + embed[1:],
             "update": (root_grads, 0, 0, 0, 0)}

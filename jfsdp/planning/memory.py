@@ -23,7 +23,7 @@ from jfsdp.config.errors import ConfigError
 from jfsdp.config.policy import wire_dtype
 from jfsdp.engine.sharded import FSDP
 from jfsdp.planning import hlo
-from jfsdp.planning.estimate import Breakdown, estimate
+from jfsdp.planning.estimate import Breakdown, estimate, grad_layouts
 from jfsdp.engine.layout import stored_bytes
 from jfsdp.planning.sizes import elements, float8_leaves, gathered_bytes, stages
 from jfsdp.train.step import abstract_state, make_train_step
@@ -40,12 +40,14 @@ def abstract_batch(plan: FSDP, batch):
 
 
 def compile_step(plan: FSDP, optimizer, loss_fn: Callable, batch, grad_accum: int = 1,
-                 compiler_options: dict | None = None, update_in_backward: bool = False, grad_sync: str = "every"):
+                 compiler_options: dict | None = None, update_in_backward: bool = False, grad_sync: str = "every",
+                 trainable=None):
     """The real train step (jfsdp.make_train_step, donated state), compiled from abstract inputs.
-    `compiler_options`: XLA options for this compilation (e.g. jfsdp.planning.targets.compiler_options())."""
+    `compiler_options`: XLA options for this compilation (e.g. jfsdp.planning.targets.compiler_options()).
+    `trainable`: make_train_step's (frozen parameters)."""
     step = make_train_step(plan, optimizer, loss_fn, grad_accum, update_in_backward=update_in_backward,
-                           grad_sync=grad_sync)
-    lowered = step.lower(abstract_state(plan, optimizer), abstract_batch(plan, batch))
+                           grad_sync=grad_sync, trainable=trainable)
+    lowered = step.lower(abstract_state(plan, optimizer, trainable=trainable), abstract_batch(plan, batch))
     return lowered.compile(compiler_options=compiler_options) if compiler_options else lowered.compile()
 
 
@@ -67,13 +69,16 @@ def device_peak(device=None) -> int | None:
 
 # ---------------------------------------------------------------- communication per step
 
-def comm_formula(plan: FSDP, backend: str | None = None, grad_accum: int = 1, grad_sync: str = "every") -> dict:
+def comm_formula(plan: FSDP, backend: str | None = None, grad_accum: int = 1, grad_sync: str = "every",
+                 trainable=None) -> dict:
     """Bytes each device sends per step, by collective kind, from the contract (ring cost model),
     with the root (gathered once per step, not twice), padding and the backend's wire dtype
     (`wire_dtype`) counted exactly.
     `contract` is the headline approximation: 3Ψ·b·(S−1)/S (FULL_SHARD), 2Ψ·b(N−1)/N (DDP).
     With `grad_accum` = k micro-batches each gathers its units (k times the all-gathers); the
-    gradients are reduced k times (`grad_sync='every'`) or once ('once')."""
+    gradients are reduced k times (`grad_sync='every'`) or once ('once').
+    `trainable` (make_train_step's): frozen leaves are gathered but never reduced; the contract's Ψ of
+    the reduction is the trainable parameters'."""
     if getattr(plan, "as_is", False):
         raise ConfigError("the communication formula is written for jfsdp.Stacked / Staged models; for a model "
                           "given as it is, read the compiled step's collectives (comm_measured)")
@@ -86,8 +91,10 @@ def comm_formula(plan: FSDP, backend: str | None = None, grad_accum: int = 1, gr
     # the units as gathered: a float8 plan's selected kernels go out at 1 byte (plan.unit_layouts)
     gathered = list(zip(getattr(plan, "unit_layouts", None) or plan.split(plan.layouts)[1], plan.stage_sizes))
     unit_p = sum(n * gathered_bytes(l, pdt) for l, n in gathered)
-    grads = stored_bytes(root_l, rdt) + sum(n * stored_bytes(l, rdt) for l, n in stages(plan))
+    g = grad_layouts(plan, trainable)
+    grads = stored_bytes(g.root_tree, rdt) + sum(n * stored_bytes(l, rdt) for l, n in g.stages)
     psi = elements(plan)[0]
+    psi_g = g.real_elements   # the parameters that are reduced (trainable)
     # the headline formula uses the policy's dtypes, not the backend's
     pb = jnp.dtype(plan.mp.param_dtype or jnp.float32).itemsize
     rb = jnp.dtype(plan.mp.reduce_dtype or plan.mp.param_dtype or jnp.float32).itemsize
@@ -112,18 +119,18 @@ def comm_formula(plan: FSDP, backend: str | None = None, grad_accum: int = 1, gr
         out["all-reduce"] += 2 * (grads / S) * (R - 1) / R  # the shard, summed over replicas
         out["all-reduce"] += 2 * (ep_grads / S) * (R - 1) / R  # local experts' gradients, over replicas
         out["all-to-all"] = a2a
-        contract = (gathers * psi * pb + psi * rb) * f + 2 * psi * rb / S * (R - 1) / R
+        contract = (gathers * psi * pb + psi_g * rb) * f + 2 * psi_g * rb / S * (R - 1) / R
     else:
         out["all-reduce"] = 2 * grads * (N - 1) / N
-        contract = 2 * psi * rb * (N - 1) / N
+        contract = 2 * psi_g * rb * (N - 1) / N
     k_reduce = grad_accum if grad_sync == "every" else 1
     for key, times in (("all-gather", grad_accum), ("all-to-all", grad_accum), ("reduce-scatter", k_reduce),
                        ("all-reduce", k_reduce)):
         out[key] *= times
     out["total"] = sum(out.values())
     out["contract"] = contract * k_reduce if not plan.strategy.sharded else contract + (
-        (gathers * psi * pb * (S - 1) / S) * (grad_accum - 1) + (psi * rb * (S - 1) / S + 2 * psi * rb / S * (R - 1) / R)
-        * (k_reduce - 1))
+        (gathers * psi * pb * (S - 1) / S) * (grad_accum - 1)
+        + (psi_g * rb * (S - 1) / S + 2 * psi_g * rb / S * (R - 1) / R) * (k_reduce - 1))
     return out
 
 

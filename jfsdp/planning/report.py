@@ -15,6 +15,7 @@ import time
 from jfsdp.config.errors import ConfigError
 from jfsdp.config.policy import schedule
 from jfsdp.planning import hlo, memory, targets
+from jfsdp.train import frozen
 
 DEFAULT_MEMORY = 80 * 2**30   # per device, where neither --device-memory nor a named GPU says
 
@@ -93,6 +94,8 @@ class _Case:
     gpu: bool          # a named GPU target: compiled by XLA:GPU for it
     backend: str       # whose estimate decides (fits, largest batch): 'gpu', 'tpu' or 'cpu'
     here: str          # what the step is compiled for: the named GPU, else this process's backend
+    trainable: object = None   # --freeze: make_train_step's predicate (None: everything trains)
+    frozen: tuple = ()         # the frozen parameters' paths
 
 
 def report(a, budget: int | None = None) -> dict:
@@ -110,11 +113,15 @@ def report(a, budget: int | None = None) -> dict:
     with targets.tracing_for(a.target) if gpu else contextlib.nullcontext():
         cfg, plan, opt, loss_fn, batch = build(a.model, a.mesh, a.strategy, a.precision, a.remat, a.batch_size,
                                                a.seq_len, devices, attention, a.loss, a.moe, a.moe_chunks, backend)
-        case = _Case(plan, opt, loss_fn, batch, gpu, backend, a.target if gpu else jax.default_backend())
+        trainable, hit = frozen.freeze(plan, getattr(a, "freeze", None))
+        case = _Case(plan, opt, loss_fn, batch, gpu, backend, a.target if gpu else jax.default_backend(),
+                     trainable, tuple(hit))
         if budget is None:
             budget = targets.get(a.target).memory_bytes if gpu else DEFAULT_MEMORY
         if a.update_in_backward:
             from jfsdp.train import update_in_backward
+            if trainable is not None:
+                raise ConfigError("--freeze cannot combine with --update-in-backward")
             why = update_in_backward.unsupported(plan, a.grad_accum)
             if why:
                 raise ConfigError(f"--update-in-backward: {why}")
@@ -143,7 +150,8 @@ def _check_accumulation(a, plan, batch) -> None:
 
 def _estimate(a, case: _Case, batch, backend: str, prefetch: bool):
     return memory.estimate(case.plan, case.optimizer, case.loss_fn, batch, prefetch=prefetch, backend=backend,
-                           update_in_backward=a.update_in_backward, grad_accum=a.grad_accum, grad_sync=a.grad_sync)
+                           update_in_backward=a.update_in_backward, grad_accum=a.grad_accum, grad_sync=a.grad_sync,
+                           trainable=case.trainable)
 
 
 def _estimates(a, cfg, case: _Case, budget: int) -> dict:
@@ -160,6 +168,8 @@ def _estimates(a, cfg, case: _Case, budget: int) -> dict:
            "update_in_backward": a.update_in_backward, "grad_accum": a.grad_accum, "grad_sync": a.grad_sync,
            "batch_size": case.batch["inputs"].shape[0], "seq_len": a.seq_len, "device_memory": budget,
            "target": a.target, "estimate": est.as_dict()}
+    if case.frozen:
+        rep["freeze"], rep["frozen"] = a.freeze, list(case.frozen)
     if case.gpu:
         import models.llama
         rep["attention"] = models.llama.attention_impl(cfg.llama() if hasattr(cfg, "llama") else cfg,
@@ -171,7 +181,7 @@ def _estimates(a, cfg, case: _Case, budget: int) -> dict:
     if here != a.target:
         rep[f"estimate_{here}"] = _estimate(a, case, case.batch, here, a.prefetch).as_dict()
     rep["comm_formula"] = memory.comm_formula(plan, backend=case.backend, grad_accum=a.grad_accum,
-                                              grad_sync=a.grad_sync)
+                                              grad_sync=a.grad_sync, trainable=case.trainable)
     if any(plan.moe_stages):
         rep["moe"] = moe.describe(plan)
     return rep
@@ -185,15 +195,17 @@ def _compiled(a, case: _Case) -> dict:
     if case.gpu:
         compiled = targets.compile_step(a.target, plan, case.optimizer, case.loss_fn, case.batch, a.grad_accum,
                                         overrides=dict(xla_option(o) for o in a.xla_option),
-                                        update_in_backward=a.update_in_backward, grad_sync=a.grad_sync)
+                                        update_in_backward=a.update_in_backward, grad_sync=a.grad_sync,
+                                        trainable=case.trainable)
     else:
         compiled = memory.compile_step(plan, case.optimizer, case.loss_fn, case.batch, a.grad_accum,
-                                       update_in_backward=a.update_in_backward, grad_sync=a.grad_sync)
+                                       update_in_backward=a.update_in_backward, grad_sync=a.grad_sync,
+                                       trainable=case.trainable)
     rep = {"compile_s": round(time.time() - t, 1), "compiled": {"backend": here, **memory.measure(compiled)},
            "comm_compiled": {"backend": here, **memory.comm_measured(compiled, plan.n_devices)}}
     if here != a.target:
         rep[f"comm_formula_{here}"] = memory.comm_formula(plan, backend=here, grad_accum=a.grad_accum,
-                                                          grad_sync=a.grad_sync)
+                                                          grad_sync=a.grad_sync, trainable=case.trainable)
     if case.gpu:
         text = compiled.as_text()
         ov = hlo.overlap(text, plan.n_devices)

@@ -207,11 +207,12 @@ _CUDNN = (9, 8)
 
 
 def compile_step(target: str, plan, optimizer, loss_fn, batch, grad_accum: int = 1, overrides: dict | None = None,
-                 update_in_backward: bool = False, grad_sync: str = "every"):
+                 update_in_backward: bool = False, grad_sync: str = "every", trainable=None):
     """jfsdp's real train step for `plan` (whose mesh is made of `devices(target, ...)`), compiled by
-    XLA:GPU for `target` with jfsdp's GPU options (`compiler_options(overrides)`). Nothing runs."""
+    XLA:GPU for `target` with jfsdp's GPU options (`compiler_options(overrides)`). Nothing runs.
+    `trainable`: make_train_step's (frozen parameters)."""
     from jfsdp.planning import memory
     with tracing_for(target):
         return memory.compile_step(plan, optimizer, loss_fn, batch, grad_accum,
                                    compiler_options(overrides, getattr(plan, "prefetch", False) or update_in_backward),
-                                   update_in_backward=update_in_backward, grad_sync=grad_sync)
+                                   update_in_backward=update_in_backward, grad_sync=grad_sync, trainable=trainable)

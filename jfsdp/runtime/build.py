@@ -106,17 +106,13 @@ def make_optimizer(c: TrainConfig, sharded) -> tuple:
 def trainable(c: TrainConfig, sharded):
     """--freeze REGEX -> make_train_step's `trainable` predicate (None: everything trains). A regex
     that matches no parameter, or every one, is bad input."""
-    if c.freeze is None:
+    predicate, hit = frozen.freeze(sharded, c.freeze)
+    if predicate is None:
         return None
-    hit = frozen.matching(sharded, c.freeze)
-    if not hit:
-        raise jfsdp.ConfigError(f"--freeze '{c.freeze}' matches no parameter; the paths are: "
-                                f"{', '.join(frozen.param_paths(sharded))}")
     if c.update_in_backward:
         raise jfsdp.ConfigError("--freeze cannot combine with --update-in-backward")
     note(f"frozen: {', '.join(hit)}")
-    hit = set(hit)
-    return lambda path: path not in hit
+    return predicate
 
 
 def model_metrics(models, model: ModelChoice) -> dict:

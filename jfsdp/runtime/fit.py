@@ -1,7 +1,7 @@
 """Does the run fit? `python train.py` asks the planner before it allocates anything.
 
-The planner's analytic estimate (`jfsdp.planning.estimate`, for this run's plan, optimizer, loss and
-micro-batch) is compared with the memory each device has:
+The planner's analytic estimate (`jfsdp.planning.estimate`, for this run's plan, optimizer, loss,
+micro-batch and frozen parameters) is compared with the memory each device has:
 - on GPUs (and TPUs), the device's memory (`memory_stats()['bytes_limit']`);
 - on fake CPU devices, the host memory available to the process (the smaller of the kernel's
   MemAvailable and what the cgroup's memory.max leaves), shared by this process's devices: the
@@ -90,6 +90,7 @@ class Case:
     update_in_backward: bool
     backend: str
     grad_sync: str = "every"
+    trainable: object = None   # make_train_step's (--freeze): frozen leaves have no gradient or optimizer state
 
     def estimate(self, batch_size=None, update_in_backward=None, sharded=None) -> int:
         """The estimate's total per device (bytes)."""
@@ -101,7 +102,7 @@ class Case:
         uib = self.update_in_backward if update_in_backward is None else update_in_backward
         return memory.estimate(sharded, self.optimizer, self.loss_fn, {"inputs": x, "targets": x},
                                prefetch=sharded.prefetch, backend=self.backend, update_in_backward=uib,
-                               grad_accum=self.grad_accum, grad_sync=self.grad_sync)
+                               grad_accum=self.grad_accum, grad_sync=self.grad_sync, trainable=self.trainable)
 
 
 def alternatives(case: Case, budget: int, reshard) -> list[str]:
@@ -124,7 +125,7 @@ def alternatives(case: Case, budget: int, reshard) -> list[str]:
         if e <= budget:
             out.append(f"--grad-sync every ({_gib(e)})")
     from jfsdp.train import update_in_backward
-    if (not case.update_in_backward and case.grad_sync != "once"
+    if (not case.update_in_backward and case.grad_sync != "once" and case.trainable is None
             and not update_in_backward.unsupported(full, case.grad_accum)):
         e = case.estimate(update_in_backward=True, sharded=full)
         if e <= budget:

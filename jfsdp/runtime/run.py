@@ -25,7 +25,6 @@ from jfsdp.runtime.config import TrainConfig
 from jfsdp.runtime.console import bad_input, fail, note
 from jfsdp.runtime.loop import train_loop
 from jfsdp.runtime.report import report
-from jfsdp.train import frozen
 
 
 def train(c: TrainConfig) -> int:
@@ -101,9 +100,8 @@ class Run:
         """Before anything is allocated: the planner's estimate against the devices' memory
         (jfsdp.runtime.fit); does not fit: one `error:` line with what would, exit status 2."""
         c = self.c
-        opt = frozen.optimizer(build.make_optimizer(c, self.sharded)[1], frozen.mask(self.sharded, self.trainable))
-        case = fit.Case(self.sharded, self.loss_fn, opt, c.batch_size,
-                        c.seq_len, c.grad_accum, c.update_in_backward, self.platform, c.grad_sync)
+        case = fit.Case(self.sharded, self.loss_fn, build.make_optimizer(c, self.sharded)[1], c.batch_size,
+                        c.seq_len, c.grad_accum, c.update_in_backward, self.platform, c.grad_sync, self.trainable)
 
         def reshard(remat):
             return build.shard_model(dataclasses.replace(c, remat=remat), self.models, self.model, self.mesh,

@@ -101,3 +101,18 @@ def matching(sharded, pattern: str) -> list[str]:
     except re.error as e:
         raise ConfigError(f"--freeze '{pattern}' is not a regular expression: {e}") from None
     return [p for p in param_paths(sharded) if rx.search(p)]
+
+
+def freeze(sharded, pattern: str | None, flag: str = "--freeze"):
+    """A command line's `--freeze REGEX` -> (make_train_step's `trainable` predicate, the frozen paths);
+    (None, []) without a pattern. A pattern that matches no parameter is bad input (ConfigError that
+    lists the paths); one that matches every parameter too (`mask`)."""
+    if pattern is None:
+        return None, []
+    hit = matching(sharded, pattern)
+    if not hit:
+        raise ConfigError(f"{flag} '{pattern}' matches no parameter; the paths are: {', '.join(param_paths(sharded))}")
+    hit_set = set(hit)
+    predicate = lambda path: path not in hit_set
+    mask(sharded, predicate)   # everything frozen: an error now, not at the step
+    return predicate, hit
