@@ -87,6 +87,25 @@ def test_rowwise_matmul_within_float8_bound_and_tighter_than_tensorwise_on_outli
         assert e_row < factor * e_tw, f"{name}: rowwise {e_row:.3f}, tensorwise {e_tw:.3f}"
 
 
+def test_e4m3_gradients_beat_e5m2_under_rowwise_scales():
+    """Why the rowwise recipe casts gradients to e4m3 (the tensorwise one takes e5m2): with one scale per
+    row, a row's range is what the format has to cover, and e4m3's extra mantissa bit halves the error.
+    Heavy-tailed rows (Student t, 3 degrees of freedom) whose sizes span 1e-3..1e3: the median row's
+    error of dX = g @ Wᵀ is 2.6% with e4m3 against 5.2% with e5m2 (the tensorwise e5m2 cast: 5.2%)."""
+    rng = np.random.default_rng(3)
+    g = (rng.standard_t(3, size=(1024, 256)) * np.logspace(-3, 3, 1024)[:, None]).astype(np.float32)
+    w = (rng.normal(size=(128, 256)) * 0.02).astype(np.float32)
+    want = g @ w.T
+
+    def row_err(dtype, axis):
+        g8, sg = rw.cast_along(jnp.asarray(g), axis, dtype)
+        got = (np.asarray(g8, np.float32) / np.asarray(sg)) @ w.T
+        return float(np.median(np.linalg.norm(got - want, axis=1) / np.linalg.norm(want, axis=1)))
+    e4, e5 = row_err(jnp.float8_e4m3fn, -1), row_err(jnp.float8_e5m2, -1)
+    tensorwise_e5 = row_err(jnp.float8_e5m2, (0, 1))
+    assert e4 < 0.6 * e5 and e4 < 0.6 * tensorwise_e5, (e4, e5, tensorwise_e5)
+
+
 # ---- the single-device reference, without jfsdp: every Dense of a unit multiplies in float8 with a
 # power-of-two scale per slice along each product's contracted axis (numpy-free jnp, written out here):
 # e4m3 everywhere, fp32 accumulation, output and dX in x's dtype, dW in the weight's dtype.
