@@ -39,7 +39,8 @@ def _args(argv):
     p.add_argument("--models", default="llama-test,llama-tiny", help="comma-separated names from models.CONFIGS")
     p.add_argument("--strategies", default="full_shard,shard_grad_op,no_shard")
     p.add_argument("--mesh", default="1x8")
-    p.add_argument("--precision", default="fp32", help="fp32, bf16 or fp8 (float8 unit matmuls and unit gathers)")
+    p.add_argument("--precision", default="fp32", help="fp32, bf16, fp8 (float8 unit matmuls and unit gathers) or "
+                   "fp8-rowwise (float8 unit matmuls with rowwise scales, bf16 gathers)")
     p.add_argument("--remat", default="none")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=128)

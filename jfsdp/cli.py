@@ -55,10 +55,11 @@ def model_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
                    "(DDP), hybrid_shard, hybrid_shard_zero2")
     g.add_argument("--model", default=d.model, help="named model config from models/__init__.py: llama-test, "
                    "llama-tiny, llama-small, llama-1b, llama-8b, llama-70b, moe-test, mixtral-8x7b")
-    g.add_argument("--precision", default=d.precision, choices=("fp32", "bf16", "fp8"),
+    g.add_argument("--precision", default=d.precision, choices=("fp32", "bf16", "fp8", "fp8-rowwise"),
                    help="fp32, or bf16 mixed precision (bf16 gathers and compute, fp32 master weights, "
                    "optimizer state and gradient reduction), or fp8: bf16 plus the units' dense matmuls in "
-                   "float8 with their weights all-gathered in float8 (docs/float8.md)")
+                   "float8 with their weights all-gathered in float8 (tensorwise scaling), or fp8-rowwise: float8 matmuls "
+                   "with a scale per row and column, weights gathered in bf16 (docs/float8.md)")
     g.add_argument("--remat", default=d.remat, choices=("none", "full", "dots"),
                    help="activation checkpointing per unit: none, full (save only the unit input), "
                    "dots (save matmul outputs)")

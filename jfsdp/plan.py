@@ -41,7 +41,8 @@ def _args(argv):
     p.add_argument("--mesh", required=True, help="RxS: R replicas (data) x S shards (fsdp)")
     p.add_argument("--strategy", default="full_shard")
     p.add_argument("--precision", default="bf16", help="fp32, bf16 (fp32 master, bf16 compute, fp32 reduce) or fp8 "
-                   "(bf16 plus float8 unit matmuls and unit gathers at 1 byte per parameter)")
+                   "(bf16 plus float8 unit matmuls and unit gathers at 1 byte per parameter) or fp8-rowwise (float8 "
+                   "unit matmuls with rowwise scales, unit gathers in bf16)")
     p.add_argument("--remat", default="full", help="none, full or dots (activation checkpointing per unit)")
     p.add_argument("--loss", default="fused", choices=("fused", "plain"),
                    help="fused (train.py's default): head and cross-entropy in chunks, no full logits; plain: logits")

@@ -396,3 +396,29 @@ def test_torchtitan_llama3_8b_fits_below_fsdp2_with_torch_compile():
     total = memory.measure(compiled)["total"]
     assert total < 77.0 * 2**30, total / 2**30
     assert "__cudnn$fmha" in compiled.as_text()  # the fused attention, no T x T scores kept
+
+
+@pytest.fixture(scope="module")
+def h100_rowwise():
+    """4 layers as h100[4] in fp8-rowwise: float8 unit matmuls with rowwise scales, unit gathers in bf16."""
+    return _case(4, precision="fp8-rowwise")
+
+
+def test_fp8_rowwise_gathers_bf16_and_multiplies_in_float8(h100, h100_rowwise):
+    """fp8-rowwise compiled for H100: no all-gather carries float8 (the kernels go out in bf16 and are cast
+    after the gather), the all-gather bytes are the bf16 program's and the planner's formula (2 bytes
+    per kernel element, no amax all-reduce); every unit gemm is e4m3 x e4m3 (gradients included), as
+    many as the bf16 program's unit gemms, and the root's stay bf16."""
+    cfg, plan, _, compiled, text = h100_rowwise
+    _, plan16, _, compiled16, text16 = h100[4]
+    assert {d for d, _ in _gathered_arrays(text)} == {d for d, _ in _gathered_arrays(text16)} == {"bf16"}
+    got, got16 = memory.comm_measured(compiled, S), memory.comm_measured(compiled16, S)
+    assert got["all-gather"] == pytest.approx(memory.comm_formula(plan, backend="gpu")["all-gather"], rel=1e-6)
+    assert got["all-gather"] == pytest.approx(got16["all-gather"], rel=1e-6)
+    assert got["reduce-scatter"] == pytest.approx(got16["reduce-scatter"], rel=1e-6)
+    unit = lambda gs: [g for g in gs if "LlamaBlock" in g.op_name]
+    root = lambda gs: [g for g in gs if "LlamaRoot" in g.op_name]
+    g8, g16 = hlo.gemms(text), hlo.gemms(text16)
+    assert unit(g8) and {d for g in unit(g8) for d in g.dtypes} == {"f8e4m3fn"}, [(g.name, g.dtypes) for g in unit(g8)]
+    assert all(g.float8 for g in unit(g8)) and len(unit(g8)) == len(unit(g16))
+    assert root(g8) and all(g.dtypes == ("bf16", "bf16") for g in root(g8)) and len(root(g8)) == len(root(g16))

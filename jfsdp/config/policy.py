@@ -60,15 +60,21 @@ def _dtype(x):
     return np.dtype(x)
 
 
+FLOAT8_RECIPES = ("tensorwise", "rowwise")
+
+
 @dataclasses.dataclass(frozen=True)
 class Float8:
     """Which of the units' dense matmuls run in float8 (jfsdp/engine/float8.py), as torchtitan's
     filter_fqns, by path or by size. `skip`: regular expressions searched in a kernel's path inside its
     unit (e.g. "router", "attention"); `min_size`: kernels with fewer elements stay bf16 (small matmuls
     lose more to scaling than they gain). Kernels with a dimension that is not a multiple of 16 stay
-    bf16 (float8 gemms on H100 need it). The root (embedding, head, norms) is never float8."""
+    bf16 (float8 gemms on H100 need it). The root (embedding, head, norms) is never float8. `recipe`:
+    "tensorwise" (one scale per tensor, weights all-gathered in float8) or "rowwise" (a scale per row of
+    the activation and per column of the weight, weights all-gathered in param_dtype; docs/float8.md)."""
     skip: tuple = ("router",)
     min_size: int = 0
+    recipe: str = "tensorwise"
 
     def __post_init__(self):
         object.__setattr__(self, "skip", (self.skip,) if isinstance(self.skip, str) else tuple(self.skip))
@@ -79,6 +85,8 @@ class Float8:
                 raise ConfigError(f"float8 skip pattern {p!r} is not a regular expression: {e}") from None
         if not isinstance(self.min_size, int) or self.min_size < 0:
             raise ConfigError(f"float8 min_size must be a non-negative integer, got {self.min_size!r}")
+        if self.recipe not in FLOAT8_RECIPES:
+            raise ConfigError(f"unknown float8 recipe {self.recipe!r}; choose from {', '.join(FLOAT8_RECIPES)}")
 
     def select(self, kernels: dict) -> dict:
         """{path: shape} -> those of the kernels that run in float8."""
@@ -118,9 +126,9 @@ class MixedPrecision:
             return cls()
         if name in ("bf16", "bfloat16"):
             return cls(param_dtype=ml_dtypes.bfloat16, reduce_dtype=np.float32, output_dtype=np.float32)
-        if name in ("fp8", "float8"):
+        if name in ("fp8", "float8", "fp8-rowwise"):
             return cls(param_dtype=ml_dtypes.bfloat16, reduce_dtype=np.float32, output_dtype=np.float32,
-                       float8=Float8())
+                       float8=Float8(recipe="rowwise" if name == "fp8-rowwise" else "tensorwise"))
         raise ConfigError(f"unknown precision '{name}'; choose from {', '.join(PRECISIONS)}")
 
 
@@ -132,7 +140,7 @@ class MixedPrecision:
         return out
 
 
-PRECISIONS = ("fp32", "bf16", "fp8")
+PRECISIONS = ("fp32", "bf16", "fp8", "fp8-rowwise")
 
 
 def wire_dtype(dtype, backend: str):

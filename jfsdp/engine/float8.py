@@ -41,6 +41,7 @@ from jfsdp.config.policy import Float8
 from jfsdp.config.mesh import FSDP_AXIS
 from jfsdp.engine.fsdp import Comm, Unreduced, reduce_gradient, treat_as_unshard, treat_as_dot
 from jfsdp.engine.layout import Layout, is_layout, paths
+from jfsdp.engine.float8_rowwise import RowwiseLayout, RowwiseWeight
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 EPS = 1e-12   # amax floor: an all-zero tensor gets a finite scale
@@ -74,6 +75,10 @@ class Float8Weight(nn.meta.AxisMetadata):
     data: Any
     scale: Any
 
+    def dot(self, x, out_dtype):
+        """x (..., K) @ this weight seen as (K, N): `float8_dot`."""
+        return float8_dot(x, self.data.reshape(x.shape[-1], -1), self.scale, out_dtype)
+
     def unbox(self):
         return dequantize(self.data, self.scale)
 
@@ -85,6 +90,9 @@ class Float8Weight(nn.meta.AxisMetadata):
 
     def remove_axis(self, index, params):
         return self
+
+
+KERNELS = (Float8Weight, RowwiseWeight)   # gathered kernels that the interceptor runs in float8 (`.dot`)
 
 
 # ---- the matmul: e4m3 x e4m3 forward, e5m2 gradients, fp32 accumulation, bf16 out
@@ -186,9 +194,9 @@ treat_as_dot(DOT_OUT)
 
 
 def kernel_of(module):
-    """The raw kernel variable a Dense module will read (boxes other than Float8Weight opened)."""
+    """The raw kernel variable a Dense module will read (boxes other than the float8 KERNELS opened)."""
     k = module.get_variable("params", "kernel")
-    while isinstance(k, nn.meta.AxisMetadata) and not isinstance(k, Float8Weight):
+    while isinstance(k, nn.meta.AxisMetadata) and not isinstance(k, KERNELS):
         k = k.unbox()
     return k
 
@@ -203,7 +211,7 @@ def _dense_call(mod, x, w: Float8Weight):
     k = math.prod(x.shape[a] for a in axes)
     feats = w.data.shape[len(axes):]
     out_dtype = mod.dtype or x.dtype
-    y = float8_dot(xt.reshape(*xt.shape[:len(rest)], k), w.data.reshape(k, -1), w.scale, out_dtype)
+    y = w.dot(xt.reshape(*xt.shape[:len(rest)], k), out_dtype)   # Float8Weight or RowwiseWeight
     y = y.reshape(*xt.shape[:len(rest)], *feats)
     if mod.use_bias:
         y = y + jnp.asarray(nn.meta.unbox(mod.get_variable("params", "bias"))).astype(out_dtype)
@@ -221,7 +229,7 @@ def interceptor(next_fun, args, kwargs, context):
     if context.method_name != "__call__" or not handles(mod) or not mod.has_variable("params", "kernel"):
         return next_fun(*args, **kwargs)
     w = kernel_of(mod)
-    if not isinstance(w, Float8Weight):
+    if not isinstance(w, KERNELS):
         return next_fun(*args, **kwargs)
     return _dense_call(mod, *args, w)
 
@@ -254,22 +262,25 @@ def mark_stages(model, h_shapes, stage_layouts, spec: Float8, param_dtype) -> li
                               is_leaf=is_layout)
         kernels = dense_kernels(st.unit, params, h_shapes[j])
         found.update({f"stage {j}{p}": s for p, s in kernels.items()})
-        out.append(mark(layouts, spec.select(kernels)))
-    if not any(isinstance(l, Float8Layout) for t in out for l in jax.tree.leaves(t, is_leaf=is_layout)):
+        out.append(mark(layouts, spec.select(kernels), spec.recipe))
+    marked = (Float8Layout, RowwiseLayout)
+    if not any(isinstance(l, marked) for t in out for l in jax.tree.leaves(t, is_leaf=is_layout)):
         raise ConfigError(f"float8: the filter selects no unit matmul ({len(found)} Dense kernels in the units; "
                           f"skip={list(spec.skip)}, min_size={spec.min_size}; dimensions must be multiples of 16)")
     return out
 
 
-def mark(layouts, selected) -> Any:
-    """The unit's layout tree with the selected kernels' leaves as `Float8Layout`s."""
+def mark(layouts, selected, recipe="tensorwise") -> Any:
+    """The unit's layout tree with the selected kernels' leaves as `Float8Layout`s (`RowwiseLayout`s for
+    the rowwise recipe, jfsdp/engine/float8_rowwise.py)."""
+    cls = RowwiseLayout if recipe == "rowwise" else Float8Layout
     flat = paths(layouts, is_layout)
     missing = set(selected) - set(flat)
     if missing:
         raise ConfigError(f"float8: kernels {sorted(missing)} are not parameters of the unit")
     leaves, treedef = jax.tree_util.tree_flatten_with_path(layouts, is_leaf=is_layout)
     return jax.tree_util.tree_unflatten(treedef, [
-        Float8Layout(l.shape, l.dtype, l.shards) if jax.tree_util.keystr(p) in selected else l for p, l in leaves])
+        cls(l.shape, l.dtype, l.shards) if jax.tree_util.keystr(p) in selected else l for p, l in leaves])
 
 
 @dataclasses.dataclass(frozen=True)

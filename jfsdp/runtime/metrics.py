@@ -63,7 +63,7 @@ def peak_flops(device, precision: str = "bf16") -> float | None:
     kind = getattr(device, "device_kind", "")
     for key, (bf16, fp32) in PEAK_FLOPS.items():
         if key.lower() in kind.lower():
-            return bf16 if precision in ("bf16", "fp8") else fp32  # fp8: MFU against the bf16 peak
+            return bf16 if precision in ("bf16", "fp8", "fp8-rowwise") else fp32  # fp8: MFU against the bf16 peak
     return None
 
 
