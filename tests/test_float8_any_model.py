@@ -140,7 +140,7 @@ def test_linen_as_is_fp8_matches_single_device_fp8(llama_case, scanned):
 
 
 # ---- NNX: nnx.Linear intercepted
-def _nnx_reference(model, batches, mask=None):
+def _nnx_reference(model, batches, mask=None, float8=True):
     """(losses, first-step gradients) of the plain trainer, nnx.Linear in float8 (ref.float8_linear)."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
@@ -151,15 +151,23 @@ def _nnx_reference(model, batches, mask=None):
     pure = params.to_pure_dict()
     mask = mask or jax.tree.map(lambda x: x.ndim >= 2, pure)
     with pytest.MonkeyPatch.context() as mp, jax.default_device(jax.devices()[0]):
-        mp.setattr(nnx.Linear, "__call__", ref.float8_linear)
+        if float8:
+            mp.setattr(nnx.Linear, "__call__", ref.float8_linear)
         losses, _, grads = ref.run_steps(reference_optimizer(mask), per_device(loss), pure, batches)
     return losses, grads
 
 
+# The NNX decoder (attention over a sliding window, GELU MLP) is more sensitive to float8 rounding
+# flips once AdamW has moved the weights: the reference against itself, with the devices' rows run by
+# vmap and by a Python loop (the same computation, summed in another order), differs by 3.7e-5 in the
+# first loss and by 2.1e-3 in the third (measured 2026-11-24, XLA:CPU, AVX2). The engine against the
+# reference: first-step gradients 6e-7 in L2, losses equal in the first two steps, 8.1e-4 in the third.
+# Bounds: the first loss 1e-3 (as Linen's), later ones 1e-2, gradients 5%; without float8 the
+# gradients are further than twice what is measured.
 def test_nnx_as_is_fp8_matches_single_device_fp8():
     """The NNX decoder of examples/ (nnx.List of blocks of two kinds, Linear layers with and without
     bias) in float8 on 1x4: every Linear kernel float8; losses and first-step gradients against the
-    reference within the Linen bounds; the loss goes down."""
+    reference; the loss goes down."""
     cfg = nnx_ex.Config(layers=2, width=48, mlp=96)
     batches = [{k: jnp.asarray(v) for k, v in b.items()} for b in nnx_ex.data(cfg, STEPS, BATCH, SEQ, seed=1)]
     model = nnx_ex.Decoder(cfg, nnx.Rngs(params=0, dropout=1))
@@ -170,8 +178,11 @@ def test_nnx_as_is_fp8_matches_single_device_fp8():
     losses, grads, _ = train(plan, nnx_ex.loss_fn, batches)
     errs = leaf_errors(grads, want_grads)
     assert max(errs.values()) <= 0.05, errs
-    np.testing.assert_allclose(losses, want_losses, rtol=1e-3)
+    np.testing.assert_allclose(losses[0], want_losses[0], rtol=1e-3)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-2)
     assert losses[-1] < losses[0]
+    plain = _nnx_reference(model, batches[:1], float8=False)[1]
+    assert max(leaf_errors(grads, plain).values()) > 2 * max(max(errs.values()), 0.025)
 
 
 class ScanBlock(nnx.Module):
