@@ -7,6 +7,7 @@ taken with respect to the fp32 parameters.
 """
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -171,3 +172,52 @@ def param_atol(steps, lr=LR):
 
 
 PARAM_ATOL = param_atol(3)   # the 3-step tests
+
+
+# ---- float8 (docs/float8.md's recipe: tensorwise dynamic scaling, e4m3 forward, e5m2 gradients), written
+# without jfsdp: a matmul whose operands are rounded to float8 with their own amax scale and computed in fp32
+
+def float8_round(x, dtype):
+    """x rounded to `dtype` (a float8 type) with the tensorwise scale fmax / amax(x), back in fp32."""
+    m = float(jnp.finfo(dtype).max)
+    s = m / jnp.maximum(jnp.max(jnp.abs(x)).astype(jnp.float32), 1e-12)
+    return jnp.clip(x.astype(jnp.float32) * s, -m, m).astype(dtype).astype(jnp.float32) / s
+
+
+@jax.custom_vjp
+def float8_matmul(x, k):
+    """x (..., K) @ k (K, N): both operands in e4m3, the product in x's dtype."""
+    return (float8_round(x, jnp.float8_e4m3fn) @ float8_round(k, jnp.float8_e4m3fn)).astype(x.dtype)
+
+
+def _float8_matmul_fwd(x, k):
+    return float8_matmul(x, k), (x, k)
+
+
+def _float8_matmul_bwd(res, g):
+    x, k = res
+    g8, x8, k8 = (float8_round(g, jnp.float8_e5m2), float8_round(x, jnp.float8_e4m3fn),
+                  float8_round(k, jnp.float8_e4m3fn))
+    dk = x8.reshape(-1, x.shape[-1]).T @ g8.reshape(-1, g.shape[-1])
+    return (g8 @ k8.T).astype(x.dtype), dk.astype(x.dtype).astype(k.dtype)   # dk in the compute dtype
+
+
+float8_matmul.defvjp(_float8_matmul_fwd, _float8_matmul_bwd)
+
+
+def float8_dense(in_unit):
+    """A Linen method interceptor: every `nn.Dense` whose module path satisfies `in_unit` (a predicate on
+    the path tuple) runs `float8_matmul` (plus its bias); everything else as written."""
+    def intercept(next_fun, args, kwargs, context):
+        mod = context.module
+        if context.method_name == "__call__" and isinstance(mod, nn.Dense) and in_unit(mod.path):
+            y = float8_matmul(args[0], mod.get_variable("params", "kernel"))
+            return y + mod.get_variable("params", "bias").astype(y.dtype) if mod.use_bias else y
+        return next_fun(*args, **kwargs)
+    return intercept
+
+
+def float8_linear(self, x):
+    """`nnx.Linear.__call__` in float8 (a test patches it in with monkeypatch for the reference)."""
+    y = float8_matmul(x, self.kernel[...])
+    return y + self.bias[...].astype(y.dtype) if self.bias is not None else y

@@ -26,6 +26,7 @@ from jfsdp.config.errors import ConfigError
 from jfsdp.config.mesh import AXES, mesh_shape
 from jfsdp.engine.fsdp import Unreduced, unshard, unshard_tree
 from jfsdp.engine.flax_models import Found, UnitMatcher, adapt
+from jfsdp.engine.float8_any import mark_units, unit_compute
 from jfsdp.engine.model_tree import path_text, scanned_units, subtree, with_subtree, without
 from jfsdp.engine.layout import is_layout, listing, paths
 from jfsdp.engine.sharded import FSDP
@@ -79,6 +80,8 @@ class AsIs(FSDP):
         for (_, k), l in zip(self._leaf_paths(), jax.tree.leaves(self.layouts, is_leaf=is_layout)):
             if self.unit_of[k] is not None:
                 self.leaf_layouts.setdefault(self.unit_of[k], []).append(l)
+        if self.mp.float8 is not None:   # the selected unit kernels gathered and multiplied in float8
+            self.leaf_layouts = mark_units(self)
 
     # ---- what the model is made of
     def _discover(self):
@@ -210,6 +213,8 @@ class AsIs(FSDP):
 
         def hook(path, shards, fn, inputs):
             ls = jax.tree.unflatten(jax.tree.structure(shards, is_leaf=_is_pair), self._unit_layouts(path, shards))
+            if self.mp.float8 is not None:
+                return call_unit(unit_compute(fn, ls, self.comm), shards, inputs, self.policy)
             return call_unit(lambda s, i: fn(unshard_tree(s, ls, self.comm), i), shards, inputs, self.policy)
         key = self._step_key(rows)
         units = set(self.units)

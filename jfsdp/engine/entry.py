@@ -67,9 +67,6 @@ def fully_shard(model, mesh, example_inputs, *, units=None, call: Callable | Non
                               "model's own loop, which the prefetch pipeline cannot reorder; use jfsdp.Stacked for it")
         if moe is not None:
             raise ConfigError("moe= applies to jfsdp.Stacked / jfsdp.Staged models")
-        if getattr(mp_policy, "float8", None) is not None:
-            raise ConfigError("float8 precision is not supported for a model given as it is yet (its units' Dense "
-                              "kernels are chosen by tracing each Stacked/Staged unit); use bf16, or jfsdp.Stacked")
         if not isinstance(example_inputs, Mapping) and not hasattr(example_inputs, "shape"):
             raise ConfigError("example_inputs must be a batch dict of arrays or ShapeDtypeStructs (or an inputs array), "
                               f"got {type(example_inputs).__name__}")

@@ -290,7 +290,9 @@ class Float8Layout(Layout):
     wire_itemsize: ClassVar[int] = 1
 
     def unshard(self, shard, comm: Comm, amax=None):
-        return unshard_float8(shard, self, comm, amax)
+        # an Unreduced pair (grad_sync='once') reaches this only from the stage passes (pipeline.py),
+        # which take the unit's gradient from its VJP, never through this gather
+        return unshard_float8(shard.shard if isinstance(shard, Unreduced) else shard, self, comm, amax)
 
     def reduce(self, g, comm: Comm):
         return reduce_gradient(g.data if isinstance(g, Float8Weight) else g, self, comm)
