@@ -205,13 +205,47 @@ def _float8_matmul_bwd(res, g):
 float8_matmul.defvjp(_float8_matmul_fwd, _float8_matmul_bwd)
 
 
-def float8_dense(in_unit):
+# ---- float8, rowwise (docs/float8.md, rowwise scaling): e4m3 everywhere, a power-of-two scale per slice
+# along each product's contracted axis, fp32 accumulation, output and dX in x's dtype, dW in k's
+def rowwise_round(a, axis):
+    """a rounded to e4m3 with a power-of-two scale per slice along `axis` (the largest not above 448/amax)."""
+    fmax = 448.0
+    amax = jnp.max(jnp.abs(a.astype(jnp.float32)), axis=axis, keepdims=True)
+    s = 2.0 ** jnp.floor(jnp.log2(fmax / jnp.maximum(amax, 1e-12)))
+    s = jnp.where(s * amax > fmax, s / 2, jnp.where(2 * s * amax <= fmax, 2 * s, s))   # log2's own rounding
+    return jnp.clip(a.astype(jnp.float32) * s, -fmax, fmax).astype(jnp.float8_e4m3fn).astype(jnp.float32) / s
+
+
+@jax.custom_vjp
+def rowwise_matmul(x, k):
+    """x (..., K) @ k (K, N): x scaled per row, k per column."""
+    return (rowwise_round(x, -1) @ rowwise_round(k, 0)).astype(x.dtype)
+
+
+def _rowwise_matmul_fwd(x, k):
+    return rowwise_matmul(x, k), (x, k)
+
+
+def _rowwise_matmul_bwd(res, g):
+    x, k = res
+    dx = rowwise_round(g, -1) @ rowwise_round(k, 1).T
+    x2, g2 = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
+    return dx.astype(x.dtype), (rowwise_round(x2, 0).T @ rowwise_round(g2, 0)).astype(k.dtype)
+
+
+rowwise_matmul.defvjp(_rowwise_matmul_fwd, _rowwise_matmul_bwd)
+
+
+def float8_dense(in_unit, matmul=None):
     """A Linen method interceptor: every `nn.Dense` whose module path satisfies `in_unit` (a predicate on
-    the path tuple) runs `float8_matmul` (plus its bias); everything else as written."""
+    the path tuple) runs `matmul` (`float8_matmul`, tensorwise, by default; `rowwise_matmul`) plus its
+    bias; everything else as written."""
+    matmul = matmul or float8_matmul
+
     def intercept(next_fun, args, kwargs, context):
         mod = context.module
         if context.method_name == "__call__" and isinstance(mod, nn.Dense) and in_unit(mod.path):
-            y = float8_matmul(args[0], mod.get_variable("params", "kernel"))
+            y = matmul(args[0], mod.get_variable("params", "kernel"))
             return y + mod.get_variable("params", "bias").astype(y.dtype) if mod.use_bias else y
         return next_fun(*args, **kwargs)
     return intercept

@@ -106,39 +106,13 @@ def test_e4m3_gradients_beat_e5m2_under_rowwise_scales():
     assert e4 < 0.6 * e5 and e4 < 0.6 * tensorwise_e5, (e4, e5, tensorwise_e5)
 
 
-# ---- the single-device reference, without jfsdp: every Dense of a unit multiplies in float8 with a
-# power-of-two scale per slice along each product's contracted axis (numpy-free jnp, written out here):
-# e4m3 everywhere, fp32 accumulation, output and dX in x's dtype, dW in the weight's dtype.
-def _q(a, axis):
-    amax = jnp.max(jnp.abs(a.astype(jnp.float32)), axis=axis, keepdims=True)
-    s = 2.0 ** jnp.floor(jnp.log2(FMAX / jnp.maximum(amax, 1e-12)))
-    s = jnp.where(s * amax > FMAX, s / 2, jnp.where(2 * s * amax <= FMAX, 2 * s, s))   # log2's own rounding
-    return jnp.clip(a.astype(jnp.float32) * s, -FMAX, FMAX).astype(jnp.float8_e4m3fn).astype(jnp.float32) / s
-
-
-@jax.custom_vjp
-def _ref_dense(x, k):
-    return (_q(x, -1) @ _q(k, 0)).astype(x.dtype)
-
-
-def _ref_fwd(x, k):
-    return _ref_dense(x, k), (x, k)
-
-
-def _ref_bwd(res, g):
-    x, k = res
-    dx = _q(g, -1) @ _q(k, 1).T
-    x2, g2 = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
-    return dx.astype(x.dtype), (_q(x2, 0).T @ _q(g2, 0)).astype(k.dtype)
-
-
-_ref_dense.defvjp(_ref_fwd, _ref_bwd)
-
-
+# ---- the single-device reference, without jfsdp: tests/reference.py's rowwise_matmul for every Dense of
+# a unit (e4m3 everywhere with a power-of-two scale per slice along each product's contracted axis, fp32
+# accumulation, output and dX in x's dtype, dW in the weight's dtype).
 def _ref_interceptor(next_fun, args, kwargs, context):
     mod = context.module
     if context.method_name == "__call__" and isinstance(mod, nn.Dense):
-        return _ref_dense(args[0], mod.get_variable("params", "kernel"))
+        return ref.rowwise_matmul(args[0], mod.get_variable("params", "kernel"))
     return next_fun(*args, **kwargs)
 
 

@@ -31,7 +31,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jfsdp.config.errors import ConfigError
-from jfsdp.engine.float8 import Float8Layout, Float8Weight, float8_dot, handles, interceptor
+from jfsdp.engine.float8 import KERNELS, Float8Layout, handles, interceptor
+from jfsdp.engine.float8_rowwise import RowwiseLayout
 from jfsdp.engine.fsdp import Unreduced, unshard_tree
 from jfsdp.engine.layout import is_layout
 
@@ -94,17 +95,21 @@ def nnx_kernels(plan) -> dict:
     return found
 
 
+MARKED = (Float8Layout, RowwiseLayout)   # unit kernels run in float8 (tensorwise, rowwise recipes)
+
+
 def mark_units(plan) -> dict:
     """`plan.leaf_layouts` with the kernels that `plan.mp.float8` selects as `Float8Layout`s.
     ConfigError when the filter selects none."""
     spec = plan.mp.float8
+    cls = RowwiseLayout if spec.recipe == "rowwise" else Float8Layout
     kernels = linen_kernels(plan) if plan.model.kind == "linen" else nnx_kernels(plan)
     names = unit_leaf_paths(plan)
     out = {}
     for u, ls in plan.leaf_layouts.items():
         chosen = spec.select(kernels.get(u, {}))
-        out[u] = [Float8Layout(l.shape, l.dtype, l.shards) if p in chosen else l for p, l in zip(names[u], ls)]
-    if not any(isinstance(l, Float8Layout) for ls in out.values() for l in ls):
+        out[u] = [cls(l.shape, l.dtype, l.shards) if p in chosen else l for p, l in zip(names[u], ls)]
+    if not any(isinstance(l, MARKED) for ls in out.values() for l in ls):
         what = "Dense" if plan.model.kind == "linen" else "nnx.Linear"
         n = sum(len(k) for k in kernels.values())
         raise ConfigError(f"float8: the filter selects no unit matmul ({n} {what} kernels in the units; "
@@ -112,10 +117,11 @@ def mark_units(plan) -> dict:
     return out
 
 
-def _linear_call(mod, x, w: Float8Weight):
-    """nnx.Linear on a float8 kernel: one float8_dot over the last axis, bias added in the output dtype."""
+def _linear_call(mod, x, w):
+    """nnx.Linear on a float8 kernel (a `float8.KERNELS` box): its float8 matmul over the last axis, bias
+    added in the output dtype."""
     out_dtype = mod.dtype or x.dtype
-    y = float8_dot(x, w.data, w.scale, out_dtype)
+    y = w.dot(x, out_dtype)
     if mod.bias is not None:
         y = y + jnp.asarray(mod.bias[...]).astype(out_dtype)
     return y
@@ -128,7 +134,7 @@ def intercepted():
 
     def __call__(self, x, *args, **kwargs):
         w = self.kernel.get_value() if hasattr(self.kernel, "get_value") else self.kernel.value
-        if not isinstance(w, Float8Weight):
+        if not isinstance(w, KERNELS):
             return original(self, x, *args, **kwargs)
         return _linear_call(self, x, w)
     nnx.Linear.__call__ = __call__
@@ -143,7 +149,7 @@ def unit_compute(fn, layouts, comm):
     """`(shards, inputs) -> outputs` of a unit call: the shards gathered with `layouts` (float8 leaves
     in float8) and `fn` (the unit on whole parameters) run with the float8 matmuls intercepted."""
     def compute(shards, inputs):
-        pairs = jax.tree.leaves(jax.tree.map(lambda l, s: isinstance(l, Float8Layout) and isinstance(s, Unreduced),
+        pairs = jax.tree.leaves(jax.tree.map(lambda l, s: isinstance(l, MARKED) and isinstance(s, Unreduced),
                                              layouts, shards, is_leaf=is_layout))
         if any(pairs):
             raise ConfigError("float8 with grad_sync='once' is not supported: the float8 all-gather reduces each "

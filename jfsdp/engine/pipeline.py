@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jfsdp.engine.float8 import unit_amaxes
+from jfsdp.engine.float8 import KERNELS, unit_amaxes
 from jfsdp.engine.fsdp import Comm, Unreduced, reduce_tree, unshard_tree
-from jfsdp.engine.layout import at_row
+from jfsdp.engine.layout import at_row, is_layout
 
 
 def tie(a, b, on_cpu: bool):
@@ -103,8 +103,10 @@ class StagePasses:
         return unshard_tree(shards, self.layouts, self.comm, amax)
 
     def reduce(self, grads):
-        if self.unreduced:
-            return jax.tree.map(lambda g: g.astype(self.comm.reduce_dtype or g.dtype), grads)
+        if self.unreduced:   # whole, in the reduce dtype (a float8 kernel's gradient comes boxed: its data)
+            whole = lambda g: g.data if isinstance(g, KERNELS) else g
+            return jax.tree.map(lambda l, g: whole(g).astype(self.comm.reduce_dtype or whole(g).dtype), self.layouts,
+                                grads, is_leaf=is_layout)
         return reduce_tree(grads, self.layouts, self.comm)
 
     def unit(self, g, h):
