@@ -135,14 +135,18 @@ def test_peak_below_the_usual_step_by_most_of_a_gradient():
     assert abs(m["estimate"] / m["in_backward"] - 1) < 0.10, m
 
 
-def test_prefetch_pipeline_matches_single_device():
+@pytest.mark.parametrize("mesh_spec,strategy,remat", [("2x4", "full_shard", "full"), ("2x4", "full_shard", "dots"),
+                                                      ("1x8", "full_shard", "none"), ("2x4", "shard_grad_op", "dots")])
+def test_prefetch_pipeline_matches_single_device(mesh_spec, strategy, remat):
     """The prefetch pipeline's own VJP (the usual step over `_stage_passes`, which the in-backward
-    step shares; on by default on GPUs only) on CPU devices: hybrid 2x4, the reference's losses and
-    parameters."""
+    step shares; on by default on GPUs only) on CPU devices, under every remat policy (each unit's VJP
+    residuals saved as the policy says, the gathered unit regathered) and ZeRO-2 (the gathered unit
+    saved): the reference's losses and parameters."""
     case = te.get_case("llama")
-    mesh = jfsdp.make_mesh("2x4", devices=jax.devices()[:8])
+    r, s = jfsdp.parse_mesh(mesh_spec)
+    mesh = jfsdp.make_mesh(mesh_spec, devices=jax.devices()[: r * s])
     plan = jfsdp.fully_shard(jfsdp.Stacked(case["root"], case["unit"], case["n"]), mesh, case["batches"][0]["inputs"],
-                             strategy="full_shard", remat="full", prefetch=True)
+                             strategy=strategy, remat=remat, prefetch=True)
     assert plan.prefetch
     opt = jfsdp.adamw(ref.LR, b1=ref.B1, b2=ref.B2, eps=ref.EPS, weight_decay=ref.WD, clip_norm=ref.CLIP,
                       mask=plan.decay_mask())

@@ -130,7 +130,7 @@ def make_train_step(sharded: FSDP, optimizer: optax.GradientTransformation, loss
 
     `grad_sync`: with grad_accum = k > 1, 'every' (default) reduce-scatters each micro-batch's
     gradients; 'once' adds them up unreduced on each device (one unsharded gradient of the model in
-    the reduce dtype with the prefetch pipeline, two with the plain scan) and reduces once per step: 1/k of the reduce-scatter traffic, same result
+    the reduce dtype) and reduces once per step: 1/k of the reduce-scatter traffic, same result
     (jfsdp/engine/accumulate.py). Not with update_in_backward or expert-parallel MoE stages.
 
     `trainable`: a tree of booleans like the parameters (or a prefix of it), or a predicate on a
