@@ -236,8 +236,9 @@ GPU_HEAD = ["compiled (XLA:GPU)", "temp", "state", "estimate", "communication (H
 def gpu_target_page() -> list[str]:
     d = load("gpu_target_h100.json")
     out = ["# Compiled for an H100 without one", ""] + source("gpu_target_h100.json", d)
-    out += ["bf16 mixed precision, AdamW, cuDNN attention, jfsdp's GPU defaults: FULL_SHARD with remat full runs "
-            "the prefetch pipeline with `PREFETCH_GPU_FLAGS`, the other rows the plain scan with `GPU_FLAGS` "
+    out += ["bf16 mixed precision, AdamW, cuDNN attention, plain logits loss, jfsdp's GPU defaults: FULL_SHARD runs "
+            "the prefetch pipeline with `PREFETCH_GPU_FLAGS` (under every remat policy since 2026-11-24; the "
+            "'path' column says which ran), the other rows the plain scan with `GPU_FLAGS` "
             "(`jfsdp.config.xla_flags`). GiB per device; communication = bytes sent per device per step; "
             "exposed / hidden = all-gather and reduce-scatter bytes with no matmul or loop in flight / with one "
             "(`jfsdp.planning.hlo.overlap`).", ""]

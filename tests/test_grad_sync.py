@@ -203,7 +203,7 @@ def test_one_unsharded_gradient_on_a_gpu_target():
         c = {s: targets.compile_step("h100", plan, optax.sgd(LR), models.loss_fn(WIDE), {"inputs": x, "targets": x},
                                      K, grad_sync=s) for s in ("every", "once")}
     extra = memory.measure(c["once"])["total"] - memory.measure(c["every"])["total"]
-    assert 0 < extra <= 1.10 * _whole(plan), (extra, _whole(plan))   # measured 1.007 (2026-11-23)
+    assert 0 < extra <= 1.10 * _whole(plan), (extra, _whole(plan))   # measured 0.72 (2026-11-24; 1.007 on 11-23)
     rs = [memory.comm_measured(c[s], 8)["reduce-scatter"] for s in ("once", "every")]
     assert rs[0] == pytest.approx(rs[1] / K, rel=0.05)
 
