@@ -8,6 +8,7 @@ taken with respect to the fp32 parameters.
 from __future__ import annotations
 
 import flax.linen as nn
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -255,3 +256,39 @@ def float8_linear(self, x):
     """`nnx.Linear.__call__` in float8 (a test patches it in with monkeypatch for the reference)."""
     y = float8_matmul(x, self.kernel[...])
     return y + self.bias[...].astype(y.dtype) if self.bias is not None else y
+
+
+def leaf_errors(got, want):
+    """{path: L2 of got - want over L2 of want} per leaf (float64)."""
+    return {jax.tree_util.keystr(p): np.linalg.norm(np.asarray(g, np.float64) - w) / np.linalg.norm(w)
+            for (p, w), g in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(got))}
+
+
+class ScanBlock(nnx.Module):
+    """A residual layer norm + linear block, for NNX models that scan their layers."""
+
+    def __init__(self, rngs, width=16):
+        self.norm, self.linear = nnx.LayerNorm(width, rngs=rngs), nnx.Linear(width, width, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.linear(self.norm(x))
+
+
+class ScanModel(nnx.Module):
+    """An NNX model whose layers are made with nnx.vmap (parameters stacked on a layer axis) and run by
+    nnx.scan: what jfsdp must take as it is, scan kept (tests/test_any_model.py, test_float8_any_model.py)."""
+
+    def __init__(self, n, rngs, width=16):
+        self.embed = nnx.Embed(13, width, rngs=rngs)
+
+        @nnx.split_rngs(splits=n)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(rngs):
+            return ScanBlock(rngs, width)
+        self.layers = make(rngs)
+
+    def __call__(self, tokens):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def body(h, layer):
+            return layer(h)
+        return self.embed.attend(body(self.embed(tokens), self.layers))

@@ -401,37 +401,10 @@ def test_linen_scan_keeps_its_scan_and_equals_single_device():
     assert_close(losses, ref_losses, sharded.gather(state.params), ref_final)
 
 
-class ScanBlock(nnx.Module):
-    def __init__(self, rngs):
-        self.norm, self.linear = nnx.LayerNorm(16, rngs=rngs), nnx.Linear(16, 16, rngs=rngs)
-
-    def __call__(self, x):
-        return x + self.linear(self.norm(x))
-
-
-class ScanModel(nnx.Module):
-    """Layers made with nnx.vmap (parameters stacked on a layer axis), run with nnx.scan."""
-
-    def __init__(self, n, rngs):
-        self.embed = nnx.Embed(13, 16, rngs=rngs)
-
-        @nnx.split_rngs(splits=n)
-        @nnx.vmap(in_axes=(0,), out_axes=0)
-        def make(rngs):
-            return ScanBlock(rngs)
-        self.layers = make(rngs)
-
-    def __call__(self, tokens):
-        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-        def body(h, layer):
-            return layer(h)
-        return self.embed.attend(body(self.embed(tokens), self.layers))
-
-
 def test_nnx_scan_keeps_its_scan_and_equals_single_device():
-    model = ScanModel(3, nnx.Rngs(0))
+    model = ref.ScanModel(3, nnx.Rngs(0))
     data = [{k: v % 13 for k, v in b.items()} for b in batches(NCFG)]
-    sharded = jfsdp.fully_shard(model, mesh("2x4"), data[0], units=ScanBlock, remat="full")
+    sharded = jfsdp.fully_shard(model, mesh("2x4"), data[0], units=ref.ScanBlock, remat="full")
     assert sharded.scanned == {("layers",): 3}
     mask = sharded.decay_mask()
     opt = jfsdp.adamw(ref.LR, b1=ref.B1, b2=ref.B2, eps=ref.EPS, weight_decay=ref.WD, clip_norm=ref.CLIP, mask=mask)

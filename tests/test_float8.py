@@ -18,6 +18,7 @@ from jfsdp.engine import float8
 from jfsdp.engine.fsdp import Comm
 from jfsdp.engine.layout import Layout
 from tests import reference as ref
+from tests import runs
 
 U4M3 = 2.0 ** -4    # unit roundoff of e4m3 (3 mantissa bits, round to nearest)
 U5M2 = 2.0 ** -3    # e5m2 (2 mantissa bits)
@@ -92,39 +93,14 @@ def test_float8_gather_scale_is_identical_on_every_shard():
 
 
 # ---- the single-device reference in the same precision, without jfsdp: a Dense whose kernel is fp32
-# runs as float8 (kernel and input cast with their own amax scale, e4m3; the incoming gradient e5m2;
-# fp32 accumulation; bf16 out); the rest of the model in bf16 (tests/reference.py's forward).
-def _q(x, dtype):
-    m = float(jnp.finfo(dtype).max)
-    s = m / jnp.maximum(jnp.max(jnp.abs(x)).astype(jnp.float32), 1e-12)
-    return jnp.clip(x.astype(jnp.float32) * s, -m, m).astype(dtype).astype(jnp.float32) / s
-
-
-@jax.custom_vjp
-def _ref_dense(x, k):
-    return (_q(x, jnp.float8_e4m3fn) @ _q(k, jnp.float8_e4m3fn)).astype(x.dtype)
-
-
-def _ref_fwd(x, k):
-    return _ref_dense(x, k), (x, k)
-
-
-def _ref_bwd(res, g):
-    x, k = res
-    g8, x8, k8 = _q(g, jnp.float8_e5m2), _q(x, jnp.float8_e4m3fn), _q(k, jnp.float8_e4m3fn)
-    dk = x8.reshape(-1, x.shape[-1]).T @ g8.reshape(-1, g.shape[-1])
-    return (g8 @ k8.T).astype(x.dtype), dk.astype(x.dtype).astype(k.dtype)   # dW in the compute dtype
-
-
-_ref_dense.defvjp(_ref_fwd, _ref_bwd)
-
-
+# runs tests/reference.py's float8_matmul (kernel and input cast with their own amax scale, e4m3; the
+# incoming gradient e5m2; fp32 accumulation; bf16 out); the rest of the model in bf16.
 def _ref_interceptor(next_fun, args, kwargs, context):
     mod = context.module
     if context.method_name == "__call__" and isinstance(mod, nn.Dense):
         k = mod.get_variable("params", "kernel")
         if k.dtype == jnp.float32:
-            return _ref_dense(args[0], k)
+            return ref.float8_matmul(args[0], k)
     return next_fun(*args, **kwargs)
 
 
@@ -178,25 +154,7 @@ def _run(c, mesh_spec, strategy, remat, mp, steps):
     mesh = jfsdp.make_mesh(mesh_spec, devices=jax.devices()[:r * s])
     plan = jfsdp.fully_shard(jfsdp.Stacked(c["root"], c["unit"], c["n"]), mesh, c["batches"][0]["inputs"],
                              strategy=strategy, remat=remat, mp_policy=mp)
-    lf = models.loss_fn(CFG)
-    loss, grads = jax.jit(plan.loss_and_grad(lf))(plan.shard(c["init"]), jax.device_put(c["batches"][0], plan.batch_sharding))
-    if not steps:
-        return [float(loss)], plan.gather(grads), None
-    opt = jfsdp.adamw(ref.LR, b1=ref.B1, b2=ref.B2, eps=ref.EPS, weight_decay=ref.WD, clip_norm=ref.CLIP,
-                      mask=plan.decay_mask())
-    state = jfsdp.init_state(plan, opt, params=plan.shard(c["init"]))
-    step = jfsdp.make_train_step(plan, opt, lf)
-    losses = []
-    for b in c["batches"][:steps]:
-        state, m = step(state, jax.device_put(b, plan.batch_sharding))
-        losses.append(float(m["loss"]))
-    return losses, plan.gather(grads), plan.gather(state.params)
-
-
-def _leaf_errors(got, want):
-    """{path: L2 of got - want over L2 of want} per leaf."""
-    return {jax.tree_util.keystr(p): np.linalg.norm(np.asarray(g, np.float64) - w) / np.linalg.norm(w)
-            for (p, w), g in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(got))}
+    return runs.float8_run(plan, models.loss_fn(CFG), c["init"], c["batches"], steps)
 
 
 # What tolerance holds, and why. The reference models the recipe exactly: weights scaled by the whole
@@ -218,14 +176,14 @@ def _leaf_errors(got, want):
 def test_fp8_step_matches_single_device_fp8(fp8_case, mesh_spec, strategy, remat, steps):
     c, want = fp8_case, fp8_case["fp32"]
     losses, grads, final = _run(c, mesh_spec, strategy, remat, POLICIES["fp32"], steps)
-    errs = _leaf_errors(grads, want["grads"])
+    errs = ref.leaf_errors(grads, want["grads"])
     assert max(errs.values()) <= 0.05, errs
     np.testing.assert_allclose(losses, want["losses"][:len(losses)], rtol=1e-3)
     # float8 is really on: the bf16-rest reference's first-step gradients are further from these
-    assert max(_leaf_errors(grads, c["bf16"]["grads"]).values()) > 2 * max(errs.values())
+    assert max(ref.leaf_errors(grads, c["bf16"]["grads"]).values()) > 2 * max(errs.values())
     if not steps:
         return
-    upd = _leaf_errors(jax.tree.map(lambda a, b: np.asarray(a, np.float64) - b, final, c["init"]),
+    upd = ref.leaf_errors(jax.tree.map(lambda a, b: np.asarray(a, np.float64) - b, final, c["init"]),
                        jax.tree.map(lambda a, b: np.asarray(a, np.float64) - b, want["final"], c["init"]))
     assert max(upd.values()) <= 0.2, upd
 

@@ -78,12 +78,6 @@ def train(plan, loss_fn, batches, params=None):
     return losses, plan.gather(state.opt_state[0][0]), plan.gather(state.params)
 
 
-def leaf_errors(got, want):
-    """{path: L2 of got - want over L2 of want} per leaf."""
-    return {jax.tree_util.keystr(p): np.linalg.norm(np.asarray(g, np.float64) - w) / np.linalg.norm(w)
-            for (p, w), g in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(got))}
-
-
 # What tolerance holds, and why (docs/float8.md). The reference rounds the same operands to float8 with the
 # same scales (weights by the whole tensor's amax, activations and gradients by each device's rows), so
 # most elements round identically; but a float8 cast turns a summation-order difference in its input into
@@ -136,12 +130,12 @@ def test_linen_as_is_fp8_matches_single_device_fp8(llama_case, scanned):
     float8 = [l for ls in plan.leaf_layouts.values() for l in ls if isinstance(l, Float8Layout)]
     assert len(float8) == len(KERNELS) * (1 if scanned else CFG.n_layers)
     losses, grads, final = train(plan, c["loss_fn"], c["batches"], conv(c["init"]))
-    errs = leaf_errors(grads, conv(c["grads"]))
+    errs = ref.leaf_errors(grads, conv(c["grads"]))
     assert max(errs.values()) <= 0.05, errs
     np.testing.assert_allclose(losses, c["losses"], rtol=1e-3)
-    assert max(leaf_errors(grads, conv(c["plain"])).values()) > 2 * max(max(errs.values()), 0.025)
+    assert max(ref.leaf_errors(grads, conv(c["plain"])).values()) > 2 * max(max(errs.values()), 0.025)
     delta = lambda a, b: np.asarray(a, np.float64) - np.asarray(b, np.float64)
-    upd = leaf_errors(jax.tree.map(delta, final, conv(c["init"])), jax.tree.map(delta, conv(c["final"]), conv(c["init"])))
+    upd = ref.leaf_errors(jax.tree.map(delta, final, conv(c["init"])), jax.tree.map(delta, conv(c["final"]), conv(c["init"])))
     assert max(upd.values()) <= 0.2, upd
 
 
@@ -160,10 +154,10 @@ def test_linen_as_is_rowwise_matches_single_device_rowwise():
     marked = [l for ls in plan.leaf_layouts.values() for l in ls if isinstance(l, RowwiseLayout)]
     assert len(marked) == len(KERNELS) * CFG.n_layers
     losses, grads, _ = train(plan, c["loss_fn"], c["batches"], c["init"])
-    errs = leaf_errors(grads, c["grads"])
+    errs = ref.leaf_errors(grads, c["grads"])
     assert max(errs.values()) <= 0.05, errs
     np.testing.assert_allclose(losses, c["losses"], rtol=1e-3)
-    assert max(leaf_errors(grads, c["plain"]).values()) > 2 * max(max(errs.values()), 0.025)
+    assert max(ref.leaf_errors(grads, c["plain"]).values()) > 2 * max(max(errs.values()), 0.025)
 
 
 # ---- NNX: nnx.Linear intercepted
@@ -202,38 +196,11 @@ def test_nnx_as_is_fp8_matches_single_device_fp8():
                              remat="full", mp_policy=FP8_FP32)
     assert sum(isinstance(l, Float8Layout) for ls in plan.leaf_layouts.values() for l in ls) == 4 * cfg.layers
     losses, grads, _ = train(plan, nnx_ex.loss_fn, batches)
-    errs = leaf_errors(grads, want_grads)
+    errs = ref.leaf_errors(grads, want_grads)
     assert max(errs.values()) <= 0.05, errs
     np.testing.assert_allclose(losses[0], want_losses[0], rtol=1e-3)
     np.testing.assert_allclose(losses, want_losses, rtol=1e-2)
     assert losses[-1] < losses[0]
-
-
-class ScanBlock(nnx.Module):
-    def __init__(self, rngs):
-        self.norm, self.linear = nnx.LayerNorm(32, rngs=rngs), nnx.Linear(32, 32, rngs=rngs)
-
-    def __call__(self, x):
-        return x + self.linear(self.norm(x))
-
-
-class ScanModel(nnx.Module):
-    """Layers made with nnx.vmap (parameters stacked on a layer axis), run by nnx.scan."""
-
-    def __init__(self, n, rngs):
-        self.embed = nnx.Embed(13, 32, rngs=rngs)
-
-        @nnx.split_rngs(splits=n)
-        @nnx.vmap(in_axes=(0,), out_axes=0)
-        def make(rngs):
-            return ScanBlock(rngs)
-        self.layers = make(rngs)
-
-    def __call__(self, tokens):
-        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-        def body(h, layer):
-            return layer(h)
-        return self.embed.attend(body(self.embed(tokens), self.layers))
 
 
 def test_nnx_scan_fp8_matches_single_device_fp8():
@@ -241,14 +208,14 @@ def test_nnx_scan_fp8_matches_single_device_fp8():
     stacked Linear kernel is float8, losses against the reference, and they go down."""
     batches = [{k: jnp.asarray(v % 13) for k, v in b.items()}
                for b in ref.token_batches(13, STEPS, BATCH, SEQ, seed=2)]
-    model = ScanModel(3, nnx.Rngs(0))
-    plan = jfsdp.fully_shard(model, mesh("2x2"), batches[0], units=ScanBlock, remat="full", mp_policy=FP8_FP32)
+    model = ref.ScanModel(3, nnx.Rngs(0), width=32)
+    plan = jfsdp.fully_shard(model, mesh("2x2"), batches[0], units=ref.ScanBlock, remat="full", mp_policy=FP8_FP32)
     assert plan.scanned == {("layers",): 3}
     assert [type(l).__name__ for l in plan.leaf_layouts[("layers",)]].count("Float8Layout") == 1
     want_losses, want_grads = _nnx_reference(model, batches, plan.decay_mask())
     losses, grads, _ = train(plan, nnx_ex.loss_fn, batches)
     np.testing.assert_allclose(losses, want_losses, rtol=1e-3)
-    assert max(leaf_errors(grads, want_grads).values()) <= 0.05
+    assert max(ref.leaf_errors(grads, want_grads).values()) <= 0.05
     assert losses[-1] < losses[0]
 
 
@@ -295,18 +262,6 @@ def test_float8_bad_input_is_one_config_error():
 GPU_CFG = dataclasses.replace(models.get_config("llama-test"), dim=256, ffn_dim=688, attention="cudnn", n_layers=2)
 
 
-def _gathered(text):
-    """(dtype, dims) of every array an all-gather returns, one entry per operand of a combined op."""
-    from jfsdp.planning import hlo_text
-    out = []
-    for comp in hlo_text.parse(text).comps.values():
-        for ins in comp:
-            if ins.opcode in ("all-gather", "all-gather-start"):
-                parts = hlo_text.tuple_elements(ins.shape) if ins.opcode.endswith("start") else None
-                out += hlo_text.array_types(parts[1] if parts else ins.shape)
-    return out
-
-
 @pytest.mark.skipif(sys.platform != "linux", reason="jax-cuda13-plugin: Linux wheels only")
 def test_fp8_as_is_compiled_for_h100():
     """Llama given as it is (its own loop, 2 units of width 256, 1x8, FULL_SHARD, remat full) in fp8,
@@ -325,7 +280,7 @@ def test_fp8_as_is_compiled_for_h100():
                                  units=LlamaBlock, remat="full", rng_streams=(), mp_policy=jfsdp.MixedPrecision.parse("fp8"))
         compiled = targets.compile_step("h100", plan, jfsdp.adamw(1e-3), models.loss_fn(GPU_CFG), b)
     text = compiled.as_text()
-    arrays = _gathered(text)
+    arrays = hlo.gathered_arrays(text)
     emb = ",".join(map(str, plan.layouts["root"]["tok_embeddings"]["embedding"].stored_shape))
     assert {d for d, dims in arrays if dims == emb} == {"bf16"}, arrays
     kernels = {",".join(map(str, l.stored_shape)) for ls in plan.leaf_layouts.values() for l in ls

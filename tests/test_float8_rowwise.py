@@ -16,6 +16,7 @@ import models
 from jfsdp.engine import float8
 from jfsdp.engine import float8_rowwise as rw
 from tests import reference as ref
+from tests import runs
 
 U4M3 = 2.0 ** -4     # unit roundoff of e4m3 (3 mantissa bits, round to nearest)
 SUB4M3 = 2.0 ** -10  # half the spacing of e4m3's subnormals, in scaled units
@@ -163,24 +164,7 @@ def _run(c, mesh_spec, strategy, remat, mp, steps):
                              strategy=strategy, remat=remat, mp_policy=mp)
     assert all(type(l) is rw.RowwiseLayout for l in jax.tree.leaves(plan.unit_layouts[0], is_leaf=lambda l: hasattr(l, "shards"))
                if len(l.shape) == 2)
-    lf = models.loss_fn(CFG)
-    loss, grads = jax.jit(plan.loss_and_grad(lf))(plan.shard(c["init"]), jax.device_put(c["batches"][0], plan.batch_sharding))
-    if not steps:
-        return [float(loss)], plan.gather(grads), None
-    opt = jfsdp.adamw(ref.LR, b1=ref.B1, b2=ref.B2, eps=ref.EPS, weight_decay=ref.WD, clip_norm=ref.CLIP,
-                      mask=plan.decay_mask())
-    state = jfsdp.init_state(plan, opt, params=plan.shard(c["init"]))
-    step = jfsdp.make_train_step(plan, opt, lf)
-    losses = []
-    for b in c["batches"][:steps]:
-        state, m = step(state, jax.device_put(b, plan.batch_sharding))
-        losses.append(float(m["loss"]))
-    return losses, plan.gather(grads), plan.gather(state.params)
-
-
-def _leaf_errors(got, want):
-    return {jax.tree_util.keystr(p): np.linalg.norm(np.asarray(g, np.float64) - w) / np.linalg.norm(w)
-            for (p, w), g in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(got))}
+    return runs.float8_run(plan, models.loss_fn(CFG), c["init"], c["batches"], steps)
 
 
 # What tolerance holds, and why. The reference models the recipe exactly: x and g cast per row, the
@@ -201,13 +185,13 @@ GRAD_TOL, LOSS_TOL, UPDATE_TOL, BF16_LOSS_TOL = 1e-3, 1e-3, 0.1, 1e-4
 def test_rowwise_step_matches_single_device_rowwise(case, mesh_spec, strategy, remat, steps):
     want = case["fp32"]
     losses, grads, final = _run(case, mesh_spec, strategy, remat, POLICIES["fp32"], steps)
-    errs = _leaf_errors(grads, want["grads"])
+    errs = ref.leaf_errors(grads, want["grads"])
     assert max(errs.values()) <= GRAD_TOL, errs
     np.testing.assert_allclose(losses, want["losses"][:len(losses)], rtol=LOSS_TOL)
     # float8 is really on: the plain fp32 trainer's gradients are further away
-    assert max(_leaf_errors(grads, case["plain"]).values()) > 2 * max(errs.values())
+    assert max(ref.leaf_errors(grads, case["plain"]).values()) > 2 * max(errs.values())
     if steps:
-        upd = _leaf_errors(jax.tree.map(lambda a, b: np.asarray(a, np.float64) - b, final, case["init"]),
+        upd = ref.leaf_errors(jax.tree.map(lambda a, b: np.asarray(a, np.float64) - b, final, case["init"]),
                            jax.tree.map(lambda a, b: np.asarray(a, np.float64) - b, want["final"], case["init"]))
         assert max(upd.values()) <= UPDATE_TOL, upd
 

@@ -19,7 +19,6 @@ import jfsdp.engine.sharded
 import models
 from jfsdp.config import xla_flags
 from jfsdp.planning import hlo
-from jfsdp.planning import hlo_text
 from jfsdp.planning import memory
 from jfsdp.planning import targets
 from jfsdp.engine.layout import is_layout, stored_bytes
@@ -66,17 +65,6 @@ def h100_fp8():
     return _case(4, precision="fp8")
 
 
-def _gathered_arrays(text):
-    """(dtype, dims) of every array an all-gather returns, one entry per operand of a combined op."""
-    out = []
-    for c in hlo_text.parse(text).comps.values():
-        for ins in c:
-            if ins.opcode in ("all-gather", "all-gather-start"):
-                parts = hlo_text.tuple_elements(ins.shape) if ins.opcode.endswith("start") else None
-                out += hlo_text.array_types(parts[1] if parts else ins.shape)
-    return out
-
-
 def test_fp8_unit_gathers_are_float8_and_half_the_bytes(h100, h100_fp8):
     """fp8 compiled for H100: every unit kernel is all-gathered as f8e4m3fn (1 byte per element; the
     norms' scales ride along in bf16), the root (the tied embedding) stays bf16, and the all-gather
@@ -85,7 +73,7 @@ def test_fp8_unit_gathers_are_float8_and_half_the_bytes(h100, h100_fp8):
     cfg, plan, _, compiled, text = h100_fp8
     _, plan16, _, compiled16, text16 = h100[4]
     emb = ",".join(map(str, plan.layouts["root"]["tok_embeddings"]["embedding"].stored_shape))
-    arrays = _gathered_arrays(text)
+    arrays = hlo.gathered_arrays(text)
     assert {d for d, dims in arrays if dims == emb} == {"bf16"}, arrays
     kernels = {",".join(map(str, l.stored_shape)) for l in jax.tree.leaves(plan.unit_layouts[0], is_leaf=is_layout)
                if hasattr(l, "wire_itemsize")}
@@ -411,7 +399,7 @@ def test_fp8_rowwise_gathers_bf16_and_multiplies_in_float8(h100, h100_rowwise):
     many as the bf16 program's unit gemms, and the root's stay bf16."""
     cfg, plan, _, compiled, text = h100_rowwise
     _, plan16, _, compiled16, text16 = h100[4]
-    assert {d for d, _ in _gathered_arrays(text)} == {d for d, _ in _gathered_arrays(text16)} == {"bf16"}
+    assert {d for d, _ in hlo.gathered_arrays(text)} == {d for d, _ in hlo.gathered_arrays(text16)} == {"bf16"}
     got, got16 = memory.comm_measured(compiled, S), memory.comm_measured(compiled16, S)
     assert got["all-gather"] == pytest.approx(memory.comm_formula(plan, backend="gpu")["all-gather"], rel=1e-6)
     assert got["all-gather"] == pytest.approx(got16["all-gather"], rel=1e-6)

@@ -314,3 +314,15 @@ def gemms(hlo_text: str) -> list[Gemm]:
                 dtypes = ("f8e4m3fn", "f8e4m3fn") if "f8" in ins.line.split("custom_call_target=")[-1][:40] else ()
             out.append(Gemm(ins.name, loops, dtypes, m.group(1) if m else ""))
     return out
+
+
+def gathered_arrays(hlo_text: str) -> list[tuple]:
+    """(dtype, dims) of every array an all-gather returns, one entry per operand of a combined op: what
+    travels in which dtype (float8 gathers, the root's in bf16)."""
+    out = []
+    for comp in parse(hlo_text).comps.values():
+        for ins in comp:
+            if ins.opcode in ("all-gather", "all-gather-start"):
+                parts = tuple_elements(ins.shape) if ins.opcode.endswith("start") else None
+                out += array_types(parts[1] if parts else ins.shape)
+    return out

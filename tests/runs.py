@@ -1,0 +1,23 @@
+"""The engine's side of the float8 comparisons (tests/test_float8.py, tests/test_float8_rowwise.py): a plan's
+first-step gradients and a few clipped AdamW steps with the constants of the single-device reference
+(tests/reference.py)."""
+import jax
+
+import jfsdp
+from tests import reference as ref
+
+
+def float8_run(plan, loss_fn, init, batches, steps):
+    """jfsdp's gradients on batches[0], then `steps` clipped AdamW steps (the reference's constants) ->
+    (losses, gathered gradients, gathered final parameters or None when steps is 0)."""
+    loss, grads = jax.jit(plan.loss_and_grad(loss_fn))(plan.shard(init), jax.device_put(batches[0], plan.batch_sharding))
+    if not steps:
+        return [float(loss)], plan.gather(grads), None
+    opt = jfsdp.adamw(ref.LR, b1=ref.B1, b2=ref.B2, eps=ref.EPS, weight_decay=ref.WD, clip_norm=ref.CLIP, mask=plan.decay_mask())
+    state = jfsdp.init_state(plan, opt, params=plan.shard(init))
+    step = jfsdp.make_train_step(plan, opt, loss_fn)
+    losses = []
+    for b in batches[:steps]:
+        state, m = step(state, jax.device_put(b, plan.batch_sharding))
+        losses.append(float(m["loss"]))
+    return losses, plan.gather(grads), plan.gather(state.params)
