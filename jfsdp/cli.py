@@ -94,8 +94,8 @@ def optimization_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
     g.add_argument("--update-in-backward", action="store_true",
                    help="apply AdamW to each unit inside the backward pass, as soon as its gradient is reduced: "
                    "no whole gradient is held (lower peak where the units' gradient shard is large: few devices); "
-                   "same result; needs --remat full, --grad-accum 1, full_shard or hybrid_shard; with --clip the "
-                   "units' backward runs twice (norm, then updates)")
+                   "same result; needs --grad-accum 1; with --clip the units' backward runs twice (norm, then "
+                   "updates)")
     g.add_argument("--freeze", default=d.freeze, metavar="REGEX",
                    help="freeze the parameters whose path (e.g. root/tok_embeddings/embedding, "
                    "units/attention/wq/kernel) the regular expression matches (re.search): gathered for compute, "
@@ -192,9 +192,9 @@ def check_flags(c: TrainConfig) -> int | None:
         fail(f"--batch-size {c.batch_size} does not divide over the {n} devices of mesh {c.mesh}")
     if (c.batch_size // n) % c.grad_accum:
         fail(f"per-device batch {c.batch_size // n} does not divide into --grad-accum {c.grad_accum} micro-batches")
-    if c.update_in_backward and (c.remat != "full" or c.grad_accum != 1):
-        fail("--update-in-backward needs --remat full and --grad-accum 1 (each unit is recomputed and updated "
-             f"in the backward pass), got --remat {c.remat} --grad-accum {c.grad_accum}")
+    if c.update_in_backward and c.grad_accum != 1:
+        fail("--update-in-backward needs --grad-accum 1 (each unit is updated as soon as its gradient is reduced), "
+             f"got --grad-accum {c.grad_accum}")
     if c.grad_sync == "once" and c.update_in_backward:
         fail("--grad-sync once cannot combine with --update-in-backward (the optimizer runs on each unit's reduced "
              "gradient inside the backward pass; 'once' reduces only after the last micro-batch)")

@@ -62,7 +62,7 @@ def _args(argv):
     p.add_argument("--prefetch", action="store_true", help="count two gathered units (prefetching the next)")
     p.add_argument("--update-in-backward", action="store_true",
                    help="plan train.py --update-in-backward: the optimizer applied to each unit inside the backward "
-                        "pass (no whole gradient held; needs remat full, full_shard/hybrid_shard)")
+                        "pass (no whole gradient held; needs --grad-accum 1)")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (the batch divides into them)")
     p.add_argument("--grad-sync", default="every", choices=("every", "once"),
                    help="with --grad-accum K: reduce the gradients in every micro-batch (every), or add them up "

@@ -35,16 +35,19 @@ def _steps(plan, opt, loss_fn, params, batches, in_backward):
     return state, losses, norms
 
 
-@pytest.mark.parametrize("family,mesh_spec,strategy", [("llama", "2x8", "full_shard"), ("resmlp", "4x4", "no_shard")])
-def test_clipped_adamw_matches_single_device(family, mesh_spec, strategy):
+@pytest.mark.parametrize("family,mesh_spec,strategy,remat", [("llama", "2x8", "full_shard", "full"),
+                                                             ("resmlp", "4x4", "no_shard", "full"),
+                                                             ("llama", "2x8", "shard_grad_op", "dots")])
+def test_clipped_adamw_matches_single_device(family, mesh_spec, strategy, remat):
     """Three clipped AdamW steps (every step's norm is above the clip, so the two-pass path runs):
     losses within 1e-5, first-step gradient norm within 1e-5 of the reference's, parameters within
-    1e-4 of each leaf's largest plus ref.PARAM_ATOL (docs/numerics.md)."""
+    1e-4 of each leaf's largest plus ref.PARAM_ATOL (docs/numerics.md). Under remat dots the backward
+    loop rebuilds each unit's VJP from what the policy saved; under ZeRO-2 from the kept gathered unit."""
     case = te.get_case(family)
     r, s = jfsdp.parse_mesh(mesh_spec)
     mesh = jfsdp.make_mesh(mesh_spec, devices=jax.devices()[: r * s])
     plan = jfsdp.fully_shard(jfsdp.Stacked(case["root"], case["unit"], case["n"]), mesh, case["batches"][0]["inputs"],
-                             strategy=strategy, remat="full")
+                             strategy=strategy, remat=remat)
     opt = jfsdp.adamw(ref.LR, b1=ref.B1, b2=ref.B2, eps=ref.EPS, weight_decay=ref.WD, clip_norm=ref.CLIP,
                       mask=plan.decay_mask())
     state, losses, norms = _steps(plan, opt, models.loss_fn(case["cfg"]), plan.shard(case["init"]), case["batches"],
@@ -87,12 +90,6 @@ def test_refuses_what_it_cannot_do():
     full = jfsdp.fully_shard(model, mesh, x, remat="full")
     with pytest.raises(jfsdp.ConfigError, match="micro-batches"):
         jfsdp.make_train_step(full, jfsdp.adamw(1e-3), loss, grad_accum=2, update_in_backward=True)
-    with pytest.raises(jfsdp.ConfigError, match="remat 'full'"):
-        jfsdp.make_train_step(jfsdp.fully_shard(model, mesh, x, remat="dots"), jfsdp.adamw(1e-3), loss,
-                              update_in_backward=True)
-    with pytest.raises(jfsdp.ConfigError, match="shard_grad_op"):
-        jfsdp.make_train_step(jfsdp.fully_shard(model, mesh, x, strategy="shard_grad_op", remat="full"),
-                              jfsdp.adamw(1e-3), loss, update_in_backward=True)
     # a global clip inside an optax chain would see one unit at a time: refused, not run
     for tx in (optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)), optax.lamb(1e-3)):
         with pytest.raises(jfsdp.ConfigError, match="elementwise"):

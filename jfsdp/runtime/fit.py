@@ -126,10 +126,12 @@ def alternatives(case: Case, budget: int, reshard) -> list[str]:
             out.append(f"--grad-sync every ({_gib(e)})")
     from jfsdp.train import update_in_backward
     if (not case.update_in_backward and case.grad_sync != "once" and case.trainable is None
-            and not update_in_backward.unsupported(full, case.grad_accum)):
-        e = case.estimate(update_in_backward=True, sharded=full)
-        if e <= budget:
-            out.append(("" if full is plan else "--remat full ") + f"--update-in-backward ({_gib(e)})")
+            and not update_in_backward.unsupported(plan, case.grad_accum)):
+        for p, prefix in [(plan, "")] + ([(full, "--remat full ")] if full is not plan else []):
+            e = case.estimate(update_in_backward=True, sharded=p)
+            if e <= budget:
+                out.append(f"{prefix}--update-in-backward ({_gib(e)})")
+                break
     more = more_devices(case, budget, plan)
     if more is None and full is not plan:
         more = more_devices(case, budget, full)

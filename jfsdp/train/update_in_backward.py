@@ -46,11 +46,6 @@ def unsupported(sharded: FSDP, grad_accum: int) -> str | None:
     if grad_accum != 1:
         return (f"it applies each unit's update as soon as its gradient is reduced, so it cannot accumulate "
                 f"{grad_accum} micro-batches (use grad_accum=1)")
-    if sharded.remat != "full":
-        return f"its backward loop recomputes each unit from the unit's input (remat 'full'), got remat '{sharded.remat}'"
-    if sharded.shards > 1 and not sharded.strategy.reshard_after_forward:
-        return (f"{sharded.strategy.value} keeps gathered units from forward to backward; use full_shard or "
-                f"hybrid_shard (units are gathered again in the backward loop)")
     if any(m is not None and m.mode == "ep" for m in sharded.moe_stages):
         return "an expert-parallel MoE stage keeps its experts local (use jfsdp.MoE('gather'))"
     return None
