@@ -7,6 +7,14 @@ import jfsdp
 from tests import reference as ref
 
 
+def stacked_plan(case, mesh_spec, strategy, remat, mp):
+    """A float8 case's Stacked model (case: root, unit, n, batches) on the first devices of `mesh_spec`."""
+    r, s = jfsdp.parse_mesh(mesh_spec)
+    mesh = jfsdp.make_mesh(mesh_spec, devices=jax.devices()[:r * s])
+    return jfsdp.fully_shard(jfsdp.Stacked(case["root"], case["unit"], case["n"]), mesh, case["batches"][0]["inputs"],
+                             strategy=strategy, remat=remat, mp_policy=mp)
+
+
 def float8_run(plan, loss_fn, init, batches, steps):
     """jfsdp's gradients on batches[0], then `steps` clipped AdamW steps (the reference's constants) ->
     (losses, gathered gradients, gathered final parameters or None when steps is 0)."""

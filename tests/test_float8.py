@@ -150,10 +150,7 @@ def fp8_case():
 
 
 def _run(c, mesh_spec, strategy, remat, mp, steps):
-    r, s = jfsdp.parse_mesh(mesh_spec)
-    mesh = jfsdp.make_mesh(mesh_spec, devices=jax.devices()[:r * s])
-    plan = jfsdp.fully_shard(jfsdp.Stacked(c["root"], c["unit"], c["n"]), mesh, c["batches"][0]["inputs"],
-                             strategy=strategy, remat=remat, mp_policy=mp)
+    plan = runs.stacked_plan(c, mesh_spec, strategy, remat, mp)
     return runs.float8_run(plan, models.loss_fn(CFG), c["init"], c["batches"], steps)
 
 

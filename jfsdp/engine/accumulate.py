@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from jfsdp.config.errors import ConfigError
 from jfsdp.config.mesh import AXES
-from jfsdp.engine.fsdp import Unreduced, reduce_gradient
+from jfsdp.engine.fsdp import Unreduced, is_unreduced, reduce_gradient
 from jfsdp.engine.layout import is_layout
 
 GRAD_SYNC = ("every", "once")
@@ -48,11 +48,6 @@ def unsupported(plan) -> str | None:
         return ("an expert-parallel MoE stage keeps its experts local and reduces their gradients inside its own "
                 "all-to-all step (use jfsdp.MoE('gather'), or grad_sync='every')")
     return None
-
-
-def is_unreduced(shards) -> bool:
-    """Whether a stage's shards come paired with gradient slots (`fsdp.Unreduced`): grad_sync='once'."""
-    return any(isinstance(x, Unreduced) for x in jax.tree.leaves(shards, is_leaf=lambda x: isinstance(x, Unreduced)))
 
 
 def _reduce_dtype(plan, layout):
@@ -100,7 +95,7 @@ def loss_and_grad_once(plan, loss_fn: Callable, grad_accum: int, trainable=None)
             paired = jax.tree.map(lambda l, p, s: Unreduced(p, s), plan.layouts, params, slot_tree, is_leaf=is_layout)
             if trainable is not None:   # a frozen leaf: no slot, no gradient (jfsdp/train/frozen.py)
                 paired = jax.tree.map(lambda t, u: u if t else lax.stop_gradient(u.shard), trainable, paired,
-                                      is_leaf=lambda x: isinstance(x, Unreduced))
+                                      is_leaf=is_unreduced)
             return plan.batch_loss(loss_fn, paired, mb)
 
         vg = jax.value_and_grad(loss)

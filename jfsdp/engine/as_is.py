@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from jfsdp.config.errors import ConfigError
 from jfsdp.config.mesh import AXES, mesh_shape
-from jfsdp.engine.fsdp import Unreduced, unshard, unshard_tree
+from jfsdp.engine.fsdp import is_unreduced, unshard, unshard_tree
 from jfsdp.engine.flax_models import Found, UnitMatcher, adapt
 from jfsdp.engine.float8_any import mark_units, unit_compute
 from jfsdp.engine.model_tree import path_text, scanned_units, subtree, with_subtree, without
@@ -33,11 +33,6 @@ from jfsdp.engine.sharded import FSDP
 from jfsdp.engine.unit_call import call_unit
 
 RNG_ROWS = "jfsdp_rng"   # the batch key that carries (step, row) to the devices when the model draws random numbers
-
-
-def _is_pair(x) -> bool:
-    """A shard paired with its gradient slot (grad_sync='once'): one parameter, not two."""
-    return isinstance(x, Unreduced)
 
 
 def _abstract(tree):
@@ -204,7 +199,7 @@ class AsIs(FSDP):
     # ---- the sharded forward
     def forward(self, params, batch, rows=None):
         """The model's outputs for one device's batch, from shards (inside shard_map)."""
-        flat, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_pair)
+        flat, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_unreduced)
         lay = jax.tree.leaves(self.layouts, is_leaf=is_layout)
         keys = [self.unit_of[jax.tree_util.keystr(p)] for p, _ in flat]
         # the root is gathered once per step; a unit's leaves stay shards until the unit is called
@@ -212,7 +207,7 @@ class AsIs(FSDP):
                                             for (_, x), l, u in zip(flat, lay, keys)])
 
         def hook(path, shards, fn, inputs):
-            ls = jax.tree.unflatten(jax.tree.structure(shards, is_leaf=_is_pair), self._unit_layouts(path, shards))
+            ls = jax.tree.unflatten(jax.tree.structure(shards, is_leaf=is_unreduced), self._unit_layouts(path, shards))
             if self.mp.float8 is not None:
                 return call_unit(unit_compute(fn, ls, self.comm), shards, inputs, self.policy)
             return call_unit(lambda s, i: fn(unshard_tree(s, ls, self.comm), i), shards, inputs, self.policy)
@@ -231,7 +226,7 @@ class AsIs(FSDP):
         the same layouts, so any match is right)."""
         if path is not None:
             return self.leaf_layouts[tuple(path)]
-        shapes = [np.shape(x.shard if _is_pair(x) else x) for x in jax.tree.leaves(shards, is_leaf=_is_pair)]
+        shapes = [np.shape(x.shard if is_unreduced(x) else x) for x in jax.tree.leaves(shards, is_leaf=is_unreduced)]
         for p in self.scanned:
             ls = self.leaf_layouts[p]
             if [(l.padded_rows // self.shards, *l.shape[1:]) for l in ls] == shapes:

@@ -45,6 +45,16 @@ class Unreduced(NamedTuple):
     slot: Any
 
 
+def is_unreduced(x) -> bool:
+    """A shard paired with its gradient slot (`Unreduced`): one parameter, not two leaves."""
+    return isinstance(x, Unreduced)
+
+
+def any_unreduced(tree) -> bool:
+    """Whether a tree of shards comes paired with gradient slots (grad_sync='once')."""
+    return any(map(is_unreduced, jax.tree.leaves(tree, is_leaf=is_unreduced)))
+
+
 def unshard(shard, layout: Layout, comm: Comm):
     """Shard (rows/S, ...) in the master dtype -> the whole parameter in param_dtype. Its gradient is
     reduced (`reduce_gradient`) into the shard's, or, for an `Unreduced` pair, left whole in the slot's."""

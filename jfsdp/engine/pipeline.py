@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jfsdp.engine.float8 import KERNELS, unit_amaxes
-from jfsdp.engine.fsdp import Comm, Unreduced, reduce_tree, unshard_tree
+from jfsdp.engine.fsdp import Comm, Unreduced, any_unreduced, is_unreduced, reduce_tree, unshard_tree
 from jfsdp.engine.layout import at_row, is_layout
 
 
@@ -194,10 +194,6 @@ class StagePasses:
         return dh, consume(consume(acc, 1, one), 0, self.reduce(dg))
 
 
-def _is_unreduced(x) -> bool:
-    return isinstance(x, Unreduced)
-
-
 def _unreduced_bwd(passes: StagePasses, hs, dh, shards):
     """The stage's backward for grad_sync='once' (jfsdp/engine/accumulate.py): each unit's whole gradient
     is added in place to the sum its slot carries, and the slot's cotangent is the new sum (slot +
@@ -206,14 +202,14 @@ def _unreduced_bwd(passes: StagePasses, hs, dh, shards):
     def add(acc, i, whole):
         shards, sums = acc
         step = lambda u, a, x: (lax.dynamic_update_index_in_dim(a, lax.dynamic_index_in_dim(a, i, keepdims=False) + x,
-                                                                i, 0) if _is_unreduced(u) else a)
-        return shards, jax.tree.map(step, shards, sums, whole, is_leaf=_is_unreduced)
+                                                                i, 0) if is_unreduced(u) else a)
+        return shards, jax.tree.map(step, shards, sums, whole, is_leaf=is_unreduced)
 
-    sums = jax.tree.map(lambda u: u.slot if _is_unreduced(u) else jnp.zeros((0,)), shards, is_leaf=_is_unreduced)
+    sums = jax.tree.map(lambda u: u.slot if is_unreduced(u) else jnp.zeros((0,)), shards, is_leaf=is_unreduced)
     read = lambda acc, i: at_row(acc[0], i)
     dh, (_, sums) = dataclasses.replace(passes, unreduced=True).backward(hs, dh, (shards, sums), read, add)
-    grads = jax.tree.map(lambda u, a: Unreduced(jnp.zeros_like(u.shard), a) if _is_unreduced(u) else jnp.zeros_like(u),
-                         shards, sums, is_leaf=_is_unreduced)
+    grads = jax.tree.map(lambda u, a: Unreduced(jnp.zeros_like(u.shard), a) if is_unreduced(u) else jnp.zeros_like(u),
+                         shards, sums, is_leaf=is_unreduced)
     return dh, grads
 
 
@@ -237,7 +233,7 @@ def pipelined_stage(passes: StagePasses):
 
     def stage_bwd(res, dh):
         hs, shards = res
-        if any(map(_is_unreduced, jax.tree.leaves(shards, is_leaf=_is_unreduced))):
+        if any_unreduced(shards):
             return _unreduced_bwd(passes, hs, dh, shards)
         dh, (_, grads) = passes.backward(hs, dh, (shards, jax.tree.map(jnp.zeros_like, shards)), read, put)
         return dh, grads

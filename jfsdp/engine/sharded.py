@@ -22,7 +22,7 @@ from jfsdp.config.errors import ConfigError
 from jfsdp.config.mesh import AXES, DATA_AXIS, mesh_shape, platform
 from jfsdp.config.policy import resolve_prefetch
 from jfsdp.engine import accumulate, expert_parallel, float8, moe as moe_engine
-from jfsdp.engine.fsdp import Comm, checkpoint_policy, scan_stage, unshard, unshard_tree
+from jfsdp.engine.fsdp import Comm, any_unreduced, checkpoint_policy, scan_stage, unshard, unshard_tree
 from jfsdp.engine.layout import is_layout, tree_shapes
 from jfsdp.engine.params import ParamLayout
 from jfsdp.engine.pipeline import StagePasses, pipelined_stage
@@ -87,7 +87,7 @@ class FSDP(ParamLayout):
         unit, moe = self.model.stages[j].unit, self.moe_stages[j]
         layouts = self.unit_layouts[j]
         ep = moe is not None and moe.mode == "ep"   # experts stay local; tokens go to them
-        if not ep and (accumulate.is_unreduced(shards) or (self.prefetch and self.stage_sizes[j] > 1)):
+        if not ep and (any_unreduced(shards) or (self.prefetch and self.stage_sizes[j] > 1)):
             # grad_sync='once' runs the passes (prefetching or not) for their in-place gradient sum
             return pipelined_stage(self.stage_passes(j, prefetch=bool(self.prefetch)))(h, shards)
 
