@@ -25,7 +25,7 @@ from jfsdp.config.args import ArgParser
 from jfsdp.config.errors import ConfigError
 from jfsdp.config.mesh import mesh_spec
 from jfsdp.config.policy import Strategy, prefetch_by_default
-from jfsdp.config.xla_flags import accelerator_present, cpu_xla_flags, gpu_xla_flags
+from jfsdp.config.xla_flags import accelerator_present, gpu_xla_flags, run_hazard
 from jfsdp.runtime.config import TrainConfig
 from jfsdp.runtime.console import EXIT_INTERRUPTED, fail, note
 
@@ -229,8 +229,11 @@ def setup_devices(c: TrainConfig, n_needed: int | None) -> None:
         return  # a malformed mesh: jfsdp.parse_mesh reports it once jax is imported; nothing to fake
     n = c.cpu_devices or n_needed
     flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", ""))
-    # XLA:CPU's memory-minimizing scheduler (jfsdp.config.xla_flags.CPU_FLAGS)
-    os.environ["XLA_FLAGS"] = cpu_xla_flags(f"{flags} --xla_force_host_platform_device_count={n}".strip())
+    # XLA:CPU's defaults: its memory-minimizing scheduler (jfsdp.config.xla_flags.CPU_FLAGS) is for
+    # compiling only; a run under it mixes up collectives between devices (run_hazard)
+    if n > 1 and run_hazard(flags):
+        fail(run_hazard(flags))
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")   # don't probe for GPU/TPU plugins
     why = "JAX_PLATFORMS=cpu" if requested else "no accelerator found"
     note(f"{why}: faking {n} CPU devices" + ("" if c.cpu_devices else f" for mesh {c.mesh} (--cpu-devices N overrides)"))

@@ -1,7 +1,8 @@
 """The XLA flags jfsdp sets, per platform, each with why. jax-free: a process reads these before jax starts
 its backend (XLA reads XLA_FLAGS once, then), which is why the command lines set them first.
 
-- CPU (`CPU_FLAGS`, `cpu_xla_flags`): train.py, the planner and the benchmarks on XLA:CPU devices.
+- CPU (`CPU_FLAGS`, `cpu_xla_flags`, `run_hazard`): the planner and the memory benchmarks, which compile
+  for XLA:CPU devices without running; train.py runs under XLA:CPU's defaults.
 - GPU (`GPU_FLAGS`, `PREFETCH_GPU_FLAGS`, `flags_for`, `gpu_xla_flags`): a process on real GPUs sets
   them in XLA_FLAGS; compile-only targets pass them per compilation (`jfsdp.planning.targets`).
 A flag the user already gave in XLA_FLAGS always wins.
@@ -36,16 +37,39 @@ def _added(existing: str | None, flags: dict) -> str:
 # XLA:CPU schedules for concurrency by default (breadth-first): every buffer with nothing to wait for,
 # such as the zeros that the backward scan's stacked gradient outputs start from, is created at the
 # start of the step and lives through the head's backward. Its memory-minimizing scheduler creates
-# them where they are needed (the figures: docs/planner.md). XLA:CPU
-# reads this option from XLA_FLAGS only (per-compilation options left the buffer assignment
-# unchanged), so a process sets it before jax starts its backend. GPUs have their own scheduler.
+# them where they are needed (the figures: docs/planner.md). XLA:CPU reads this option from
+# XLA_FLAGS only (per-compilation options left the buffer assignment unchanged), so a process sets
+# it before jax starts its backend. GPUs have their own scheduler.
+#
+# For compiling only, never for running: a multi-device program compiled under it and *executed* on
+# XLA:CPU (jax/jaxlib 0.10.2) read wrong buffers in its collectives (NaN losses from the first step)
+# or aborted in a collective's rendezvous, on jfsdp's own Llama from 512 tokens (docs/limits.md,
+# "XLA:CPU collectives"). The planner and the memory benchmarks only compile, so they keep it; train.py
+# runs under XLA's default scheduler, and a train step refuses to run on several CPU devices under it
+# (`run_hazard`).
 CPU_FLAGS = {"xla_cpu_enable_concurrency_optimized_scheduler": "false"}
 
 
 def cpu_xla_flags(existing: str | None = None) -> str:
-    """XLA_FLAGS with CPU_FLAGS added (a flag already present wins): for a process that trains or
-    measures on CPU devices, set before jax initializes its backend."""
+    """XLA_FLAGS with CPU_FLAGS added (a flag already present wins): for a process that only compiles
+    for CPU devices to measure memory (the planner, the memory benchmarks), set before jax initializes
+    its backend. Not for a process that runs a multi-device step (`run_hazard`)."""
     return _added(existing, CPU_FLAGS)
+
+
+def run_hazard(existing: str | None = None) -> str | None:
+    """Why a step on several XLA:CPU devices must not run under these XLA_FLAGS (default: the
+    environment's), or None. The memory-minimizing scheduler's programs, run, mix up collectives
+    between devices: wrong numbers or an abort (CPU_FLAGS)."""
+    existing = os.environ.get("XLA_FLAGS", "") if existing is None else existing
+    for f in existing.split():
+        name, _, value = f.lstrip("-").partition("=")
+        if name == "xla_cpu_enable_concurrency_optimized_scheduler" and value.lower() in ("false", "0"):
+            return ("XLA_FLAGS sets --xla_cpu_enable_concurrency_optimized_scheduler=false: XLA:CPU (jax 0.10) "
+                    "runs such a program's collectives out of step between devices, which gives NaN losses or "
+                    "aborts in a rendezvous (docs/limits.md); it is for compiling only (the planner): unset it "
+                    "to run a step on several CPU devices")
+    return None
 
 
 # ---- GPUs

@@ -82,6 +82,10 @@ def diverged(run, step: int, loss: float):
     run.out.close()
     if run.ckpt:
         run.ckpt.wait()
+    if step == 1:   # the loss of the initial parameters: no update, so no learning rate, has acted yet
+        fail(f"loss is {loss} at step 1, before any update, so not the learning rate: suspect the initial "
+             "weights (--init-from), the data (token ids beyond the model's vocabulary), the precision "
+             "(--precision fp32 tells), or the XLA flags given in XLA_FLAGS (docs/limits.md)")
     fail(f"loss is {loss} at step {step}: training diverged (try a lower --lr, or --clip)")
 
 

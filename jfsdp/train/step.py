@@ -9,6 +9,8 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jfsdp.config.errors import ConfigError
+from jfsdp.config.mesh import platform
+from jfsdp.config.xla_flags import run_hazard
 from jfsdp.engine.accumulate import check_grad_sync
 from jfsdp.engine.sharded import FSDP
 from jfsdp.train import frozen, update_in_backward as in_backward
@@ -83,9 +85,16 @@ class TrainStep:
 
     def __init__(self, jitted, sharded: FSDP, grad_accum: int, donate: bool):
         self._jitted, self.sharded, self.grad_accum, self.donate = jitted, sharded, grad_accum, donate
+        self._safe_to_run = False
 
     def __call__(self, state: TrainState, batch):
         self.sharded.check_batch(batch, self.grad_accum)
+        if not self._safe_to_run:   # once: a program that would mix up its collectives never runs
+            mesh = self.sharded.mesh
+            why = run_hazard() if mesh.size > 1 and platform(mesh) == "cpu" else None
+            if why:
+                raise ConfigError(why)
+            self._safe_to_run = True
         # checked before the call: jax 0.10.2 on CPU crashed the process (segmentation fault) when a
         # sharded program was given deleted buffers, instead of raising. A few dozen leaves: ~µs.
         if self.donate and _donated(state):
