@@ -22,7 +22,8 @@ def _skipped(config) -> list:
 
 
 def pytest_sessionfinish(session, exitstatus):
-    if strict() and exitstatus == pytest.ExitCode.OK and _skipped(session.config):
+    # OK, or no test collected when every module skipped; a failure or an error keeps its own status
+    if strict() and exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED) and _skipped(session.config):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
