@@ -1,6 +1,7 @@
 """The documentation stays true to the repository: the measured tables of docs/results/ are exactly what
 their JSON gives, the README stays short and keeps CI's commands, and no relative link points nowhere.
 No jax: the generator is the standard library, the rest is reading files."""
+import os
 import re
 import subprocess
 import sys
@@ -34,6 +35,69 @@ def test_readme_is_short_and_keeps_ci_commands():
     assert first_test_command == "python -m pytest -q -n 2 --dist loadfile tests"
     assert first_test_command in ci
     assert 'pip install -e ".[test,gpu-target]"' in text and 'pip install -e ".[test,gpu-target]"' in ci
+
+
+# What `.ci/run` may hold: the lines that make and enter a fresh venv, an upgrade of pip itself, CI=true (a skip
+# then fails the run, tests/ci_skips.py), and last the README's test command verbatim. Anything else (an install
+# beside the README's, a venv with the system's site-packages, a PYTHONPATH) could make CI's suite differ from
+# what the README's command gives a newcomer, as PyTorch installed by CI alone once did (issue 28).
+CI_SETUP = ("set -euo pipefail", 'cd "$(dirname "$0")/.."', "python3 -m venv .venv", ". .venv/bin/activate",
+            "python -m pip install -q --upgrade pip", "export CI=true")
+
+
+def _readme_test_line(readme: str) -> str:
+    return re.search(r"^pip install [^\n]*pytest[^\n]*$", readme, re.M).group(0)
+
+
+def _ci_departures(ci: str, readme: str) -> list:
+    """The lines of a CI script, comments dropped, that are neither CI_SETUP nor the README's test command;
+    and a note when the README's command is not the last line."""
+    test_line = _readme_test_line(readme)
+    code = [c for c in (re.sub(r"(^|\s)#.*", "", line).strip() for line in ci.splitlines()) if c]
+    out = [c for c in code if c not in CI_SETUP and c != test_line]
+    if not code or code[-1] != test_line:
+        out.append(f"last line is not the README's test command: {test_line}")
+    return out
+
+
+def test_ci_runs_the_readme_command_and_installs_nothing_else():
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert _ci_departures(ci, README.read_text()) == [], ".ci/run does more than the README's test command"
+    assert "export CI=true" in ci.splitlines()
+
+
+def test_the_ci_guard_sees_an_install_beside_the_readme_command():
+    """The guard itself, on mutated copies of .ci/run: each departure is caught."""
+    readme = README.read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    test_line = _readme_test_line(readme)
+    mutants = {
+        "torch installed by CI alone": ci.replace(test_line, 'pip install -q "torch==2.13.0+cpu"\n' + test_line),
+        "system site-packages": ci.replace("python3 -m venv .venv", "python3 -m venv --system-site-packages .venv"),
+        "an extra on the README's command": ci.replace("[test,gpu-target]", "[test,gpu-target,more]"),
+        "an install after it": ci + "pip install setuptools\n",
+        "PYTHONPATH": ci.replace("export CI=true", "export CI=true PYTHONPATH=/opt/site"),
+    }
+    for what, mutant in mutants.items():
+        assert mutant != ci, what
+        assert _ci_departures(mutant, readme), f"the guard misses: {what}"
+
+
+def test_a_skip_fails_the_run_under_ci(tmp_path):
+    """tests/ci_skips.py's hooks on a throw-away suite of one test that passes and one module that skips
+    (as a missing PyTorch did): exit 0 without CI, 1 with CI=true, in one process and in two workers."""
+    (tmp_path / "conftest.py").write_text("from tests.ci_skips import pytest_sessionfinish, pytest_terminal_summary\n")
+    (tmp_path / "test_ok.py").write_text("def test_ok():\n    assert True\n")
+    (tmp_path / "test_gone.py").write_text("import pytest\npytest.importorskip('no_such_module_jfsdp')\n"
+                                            "def test_never():\n    pass\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("CI", "PYTEST_ADDOPTS")}
+    env["PYTHONPATH"] = str(ROOT)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path), str(tmp_path)]
+    for extra, ci, want in (([], None, 0), ([], "true", 1), (["-n", "2"], "true", 1)):
+        run_env = dict(env, **({"CI": ci} if ci else {}))
+        p = subprocess.run(cmd + extra, capture_output=True, text=True, timeout=120, cwd=tmp_path, env=run_env)
+        assert p.returncode == want, (extra, ci, p.stdout[-2000:], p.stderr[-2000:])
+        assert ("1 skipped" in p.stdout) and (("CI: 1 skipped" in p.stdout) == (want == 1)), p.stdout[-2000:]
 
 
 FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.S | re.M)

@@ -226,9 +226,10 @@ def test_installed_jfsdp_does_not_shadow_a_users_models(tmp_path):
     for pkg in ("jfsdp", "models"):
         shutil.copytree(ROOT / pkg, src / pkg, ignore=shutil.ignore_patterns("__pycache__"))
     target = tmp_path / "site"
+    # pip's build isolation: the build gets a fresh environment with pyproject.toml's [build-system]
+    # requirements from pip's configured index, so it sees nothing else of the venv it runs from
+    # (the venv's own setuptools may be too old to build a wheel, issue 28).
     cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(src)]
-    if _has_setuptools():  # build with the installed setuptools (no network); else pip fetches one
-        cmd.insert(4, "--no-build-isolation")
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     top = {d.name for d in target.iterdir() if not d.name.endswith((".dist-info", ".egg-info")) and d.name != "bin"}
@@ -245,8 +246,3 @@ def test_installed_jfsdp_does_not_shadow_a_users_models(tmp_path):
     assert r.returncode == 0, r.stderr
     whose, where = r.stdout.split()
     assert whose == "mine" and where.startswith(str(target))
-
-
-def _has_setuptools():
-    import importlib.util
-    return importlib.util.find_spec("setuptools") is not None
