@@ -9,7 +9,8 @@ communication per step, whether it fits and the largest global batch that fits.
   fake CPU devices. XLA's CPU backend widens bf16 to f32 (see `jfsdp.config.policy.wire_dtype`), so a bf16 plan
   compiled here is bigger than the same plan on a GPU: beside the compiled CPU measurement the
   report shows the estimate for CPU, which is what validates the estimate against XLA. XLA:CPU
-  compiles with the flags train.py sets on CPU (`jfsdp.config.xla_flags.CPU_FLAGS`).
+  compiles with its memory-minimizing scheduler (`jfsdp.config.xla_flags.CPU_FLAGS`): compile-only,
+  safe here; train.py runs under XLA:CPU's defaults (docs/limits.md).
 - a named GPU (`h100`, `h200`, `a100`, `b200`; see `jfsdp.planning.targets`): the train step is compiled by
   XLA:GPU for that GPU and topology without one (compile-only devices; needs jax's CUDA plugin), with
   the XLA options jfsdp sets on GPUs. The report shows XLA:GPU's memory and collectives beside the
@@ -79,11 +80,11 @@ def _args(argv):
 
 def set_fake_cpu_devices(n: int):
     """Ask for n fake CPU devices, before jax starts its backend. A count already forced in XLA_FLAGS
-    wins (the mesh must then fit it). XLA:CPU gets the flags train.py gives it
-    (jfsdp.config.xla_flags.CPU_FLAGS: the memory-minimizing scheduler; XLA reads it from XLA_FLAGS
-    only), so that the compiled CPU figure is the step train.py runs: with XLA:CPU's default
-    scheduler the units' stacked gradient buffers and the embedding's gradient are made at the start
-    of the step, and the compiled peak is higher than train.py's."""
+    wins (the mesh must then fit it). XLA:CPU compiles with its memory-minimizing scheduler
+    (jfsdp.config.xla_flags.CPU_FLAGS; XLA reads it from XLA_FLAGS only): with the default scheduler
+    the units' stacked gradient buffers and the embedding's gradient are made at the start of the
+    step, and the compiled peak is higher. The planner never runs the step, which under this flag
+    would mix up collectives between devices (docs/limits.md); train.py runs under the defaults."""
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
         flags = f"{flags} --xla_force_host_platform_device_count={n}".strip()

@@ -1,0 +1,61 @@
+"""The worker of tests/test_cpu_schedule.py (issue 27): run as `python -m tests.schedule_sweep` in a process of its
+own, whose XLA_FLAGS the test sets before jax starts. It trains llama-test a few steps on each configuration of
+the sweep, and on one device for each sequence length (the reference: no collectives), and prints one JSON
+line per configuration: {"config": ..., "losses": [...]} or {"config": ..., "error": "..."}.
+
+`--unguarded` calls the jitted step behind make_train_step's guard (jfsdp.config.xla_flags.run_hazard): that is
+how the sweep was shown to fail under the memory-minimizing scheduler (docs/tests.md)."""
+import json
+import sys
+
+import jax
+import numpy as np
+
+import jfsdp
+import models
+
+STEPS, BATCH = 2, 8
+# (mesh, strategy, remat, tokens): every mesh of the issue; each remat policy and each sequence length on three
+# meshes; ZeRO-2 once. 1x4 / 512 / remat none is the issue's first reproduction, 1x4 / 1024 / full its abort.
+SWEEP = [("1x4", "full_shard", "none", 512), ("1x4", "full_shard", "full", 1024), ("1x4", "shard_grad_op", "dots", 256),
+         ("2x4", "full_shard", "dots", 1024), ("2x4", "full_shard", "full", 256),
+         ("1x8", "full_shard", "none", 1024), ("1x8", "full_shard", "dots", 512),
+         ("4x2", "hybrid_shard", "full", 512), ("4x2", "hybrid_shard", "none", 256)]
+REFERENCE = [("1x1", "full_shard", "none", t) for t in (256, 512, 1024)]
+
+
+def batches(vocab, tokens):
+    x = np.random.default_rng(tokens).integers(0, vocab, (STEPS, BATCH, tokens + 1)).astype(np.int32)
+    return [{"inputs": b[:, :-1], "targets": b[:, 1:]} for b in x]
+
+
+def losses(mesh_spec, strategy, remat, tokens, unguarded=False):
+    cfg = models.get_config("llama-test")
+    root, unit, n = models.parts(cfg)
+    r, s = jfsdp.parse_mesh(mesh_spec)
+    mesh = jfsdp.make_mesh(mesh_spec, devices=jax.devices()[:r * s])
+    plan = jfsdp.fully_shard(jfsdp.Stacked(root, unit, n), mesh, jax.ShapeDtypeStruct((BATCH, tokens), "int32"),
+                             strategy=strategy, mp_policy=jfsdp.MixedPrecision.parse("fp32"), remat=remat)
+    opt = jfsdp.adamw(3e-3)
+    state = jfsdp.init_state(plan, opt, jax.random.key(0))
+    step = jfsdp.make_train_step(plan, opt, models.loss_fn(cfg))
+    run = step._jitted if unguarded else step
+    out = []
+    for b in batches(cfg.vocab_size, tokens):
+        state, m = run(state, plan.put_batch(b))
+        out.append(float(m["loss"]))
+    return out
+
+
+def main(argv):
+    unguarded = "--unguarded" in argv
+    for config in REFERENCE + SWEEP:
+        try:
+            rec = {"config": config, "losses": losses(*config, unguarded=unguarded)}
+        except Exception as e:   # reported, so that the test names the configuration
+            rec = {"config": config, "error": f"{type(e).__name__}: {e}"}
+        print(json.dumps(rec), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
