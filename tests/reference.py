@@ -303,10 +303,13 @@ class ScanModel(nnx.Module):
 # outputs by 0.5% and the two-stage model's by 0.9%, as far as bf16 is from fp32. With the roundings
 # kept, the engine's bf16 outputs equal the bf16 reference's bit for bit (llama-test on 2x8, the
 # two-stage model on 1x8: 0.0), and lie 0.27-1.0% in L2 from the fp32 ones; the fp32 reference against
-# itself on 2 to 16 row splits moves them by at most FP32_OUT_FLOOR. An engine that gathered in bf16
-# and computed the unit in fp32 lands about as far from the bf16 reference as fp32 does.
+# itself on 2 to 16 row splits moves them by at most 5.0e-7. An engine that gathered in bf16 and
+# computed in fp32 lands 0.50% (llama-test) and 0.93% (two stages) from the bf16 reference, 50 and 90
+# tolerances. Models whose inputs or ops promote bf16 weights to fp32 (resmlp-test's float inputs, the
+# examples' Linen and NNX decoders) compute in fp32 under the policy in the reference as in the engine:
+# there the check sees the weights' bf16 rounding (0.27-0.5%), not the compute dtype.
 EXACT_BF16 = {"xla_allow_excess_precision": False}
-FP32_OUT_FLOOR = 1e-6         # fp32 outputs, L2 (python -m tests.noise_floor bf16-compute)
+FP32_OUT_FLOOR = 1e-6         # fp32 outputs, L2: measured 2.5-5.0e-7 (python -m tests.noise_floor bf16-compute)
 BF16_OUT_RTOL = 1e-4          # the bf16 engine's outputs against the bf16 reference's, L2
 BF16_SEPARATION = 10          # the bf16 reference's outputs lie this many tolerances from the fp32 ones
 
