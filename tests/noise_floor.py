@@ -183,6 +183,42 @@ def bf16_section():
                 print(f"  {name} {what}: loss {lo:.3f}  update {up[0] / te.BF16_UPDATE_RTOL:.3f} ({up[1]})")
 
 
+def forward_case(name):
+    """(forward(params, rows, dtype) -> outputs in fp32, params, inputs) of a bf16-compute model."""
+    if name == "stages":
+        root, units = ts.Root(), [u for u, _ in ts.TWO_STAGES]
+        x = token_batches(ts.VOCAB, 1, ts.BATCH, ts.SEQ)[0]["inputs"]
+        params = ref.init_staged(root, ts.TWO_STAGES, x)
+        return lambda p, r, dt: ref.forward_staged(root, units, p, r, dt, dt and jnp.float32), params, x
+    cfg = models.get_config(name + "-test")
+    root, unit, n = models.parts(cfg)
+    x = (token_batches(cfg.vocab_size, 1, 16, 16)[0]["inputs"] if name == "llama"
+         else jnp.asarray(np.random.default_rng(0).normal(size=(16, cfg.in_dim)), jnp.float32))
+    params = ref.init_params(root, unit, n, x)
+    return lambda p, r, dt: ref.forward(root, unit, p, r, dt, dt and jnp.float32), params, x
+
+
+def bf16_compute_section():
+    """reference.assert_bf16_outputs' figures: the fp32 forward against itself on k row splits (the
+    floor), the bf16 one likewise, bf16 against fp32, and bf16 weights computed in fp32 (an engine that
+    upcasts the gathered unit) against bf16; all compiled with excess precision off (ref.run_exact)."""
+    print("\n== bf16-compute (test_equivalence, test_stages, test_fused_head, test_any_model: outputs, L2)")
+    print(f"  tolerance {ref.BF16_OUT_RTOL:.0e}, fp32 floor used {ref.FP32_OUT_FLOOR:.0e}")
+    for name in ("llama", "resmlp", "stages"):
+        with jax.default_device(jax.devices()[0]):
+            fwd, params, x = forward_case(name)
+            up = lambda p: jax.tree.map(lambda a: a.astype(jnp.bfloat16).astype(jnp.float32), p)
+            out = {dt: ref.run_exact(lambda p, dt=dt: fwd(p, x, dt), params) for dt in (None, jnp.bfloat16)}
+            mutant = ref.run_exact(lambda p: fwd(up(p), x, None), params)
+            for dt, what in ((None, "fp32"), (jnp.bfloat16, "bf16")):
+                worst_k = max(ref.rel_l2(np.concatenate([ref.run_exact(lambda p, r=r: fwd(p, r, dt), params)
+                                                         for r in np.split(np.asarray(x), k)]), out[dt])
+                              for k in SPLITS)
+                print(f"  {name} {what} against itself on 2-16 row splits: {worst_k:.2e}")
+            print(f"  {name} bf16 against fp32: {ref.rel_l2(out[jnp.bfloat16], out[None]):.2e}; bf16 weights "
+                  f"computed in fp32 against bf16: {ref.rel_l2(mutant, out[jnp.bfloat16]):.2e}")
+
+
 def resume_section():
     """test_checkpoint's resumed training: 3 steps in common, then 2 steps on another mesh, elementwise."""
     print("\n== resume (test_checkpoint: 2 steps after a restore, elementwise); ratio to the tolerance")
@@ -264,7 +300,7 @@ def hf_section():
 
 if __name__ == "__main__":
     print(f"XLA_FLAGS={os.environ.get('XLA_FLAGS')!r}")
-    sections = {**{n: (lambda n=n: fp32_section(n)) for n in CASES}, "bf16": bf16_section,
+    sections = {**{n: (lambda n=n: fp32_section(n)) for n in CASES}, "bf16": bf16_section, "bf16-compute": bf16_compute_section,
                 "resume": resume_section, "moe": moe_section, "ops": ops_section, "hf": hf_section}
     for name in sys.argv[1:] or sections:
         sections[name]()

@@ -117,6 +117,46 @@ def test_bf16_policy_gathers_in_bf16_and_reduces_in_fp32():
     assert dtypes("fp32", "all_gather") == {"float32"}
 
 
+# the matmuls of a LlamaBlock: 4 projections and 3 feed-forward kernels, attention's two einsums
+UNIT_MATMULS = {"attention/wq", "attention/wk", "attention/wv", "attention/wo", "feed_forward/w1",
+                "feed_forward/w2", "feed_forward/w3", "attention/vmap(BTNH,BSNH->BNTS)",
+                "attention/vmap(BNTS,BSNH->BTNH)"}
+
+
+@pytest.mark.parametrize("model", ["scan", "pipeline", "as_is"])
+def test_bf16_policy_runs_the_unit_matmuls_in_bf16(model):
+    """Every dot of the loss-and-gradient program, the units' (forward, rematerialized forward and
+    backward) and the root's tied head, takes bf16 operands under the bf16 policy and f32 ones under
+    fp32: on the plain unit scan, on the prefetch pipeline and on a Llama given as it is (its own loop).
+    Read from the program as lowered (XLA's HLO before its passes, with the op names): XLA:CPU then
+    rewrites every bf16 dot into an f32 dot of converted operands whose result it rounds to bf16 (a
+    probe, 2026-11-25), so the CPU's optimized program cannot show it; the program compiled for an H100
+    keeps bf16 gemms (tests/test_gpu_target.py). An engine that gathered in bf16 and computed the unit
+    in fp32 would emit f32 unit dots here."""
+    from models.llama import Llama, LlamaBlock
+    cfg = models.get_config("llama-test")
+    root, unit, n = models.parts(cfg)
+    tok = jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32)
+    mesh = jfsdp.make_mesh("1x8", jax.devices()[:8])
+    for precision, dtype in (("bf16", "bf16"), ("fp32", "f32")):
+        mp = jfsdp.MixedPrecision.parse(precision)
+        if model == "as_is":
+            plan = jfsdp.fully_shard(Llama(cfg), mesh, {"inputs": tok}, units=LlamaBlock, remat="full",
+                                     rng_streams=(), mp_policy=mp)
+        else:
+            plan = jfsdp.fully_shard(jfsdp.Stacked(root, unit, n), mesh, tok, remat="full",
+                                     prefetch=model == "pipeline", mp_policy=mp)
+        lowered = jax.jit(plan.loss_and_grad(models.loss_fn(cfg))).lower(plan.abstract_params(),
+                                                                         {"inputs": tok, "targets": tok})
+        dots = hlo.gemms(lowered.as_text(dialect="hlo", debug_info=True))
+        units = [g for g in dots if "LlamaBlock/" in g.op_name]
+        assert {g.op_name.split("LlamaBlock/")[-1].removesuffix("/dot_general") for g in units} == UNIT_MATMULS
+        assert len(units) >= 3 * len(UNIT_MATMULS) - 2, len(units)   # forward, recomputed forward, backward
+        assert any("head" in g.op_name for g in dots)
+        assert all(g.dtypes == (dtype, dtype) for g in dots), (precision, {(g.op_name, g.dtypes) for g in dots
+                                                                           if g.dtypes != (dtype, dtype)})
+
+
 # ---- gather, compute, free: per-device memory from XLA's buffer assignment
 
 def test_full_shard_temp_memory_does_not_grow_with_depth_beyond_remat_activations():

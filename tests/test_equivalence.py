@@ -173,9 +173,12 @@ def test_gradient_accumulation_matches(case, mesh_spec, strategy):
 # updates (final - initial) within 5.7% in L2 per leaf (resmlp's biases and norm scales: Adam turns
 # small bf16 gradient differences into sign-sized update differences on elements whose gradient is
 # near zero). Tolerances 3.5x or more above it: losses 1e-3 relative, updates 20% in L2 per leaf; a
-# missing data-axis reduce lands 5x above both. These cannot tell bf16 compute from fp32 (the update
-# differs by less than the floor): that the unit really is gathered and computed in bf16 is asserted
-# on the compiled program in test_collectives.py.
+# missing data-axis reduce lands 5x above both. Those cannot tell bf16 compute from fp32; the model's
+# outputs can (reference.assert_bf16_outputs: a forward pass from the same parameters, elementwise,
+# where bf16's rounding of every matmul shows and the gradient sums' order does not), and the compiled program
+# shows the unit's dots in bf16 (test_collectives.py, test_gpu_target.py). resmlp-test takes float
+# inputs, so its Dense layers promote bf16 weights to the fp32 input's dtype: under the policy it
+# computes in fp32 on bf16-rounded weights, in the reference as in the engine.
 BF16_LOSS_RTOL, BF16_UPDATE_RTOL = 1e-3, 0.20
 
 
@@ -185,6 +188,11 @@ def test_bf16_policy_matches_single_device_bf16(case, mesh_spec, strategy):
         case["root"], case["unit"], models.loss_fn(case["cfg"]), case["init"], case["batches"],
         param_dtype=jnp.bfloat16, output_dtype=jnp.float32))
     plan, state, losses = run_jfsdp(case, mesh_spec, strategy, "full", mp=jfsdp.MixedPrecision.parse("bf16"))
+    x = case["batches"][0]["inputs"]
+    fwd = lambda *dt: lambda: ref.run_exact(lambda p: ref.forward(case["root"], case["unit"], p, x, *dt), case["init"])
+    outs = [reference_once(case, "out-bf16", fwd(jnp.bfloat16, jnp.float32)), reference_once(case, "out-fp32", fwd())]
+    got = ref.run_exact(plan.apply, plan.shard(case["init"]), jax.device_put(x, plan.batch_sharding))
+    ref.assert_bf16_outputs(got, *outs, case["cfg"].__class__.__name__)
     np.testing.assert_allclose(losses, losses_ref, rtol=BF16_LOSS_RTOL)
     got, want = plan.gather(state.params), jax.device_get(final_ref)
     for path, g, w, b in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(got),

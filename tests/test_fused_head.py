@@ -82,6 +82,15 @@ def test_fused_loss_bf16_close_to_reference(case):
     opt = jfsdp.adamw(ref.LR, b1=ref.B1, b2=ref.B2, eps=ref.EPS, weight_decay=ref.WD, clip_norm=ref.CLIP)
     state = jfsdp.init_state(plan, opt, params=case["init"])
     step = jfsdp.make_train_step(plan, opt, jfsdp.train.losses.lm_loss(vocab_major=cfg.tie_embeddings))
+    # what the head hands to the fused loss (the normed hidden states and the head weight), against the
+    # reference's head_features in bf16 and in fp32 from the same parameters
+    x = bs[0]["inputs"]
+    with jax.default_device(jax.devices()[0]):
+        outs = [ref.run_exact(lambda p, dt=dt: ref.forward(case["root"], case["unit"], p, x, *dt, head="head_features"),
+                              case["init"])[0] for dt in ((jnp.bfloat16, jnp.float32), (None, None))]
+    got = ref.run_exact(plan.apply, plan.shard(case["init"]), plan.put_batch(bs[0])["inputs"])
+    assert {a.dtype for a in jax.tree.leaves(got)} == {jnp.dtype(jnp.bfloat16)}   # as is into the fused loss
+    ref.assert_bf16_outputs(got[0], *outs, "fused head")   # the hidden states (the weight is the bf16 cast)
     for b, r in zip(bs, ref_losses):
         state, m = step(state, plan.put_batch(b))
         assert abs(float(m["loss"]) - r) <= 1e-3 * abs(r)
