@@ -70,7 +70,13 @@ def supervise(ckpt_dir: str | None) -> int | None:
     sig_r, sig_w = os.pipe()
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)   # the parent takes them with sigtimedwait
     parent = os.getpid()
-    pid = os.fork()
+    try:
+        pid = os.fork()
+    except OSError:   # no process to spare: train here, unwatched
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        for fd in (err_r, err_w, sig_r, sig_w):
+            os.close(fd)
+        return None
     if pid == 0:
         os.close(err_r)
         os.close(sig_r)
@@ -198,15 +204,18 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 def rendezvous_summary(fatal: str) -> str:
-    """What XLA's fatal rendezvous message says, in a clause: which collective, how many devices came."""
-    kind = re.search(r"[`'](.+?) RendezvousKey\{([^}]*)\}", fatal)
+    """What XLA's fatal rendezvous line says, as a clause: which collective, and how the devices missed
+    each other (a timeout: some never came; a failed check: they ran their collectives out of step)."""
+    key = re.search(r"([a-z]+(?: [a-z]+)*) RendezvousKey\{([^}]*)\}", fatal)   # "all gather RendezvousKey{..}"
+    op = re.search(r"op_id=(\d+)", key.group(2)) if key else None
+    named = [key.group(1) + (f", op_id {op.group(1)}" if op else "")] if key else []
     came = re.search(r"Expected (\d+) threads to join the rendezvous, but only (\d+)", fatal)
-    if not kind:   # e.g. a check in rendezvous.h (devices met in collectives that do not match)
-        return f"devices met in collectives that do not match (XLA: {fatal.strip()[:200]})"
-    op = re.search(r"op_id=(\d+)", kind.group(2))
-    where = kind.group(1) + (f", op_id {op.group(1)}" if op else "")
-    count = f"; {came.group(2)} of {came.group(1)} devices arrived" if came else ""
-    return f"devices waited in a collective that not all of them reached ({where}{count})"
+    if came or "Termination timeout" in fatal:
+        counted = [f"{came.group(2)} of {came.group(1)} devices arrived"] if came else []
+        return f"devices waited in a collective that not all of them reached ({'; '.join(named + counted)})"
+    check = re.search(r"Check failed: (.*?)(?:\s*\(\S+ vs\. \S+\)|$)", fatal)   # "... (4 vs. 4)"
+    said = f"XLA: Check failed: {check.group(1)}" if check else f"XLA: {fatal.strip()[:200]}"
+    return f"devices ran their collectives out of step ({'; '.join(named + [said])})"
 
 
 def checkpoint_clause(ckpt_dir: str | None) -> str:
