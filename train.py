@@ -7,7 +7,9 @@ The command is `jfsdp.cli` (flags, checks, devices; it imports jax only after ch
 faking the devices a CPU-only machine needs) and `jfsdp.runtime.run` (model, sharding, data, loop,
 checkpoints, summary, sample).
 Bad input ends with one line `error: ...` and exit status 2; Ctrl-C and SIGTERM save (with
---ckpt-dir) and exit 130 and 143. See docs/training.md and docs/checkpoints.md for every flag.
+--ckpt-dir) and exit 130 and 143; on CPU a run that XLA aborts, or that dies of any signal, still ends with
+one line naming what happened and the last checkpoint (jfsdp/runtime/supervisor.py). See docs/training.md
+and docs/checkpoints.md for every flag.
 """
 import sys
 

@@ -10,7 +10,9 @@ are not there. So the flags are parsed and checked with jax-free modules only (`
 `jfsdp.runtime.config`, `jfsdp.runtime.console`; `import jfsdp` loads its names lazily), and jax is
 imported after. Bad input (and a diverged loss, and an unusable checkpoint) ends with one line
 `error: ...` and exit status 2 (`jfsdp.runtime.console.fail`). Ctrl-C (SIGINT) and SIGTERM finish the
-current step, save a checkpoint if --ckpt-dir is set, and exit with 130 and 143.
+current step, save a checkpoint if --ckpt-dir is set, and exit with 130 and 143. On CPU the training
+runs in a child process that train.py watches (`jfsdp.runtime.supervisor`): a run that XLA aborts (or
+that dies of any signal) still ends with one line saying what happened and which checkpoint is the last.
 The run itself (model, plan, data, loop, checkpoints, summary, sample) is `jfsdp.runtime.run`.
 See docs/training.md and docs/checkpoints.md for every flag, the data formats and what the progress line shows.
 """
@@ -242,15 +244,22 @@ def setup_devices(c: TrainConfig, n_needed: int | None) -> None:
 # ---- the run -------------------------------------------------------------------------------------
 
 def main(argv=None) -> int:
-    """The whole command: returns the exit status (0, 130, 143); bad input exits 2 through `fail`."""
+    """The whole command: returns the exit status (0, 130, 143; on CPU those of `supervisor.supervise`
+    too); bad input exits 2 through `fail`."""
     c = parse_args(argv)
     n_needed = check_flags(c)
     setup_devices(c, n_needed)
-    from jfsdp.runtime import distributed   # jax from here on
+    from jfsdp.runtime import distributed, supervisor
     try:
         procs = distributed.detect(c.coordinator, c.num_processes, c.process_id,
                                    init_timeout=c.init_timeout, heartbeat_timeout=c.heartbeat_timeout)
-        distributed.initialize(procs, cpu=os.environ.get("JAX_PLATFORMS", "").startswith("cpu"))
+    except ConfigError as e:
+        fail(str(e))
+    # on CPU the training runs in a child process, so that an abort by XLA still ends with one line
+    if supervisor.applies(procs.multi) and (status := supervisor.supervise(c.ckpt_dir)) is not None:
+        return status
+    try:
+        distributed.initialize(procs, cpu=os.environ.get("JAX_PLATFORMS", "").startswith("cpu"))   # jax from here on
     except ConfigError as e:
         fail(str(e))
     try:

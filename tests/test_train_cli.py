@@ -186,6 +186,63 @@ def test_ctrl_c_stops_cleanly(tmp_path):
     assert "summary" in out and metrics.exists()
 
 
+# train.py's training (the child it forks on CPU, jfsdp/runtime/supervisor.py) runs, after step 4 and
+# once checkpoint 4 is on disk, a program in which half of the devices wait in an all-gather that the
+# others skip, as the mis-scheduled steps of issue 27 did: XLA:CPU's rendezvous gives up after the
+# timeout that XLA_FLAGS sets and aborts the process. Installed in the child (os.register_at_fork):
+# the parent never imports jax.
+ABORT_AFTER_STEP_4 = """
+import os, runpy, sys
+def install():
+    import jax, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jfsdp.runtime import loop
+    real = loop.one_step
+    def one_step(run, *args):
+        saved = real(run, *args)
+        if run.loader.step == 4:
+            run.ckpt.wait()
+            mesh = Mesh(np.array(run.mesh.devices).reshape(-1), ("d",))
+            half = mesh.devices.size // 2
+            gather_on_half = lambda x: jax.lax.cond(jax.lax.axis_index("d") < half,
+                                                    lambda v: jax.lax.all_gather(v, "d", tiled=True)[:1],
+                                                    lambda v: v, x)
+            f = jax.jit(jax.shard_map(gather_on_half, mesh=mesh, in_specs=P("d"), out_specs=P("d"),
+                                      check_vma=False))
+            jax.block_until_ready(f(jax.device_put(np.zeros(mesh.devices.size, np.float32),
+                                                   NamedSharding(mesh, P("d")))))
+        return saved
+    loop.one_step = one_step
+os.register_at_fork(after_in_child=install)
+sys.argv[0] = "train.py"
+runpy.run_path("train.py", run_name="__main__")
+"""
+
+
+def test_an_xla_abort_is_one_line_and_the_checkpoint_survives(tmp_path):
+    env = {**_env(), "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax_cache"),
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+           "XLA_FLAGS": "--xla_backend_optimization_level=0 --xla_cpu_collective_call_warn_stuck_timeout_seconds=1 "
+                        "--xla_cpu_collective_call_terminate_timeout_seconds=2"}
+    ck = tmp_path / "ck"
+    args = ["--mesh", "1x4", "--model", "llama-test", "--batch-size", "4", "--seq-len", "16", "--steps", "6",
+            "--eval-iters", "1", "--gen-tokens", "0", "--metrics-out", "", "--ckpt-dir", str(ck), "--save-every", "2"]
+    r = subprocess.run([sys.executable, "-c", ABORT_AFTER_STEP_4, *args], capture_output=True, text=True, env=env,
+                       timeout=300, cwd=REPO)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and lines[-1].startswith("error:"), (r.returncode, r.stderr[-3000:])
+    assert [line for line in lines if line.startswith("error:")] == [lines[-1]] and "Traceback" not in r.stderr
+    assert "rendezvous.cc" in r.stderr and "Termination timeout" in r.stderr   # XLA's own lines, passed through
+    assert lines[-1] == ("error: XLA:CPU aborted the run: devices waited in a collective that not all of them "
+                         "reached (all gather, op_id 1; 2 of 4 devices arrived); no checkpoint was lost: the last "
+                         f"saved is {ck / '4'} (--resume continues from it)"), lines[-1]
+    # the checkpoint named is whole: the run resumes from it
+    r = subprocess.run([sys.executable, str(REPO / "train.py"), *args, "--resume", "--stop-after", "1"],
+                       capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+    assert r.returncode == 0 and f"resumed from {ck / '4'} (step 4" in r.stderr, r.stderr[-3000:]
+    assert f"checkpoint saved to {ck / '5'}" in r.stderr
+
+
 def test_help_documents_every_flag():
     r = run_train("--help")
     assert r.returncode == 0

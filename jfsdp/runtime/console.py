@@ -18,6 +18,7 @@ EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143
 
 _on_fail = []   # what to close before exiting on an error (the checkpointer: its pending save and threads)
 _quiet = False  # set in processes other than 0 of a multi-process run: only process 0 reports
+_stderr_tty = None  # whether stderr reaches a terminal, where sys.stderr cannot tell (set_stderr_tty)
 
 
 def on_fail(close) -> None:
@@ -41,6 +42,17 @@ def set_quiet(quiet: bool = True) -> None:
     """Silence `note` in this process (the processes other than 0 of a multi-process run)."""
     global _quiet
     _quiet = quiet
+
+
+def set_stderr_tty(tty: bool) -> None:
+    """Say whether this process's stderr ends on a terminal: train.py's watched child writes into a
+    pipe that its parent passes through to the terminal (jfsdp.runtime.supervisor)."""
+    global _stderr_tty
+    _stderr_tty = tty
+
+
+def stderr_is_tty() -> bool:
+    return sys.stderr.isatty() if _stderr_tty is None else _stderr_tty
 
 
 def note(message: str) -> None:

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import signal
-import sys
 import time
 
 import jax
 import numpy as np
 
 from jfsdp.runtime import metrics as jm
-from jfsdp.runtime.console import EXIT_INTERRUPTED, EXIT_TERMINATED, fail, note
+from jfsdp.runtime.console import EXIT_INTERRUPTED, EXIT_TERMINATED, fail, note, stderr_is_tty
 from jfsdp.runtime.progress import Profile, Progress, StopSignals, extra_metrics, progress_line
 
 
@@ -92,7 +91,7 @@ def diverged(run, step: int, loss: float):
 def train_loop(run) -> Outcome:
     """Train from the loader's step to --steps (or --stop-after, or a signal); then the last checkpoint."""
     c, loader, ckpt = run.c, run.loader, run.ckpt
-    progress = Progress(c.steps, loader.step, c.log_every, tty=sys.stderr.isatty() and run.lead)
+    progress = Progress(c.steps, loader.step, c.log_every, tty=stderr_is_tty() and run.lead)
     profile = Profile(c.profile, loader.step, c.steps, progress.say)
     meter = Meter(run)
     stop_at = min(c.steps, loader.step + c.stop_after) if c.stop_after else c.steps
