@@ -229,7 +229,7 @@ class AsIs(FSDP):
         shapes = [np.shape(x.shard if is_unreduced(x) else x) for x in jax.tree.leaves(shards, is_leaf=is_unreduced)]
         for p in self.scanned:
             ls = self.leaf_layouts[p]
-            if [(l.padded_rows // self.shards, *l.shape[1:]) for l in ls] == shapes:
+            if [l.shard_shape for l in ls] == shapes:
                 return ls
         raise ConfigError("a unit called inside an NNX transform matches no unit the model scans")
 
