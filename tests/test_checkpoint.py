@@ -441,7 +441,7 @@ def test_staged_model_saves_logical_arrays_restores_onto_other_meshes_and_does_n
         jax.tree.map(np.testing.assert_array_equal, _logical(plan2, restored), saved)
         jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),   # zero padding
                      restored.params, plan2.shard(saved["params"]))
-    assert plan2.layouts["stages"][1]["w2"]["kernel"].stored_shape == (2241,)   # 1x3 really padded (flat, 56*40+1)
+    assert plan2.layouts["stages"][1]["w2"]["kernel"].stored_shape == (2241, 1)   # 1x3 really padded (flat, 56*40+1)
     other, _ = _staged_plan("1x3", sizes=(2, 2))
     with pytest.raises(jckpt.CheckpointError, match=r"parameter stages/1/norm/scale is \[3, 40\] float32, this run "
                                                     r"expects \[2, 40\]"):

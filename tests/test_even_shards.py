@@ -15,6 +15,7 @@ from flax import nnx
 import jfsdp
 import models
 from jfsdp.planning import memory
+from jfsdp.train.optim import matrices
 from models.factory import language_model
 
 D, F, HEADS, H, VOCAB = 64, 128, 4, 16, 100
@@ -130,11 +131,13 @@ def test_state_per_device_is_one_over_s(kind, s):
 def test_small_leading_axes_are_flat_and_padded_by_fewer_than_s():
     """The rule: dimension 0 when S divides it (no padding, FSDP2's Shard(0)); else flat, < S padding."""
     f32 = jnp.dtype(jnp.float32)
-    for shape, s, kind, stored in [((256, 96), 16, "dim0", (256, 96)), ((2, 1152, 6912), 64, "flat", (2 * 1152 * 6912,)),
-                                   ((8, 72, 56), 16, "flat", (8 * 72 * 56,)), ((259, 96), 8, "flat", (24864,)),
-                                   ((200,), 16, "dim0", (208,)), ((), 4, "dim0", (4,)), ((3, 5, 7), 4, "flat", (108,))]:
+    for shape, s, kind, stored in [((256, 96), 16, "dim0", (256, 96)), ((2, 1152, 6912), 64, "flat", (2 * 1152 * 6912, 1, 1)),
+                                   ((8, 72, 56), 16, "flat", (8 * 72 * 56, 1, 1)), ((259, 96), 8, "flat", (24864, 1)),
+                                   ((200,), 16, "dim0", (208,)), ((), 4, "dim0", (4,)), ((3, 5, 7), 4, "flat", (108, 1, 1))]:
         l = jfsdp.Layout(shape, f32, s)
         assert (l.kind, l.stored_shape) == (kind, stored), shape
         assert l.padding < s and l.stored_shape[0] % s == 0
+        # a flat leaf keeps its number of dimensions: the default weight-decay mask (matrices) still sees one
+        assert len(l.stored_shape) == max(len(shape), 1) and matrices({"w": np.zeros(l.stored_shape)})["w"] == (len(shape) >= 2)
         x = np.arange(int(np.prod(shape)), dtype=np.float32).reshape(shape)
         np.testing.assert_array_equal(np.asarray(l.unpad(l.pad(x, np))), x)

@@ -113,8 +113,9 @@ class Layout:
 
     @property
     def row_shape(self) -> tuple:
-        """What one row of the stored array is: () when flat, else shape[1:]."""
-        return () if self.is_flat else tuple(self.shape[1:])
+        """What one row of the stored array is: shape[1:], or ones when flat (a flat leaf keeps its number
+        of dimensions, (elements, 1, ...), so that masks by ndim, as the default weight decay's, hold)."""
+        return (1,) * (len(self.shape) - 1) if self.is_flat else tuple(self.shape[1:])
 
     @property
     def padded_rows(self) -> int:

@@ -254,7 +254,8 @@ def load_params(plan, folder: str):
             out = []
             for i in layers:
                 name, tr = srcs[i]
-                x = (read_flat(files, name, tr, layout.shape, r0, min(r1, layout.rows)) if layout.is_flat
+                x = (read_flat(files, name, tr, layout.shape, r0, min(r1, layout.rows)).reshape(-1, *layout.row_shape)
+                     if layout.is_flat
                      else read_slice(files, name, tr, slice(r0, min(r1, layout.rows)), rest))
                 pad = [(0, max(0, r1 - max(r0, layout.rows)))] + [(0, 0)] * (x.ndim - 1)
                 out.append(np.pad(x.astype(layout.dtype), pad))

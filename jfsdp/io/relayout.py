@@ -119,10 +119,12 @@ def read_targets(stored: dict, target):
     def one(path, t):
         k = path_name(path)
         d = stored.get(k)
-        if d is None or len(d) <= len(t.shape) or not isinstance(getattr(t, "sharding", None), NamedSharding):
+        if d is None or len(d) != len(t.shape) or not isinstance(getattr(t, "sharding", None), NamedSharding):
             return t
-        lead = len(t.shape) - 1
-        if tuple(d[:lead]) != tuple(t.shape[:lead]):
+        # flat in the target (elements, 1, ...) after `lead` stack axes, rows on disk
+        lead = next((i for i in (0, 1) if tuple(d[:i]) == tuple(t.shape[:i]) and len(t.shape) > i + 1
+                     and all(n == 1 for n in t.shape[i + 1:]) and any(n != 1 for n in d[i + 1:])), None)
+        if lead is None:
             return t
         n = t.shape[lead] // t.sharding.shard_shape(t.shape)[lead]
         shape = (*d[:lead], -(-d[lead] // n) * n, *d[lead + 1:])
@@ -131,9 +133,14 @@ def read_targets(stored: dict, target):
     return jax.tree_util.tree_map_with_path(one, target), later
 
 
+def _flat_lead(shape) -> int:
+    """The stack axes before a flat leaf's (elements, 1, ...): 0 or 1."""
+    return 0 if all(n == 1 for n in shape[1:]) else 1
+
+
 def from_rows(state, later: dict):
     """The leaves read in rows (`read_targets`) turned into the target's flat form."""
     def one(path, x):
         t = later.get(path_name(path))
-        return x if t is None else relayout(x, len(t.shape) - 1, t.shape, t.sharding)
+        return x if t is None else relayout(x, _flat_lead(t.shape), t.shape, t.sharding)
     return jax.tree_util.tree_map_with_path(one, state)
