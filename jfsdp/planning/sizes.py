@@ -58,9 +58,10 @@ def leaf_layouts(plan) -> dict:
     """{parameter path: how it is sharded}: 'dim0 ROWSxREST' (split on dimension 0) or 'flat N' (flattened,
     N elements with the padding), per unit; and a 'summary' line (leaves of each kind, padding)."""
     out, kinds, pad = {}, {"dim0": 0, "flat": 0}, 0
-    for layouts, mult in [(plan.split(plan.layouts)[0], 1)] + stages(plan):
+    parts = [("root", plan.split(plan.layouts)[0], 1)] + [(f"stage {j}", *s) for j, s in enumerate(stages(plan))]
+    for name, layouts, mult in parts:
         for p, l in jax.tree_util.tree_flatten_with_path(layouts, is_leaf=is_layout)[0]:
-            out[jax.tree_util.keystr(p)] = f"{l.kind} {'x'.join(map(str, l.stored_shape))}"
+            out[name + jax.tree_util.keystr(p)] = f"{l.kind} {'x'.join(map(str, l.stored_shape))}"
             kinds[l.kind] += mult
             pad += mult * l.padding
     out["summary"] = (f"{kinds['dim0']} leaves split on dimension 0, {kinds['flat']} flattened; "
