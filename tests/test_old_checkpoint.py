@@ -1,5 +1,5 @@
 """A checkpoint saved before every leaf was sharded evenly (tests/fixtures/old_layout_ckpt, written by
-jfsdp at b413ee9 with tests/fixtures/make_old_checkpoint.py: every leaf padded on dimension 0, 1x8)
+jfsdp at b6d5e94 with tests/fixtures/make_old_checkpoint.py: every leaf padded on dimension 0, 1x8)
 restores onto meshes where some leaves are now flat (1x16: the 20-row embedding and the 24-row w2; 1x3),
 and resumes exactly: the next two losses and the final parameters are those of the run that never
 stopped (written by that commit beside the checkpoint)."""
