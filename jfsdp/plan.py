@@ -133,6 +133,9 @@ def render(r: dict) -> str:
             continue
         lines.append(f"  {k:26}{_gib(f[k]):>20}" + (f"{mid(fh[k])}{_gib(m[k]):>20}" if m else ""))
     lines.append(f"  contract (3Ψ·b·(S−1)/S or 2Ψ·b·(N−1)/N){_gib(f['contract']):>14}")
+    if r.get("layouts"):
+        lines += ["", "parameter layout (jfsdp/engine/layout.py; every leaf per unit, in --json): "
+                  + r["layouts"]["summary"]]
     if r.get("moe"):
         lines += ["", "MoE stages (mode per stage; gather = all-gather + reduce-scatter of the experts' weights, "
                   "ep = all-to-all of the tokens; jfsdp/engine/moe.py)"] + [f"  {x}" for x in r["moe"]]

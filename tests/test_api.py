@@ -72,24 +72,28 @@ def test_batch_that_does_not_divide_is_refused(batch, accum, match):
 
 
 def test_padding_for_uneven_sizes():
-    """vocab 259 and ffn 200 do not divide by 16: rows are padded, not refused, and stay zero."""
-    plan = plan_for()
+    """On 5 shards: vocab 259 does not divide, so the embedding is flattened and padded by fewer than 5
+    elements (259*96 = 24864 -> 24865); ffn 200 divides (w2 split on its rows, no padding); the 96-wide
+    norm scales are padded to 100. Not refused, and the padding stays zero through training."""
+    root, unit, n = models.parts(CFG)
+    plan = jfsdp.fully_shard(jfsdp.Stacked(root, unit, n), jfsdp.make_mesh("1x5", devices=jax.devices()[:5]),
+                             jax.ShapeDtypeStruct((15, 16), jnp.int32))
     L = plan.layouts
-    assert L["root"]["tok_embeddings"]["embedding"].stored_shape == (272, 96)
-    assert L["units"]["feed_forward"]["w2"]["kernel"].stored_shape == (208, 96)
-    assert L["units"]["feed_forward"]["w1"]["kernel"].padding == 0
+    assert L["root"]["tok_embeddings"]["embedding"].stored_shape == (24865, 1)
+    assert L["units"]["feed_forward"]["w2"]["kernel"].stored_shape == (200, 96)
+    assert L["units"]["attention_norm"]["scale"].stored_shape == (100,)
     opt = jfsdp.adamw(1e-2, mask=plan.decay_mask())
     state = jfsdp.init_state(plan, opt, jax.random.key(0))
     step = jfsdp.make_train_step(plan, opt, models.loss_fn(CFG))
-    tok = jax.device_put(jnp.asarray(np.random.default_rng(0).integers(0, 259, (16, 16)), jnp.int32), plan.batch_sharding)
+    tok = jax.device_put(jnp.asarray(np.random.default_rng(0).integers(0, 259, (15, 16)), jnp.int32), plan.batch_sharding)
     for _ in range(2):
         state, _ = step(state, {"inputs": tok, "targets": tok})
     emb = np.asarray(state.params["root"]["tok_embeddings"]["embedding"])
-    w2 = np.asarray(state.params["units"]["feed_forward"]["w2"]["kernel"])
-    assert np.all(emb[259:] == 0) and np.all(w2[:, 200:] == 0)
-    assert np.any(emb[:259] != 0)
+    norm = np.asarray(state.params["units"]["attention_norm"]["scale"])
+    assert np.all(emb[24864:] == 0) and np.all(norm[:, 96:] == 0)
+    assert np.any(emb[:24864] != 0)
     mu = state.opt_state[1][0].mu  # clip, then adamw's scale_by_adam state
-    assert np.all(np.asarray(mu["root"]["tok_embeddings"]["embedding"])[259:] == 0)
+    assert np.all(np.asarray(mu["root"]["tok_embeddings"]["embedding"])[24864:] == 0)
 
 
 def test_deferred_init_equals_unsharded_init_and_never_holds_the_model():

@@ -381,7 +381,9 @@ def test_padded_checkpoints_of_format_1_stay_readable(tmp_path):
     import dataclasses
     meta = {"format": "jfsdp-checkpoint/1", "step": 1, "model_config": dataclasses.asdict(cfg),
             "params": jckpt.param_signature(plan)}
-    mgr.save(1, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+    from jfsdp.io.relayout import to_rows    # that layout: every leaf padded on its rows (flat leaves turned)
+    old_state, _ = to_rows(plan, state)
+    mgr.save(1, args=ocp.args.Composite(state=ocp.args.StandardSave(old_state), meta=ocp.args.JsonSave(meta)))
     mgr.wait_until_finished()
     mgr.close()
     assert _stored_shapes(tmp_path / "ck" / "1", ["params.root.tok_embeddings.embedding"]) == {
@@ -439,7 +441,7 @@ def test_staged_model_saves_logical_arrays_restores_onto_other_meshes_and_does_n
         jax.tree.map(np.testing.assert_array_equal, _logical(plan2, restored), saved)
         jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),   # zero padding
                      restored.params, plan2.shard(saved["params"]))
-    assert plan2.layouts["stages"][1]["w2"]["kernel"].stored_shape == (57, 40)   # 1x3 really padded
+    assert plan2.layouts["stages"][1]["w2"]["kernel"].stored_shape == (2241, 1)   # 1x3 really padded (flat, 56*40+1)
     other, _ = _staged_plan("1x3", sizes=(2, 2))
     with pytest.raises(jckpt.CheckpointError, match=r"parameter stages/1/norm/scale is \[3, 40\] float32, this run "
                                                     r"expects \[2, 40\]"):

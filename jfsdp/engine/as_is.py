@@ -79,8 +79,10 @@ class AsIs(FSDP):
             self.leaf_layouts = mark_units(self)
 
     # ---- what the model is made of
-    def _discover(self):
-        """Trace the model once (nothing computed): its parameters, its units, and the checks."""
+    def _discover(self, retried=False):
+        """Trace the model once (nothing computed): its parameters, its units, and the checks. A method
+        under `nn.jit` replays a trace that jax cached before (an earlier fully_shard of the same model):
+        the units' calls are then unseen, so the caches are cleared and the model traced once more."""
         found = Found()
         m = self.model
         try:
@@ -100,10 +102,13 @@ class AsIs(FSDP):
         except Exception as e:
             msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
             raise ConfigError(f"call(model, batch) failed on the example batch{_where(e)}: {type(e).__name__}: {msg}") from e
+        if not found.unit_calls and not retried:
+            jax.clear_caches()
+            return self._discover(retried=True)
         if not found.unit_calls:
             classes = sorted(set(found.modules.values()))
             raise ConfigError(f"units= matched no submodule that the model calls; the modules found are: "
-                              f"{', '.join(classes) or 'none'}")
+                              f"{', '.join(classes) or 'none'} (traced twice, jax's caches cleared in between)")
         self.scanned = scanned_units(params, found)   # units inside the model's own scan: {path: iterations}
         self.stage_sizes = tuple(self.scanned.values())
         twice = sorted({p for p in found.unit_calls if found.unit_calls.count(p) > 1 and p not in self.scanned})
@@ -229,7 +234,7 @@ class AsIs(FSDP):
         shapes = [np.shape(x.shard if is_unreduced(x) else x) for x in jax.tree.leaves(shards, is_leaf=is_unreduced)]
         for p in self.scanned:
             ls = self.leaf_layouts[p]
-            if [(l.padded_rows // self.shards, *l.shape[1:]) for l in ls] == shapes:
+            if [l.shard_shape for l in ls] == shapes:
                 return ls
         raise ConfigError("a unit called inside an NNX transform matches no unit the model scans")
 

@@ -1,6 +1,6 @@
 """How jfsdp sees a model and its parameters: the model as FSDP units (`Stacked`, `Staged`, `Stage`), one
-parameter's sharded layout (`Layout`: padded along its first dimension to a multiple of S and split
-over the `fsdp` axis, FSDP2's per-parameter Shard(0)), and the tree helpers shared by the engine, the
+parameter's sharded layout (`Layout`: split on its first dimension when S divides it, else flattened and
+padded by fewer than S elements, so that every device keeps 1/S of every leaf), and the tree helpers shared by the engine, the
 training step, checkpoints and the planner."""
 from __future__ import annotations
 
@@ -83,14 +83,39 @@ class Staged:
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """One parameter: its unsharded shape (per unit) and how it is padded into S row-shards."""
+    """One parameter: its unsharded shape (per unit) and how it is stored as S even shards.
+
+    The rule (each device keeps 1/S of every leaf, padding < S elements):
+    - `rows` (dimension 0) split over the S shards when S divides it: FSDP2's Shard(0), no padding;
+    - otherwise the leaf flattened to one dimension of prod(shape) elements, padded to a multiple of S
+      (`flat`): fewer than S elements of padding, whatever the shape ((2, d, f), (heads, d, h), (E, d, f)
+      with E < S). Row-major flattening keeps each gathered leaf one contiguous buffer that is the
+      parameter's bytes in order: unpadding is a prefix and a reshape, never a transpose.
+    Leaves of one dimension (and scalars, as (1,)) are padded on dimension 0, the same either way.
+    `flat` forces the flat (True) or the row (False) form: checkpoints convert between them."""
     shape: tuple
     dtype: Any
     shards: int
+    flat: bool | None = None
+
+    @property
+    def is_flat(self) -> bool:
+        if self.flat is not None:
+            return self.flat and len(self.shape) >= 2
+        return len(self.shape) >= 2 and self.shape[0] % self.shards != 0
 
     @property
     def rows(self) -> int:
+        """Length of the stored axis 0 before padding (elements when flat)."""
+        if self.is_flat:
+            return math.prod(self.shape)
         return self.shape[0] if self.shape else 1
+
+    @property
+    def row_shape(self) -> tuple:
+        """What one row of the stored array is: shape[1:], or ones when flat (a flat leaf keeps its number
+        of dimensions, (elements, 1, ...), so that masks by ndim, as the default weight decay's, hold)."""
+        return (1,) * (len(self.shape) - 1) if self.is_flat else tuple(self.shape[1:])
 
     @property
     def padded_rows(self) -> int:
@@ -98,15 +123,25 @@ class Layout:
 
     @property
     def stored_shape(self) -> tuple:
-        return (self.padded_rows, *self.shape[1:])
+        return (self.padded_rows, *self.row_shape)
+
+    @property
+    def shard_shape(self) -> tuple:
+        """One device's shard (sharded over `shards`)."""
+        return (self.padded_rows // self.shards, *self.row_shape)
+
+    @property
+    def kind(self) -> str:
+        """How the leaf is sharded, for reports: 'dim0' or 'flat'."""
+        return "flat" if self.is_flat else "dim0"
 
     @property
     def padding(self) -> int:
         """Elements of padding per unit."""
-        return (self.padded_rows - self.rows) * math.prod(self.shape[1:])
+        return (self.padded_rows - self.rows) * math.prod(self.row_shape)
 
     def pad(self, x, xp=jnp):
-        x = x.reshape(self.rows, *self.shape[1:])
+        x = x.reshape(self.rows, *self.row_shape)
         return xp.pad(x, [(0, self.padded_rows - self.rows)] + [(0, 0)] * (x.ndim - 1))
 
     def unpad(self, x):

@@ -1,7 +1,7 @@
 """The parameter layout of a model given as units, apart from the engine that computes with it.
 
-Every leaf is padded along its first dimension to a multiple of S and split over the `fsdp` axis
-(FSDP2's per-parameter Shard(0)); the units of a stage are stacked on a new axis 0. The tree:
+Every leaf is split over the `fsdp` axis along its first dimension when S divides it, else flattened
+and padded by fewer than S elements (`jfsdp.engine.layout.Layout`); the units of a stage are stacked on a new axis 0. The tree:
 `Stacked`: {'root': tree, 'units': tree, every leaf stacked on axis 0 (n_units rows)};
 `Staged`: {'root': tree, 'stages': [one such stacked tree per stage]}. `split`/`join` convert any tree
 in this layout to and from (root, [stacked tree per stage]). This class initializes parameters where they
@@ -35,8 +35,8 @@ class ParamLayout:
 
     def lay_out(self, full, sharded: bool):
         """`layouts`, `param_specs` and `param_shardings` from the full parameters' shapes (`split` into the
-        root and the stages, whose leaves are stacked on axis 0): every leaf padded to `self.shards` rows,
-        split over the `fsdp` axis when `sharded` (a stage's leaves within each unit), else replicated."""
+        root and the stages, whose leaves are stacked on axis 0): every leaf laid out for `self.shards`
+        shards (`Layout`: rows, or flat), split over the `fsdp` axis when `sharded` (a stage's leaves within each unit), else replicated."""
         root, stages = self.split(full)
         layout = lambda shape, x: Layout(tuple(shape), jnp.dtype(x.dtype), self.shards)
         per_unit = lambda t: jax.tree.map(lambda x: layout(x.shape[1:], x), t)

@@ -56,6 +56,7 @@ from jfsdp.engine.layout import is_layout
 from jfsdp.engine.sharded import FSDP
 from jfsdp.config.errors import ConfigError
 from jfsdp.io.orbax_rows import rows_save_args, type_handler_registry
+from jfsdp.io.relayout import from_rows, path_name, read_targets, to_rows
 
 FORMAT = "jfsdp-checkpoint/2"                 # arrays stored with their logical shapes
 READABLE = (FORMAT, "jfsdp-checkpoint/1")     # /1: padded for the writer's mesh (restore pads/cuts)
@@ -71,10 +72,6 @@ class NonFiniteState(RuntimeError):
     """The train state holds NaN or inf: it was not saved."""
 
 
-def _path_str(path) -> str:
-    return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
-
-
 def param_signature(plan: FSDP) -> dict:
     """{parameter path: [logical shape, dtype]} of the full (unpadded) layout: what a checkpoint must
     match to be restored into `plan`, whatever the mesh. Paths as in the state: `root/...`, then
@@ -85,7 +82,7 @@ def param_signature(plan: FSDP) -> dict:
                          for l, n in zip(stage_l, plan.stage_sizes)])
     lead = jax.tree.leaves(stacked, is_leaf=lambda x: isinstance(x, tuple))
     flat = jax.tree_util.tree_flatten_with_path(plan.layouts, is_leaf=is_layout)[0]
-    return {_path_str(path): [list(n + l.shape), str(l.dtype)] for (path, l), n in zip(flat, lead)}
+    return {path_name(path): [list(n + l.shape), str(l.dtype)] for (path, l), n in zip(flat, lead)}
 
 
 def _all_finite(state) -> jax.Array:
@@ -140,7 +137,8 @@ class Checkpointer:
         meta["params"] = param_signature(plan)
         if step in self._mgr.all_steps():   # e.g. the final save right after a periodic one
             return self.step_dir(step)
-        save_args = rows_save_args(plan, state)
+        state, rows = to_rows(plan, state)          # flat leaves in their row form (relayout.py)
+        save_args = rows_save_args(plan, state, rows)
         self._mgr.save(step, args=ocp.args.Composite(**{STATE: ocp.args.PyTreeSave(state, save_args=save_args),
                                                          META: ocp.args.JsonSave(meta)}), force=True)
         return self.step_dir(step)
@@ -208,6 +206,9 @@ class Checkpointer:
                                   "corrupt or partial") from None
         if stored is None:
             raise CheckpointError(f"{path}: missing: checkpoint {step} is partial")
+        shapes = {path_name(p): tuple(m.shape) for p, m in jax.tree_util.tree_flatten_with_path(
+            stored, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))[0] if hasattr(m, "shape")}
+        target, later = read_targets(shapes, target)   # flat leaves read in rows, turned after
         _check_stored(path, stored, target)
         try:
             # each device reads its row range of the stored array; rows past the stored ones are zeros
@@ -218,7 +219,7 @@ class Checkpointer:
         except Exception as e:
             raise CheckpointError(f"{path}: cannot be read ({one_line_error(e)}): checkpoint {step} is corrupt "
                                   "or partial") from None
-        return out[STATE]
+        return from_rows(out[STATE], later)
 
 
 def _check_stored(path: Path, stored, target) -> None:
@@ -226,12 +227,12 @@ def _check_stored(path: Path, stored, target) -> None:
     with its dtype and a shape that differs from the target's along one axis at most."""
     t_leaves = jax.tree_util.tree_flatten_with_path(target)[0]
     try:
-        s_leaves = {_path_str(p): m for p, m in jax.tree_util.tree_flatten_with_path(
+        s_leaves = {path_name(p): m for p, m in jax.tree_util.tree_flatten_with_path(
             stored, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))[0]}
     except Exception:
         s_leaves = {}
     for p, t in t_leaves:
-        name = _path_str(p)
+        name = path_name(p)
         m = s_leaves.get(name)
         if m is None:
             raise CheckpointError(f"{path}: has no array {name}: incompatible or partial checkpoint")

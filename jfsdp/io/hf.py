@@ -207,6 +207,17 @@ def read_slice(files: dict, name: str, transpose: bool, rows: slice, rest: tuple
     return x[(slice(None), *rest)] if rest else x
 
 
+def read_flat(files: dict, name: str, transpose: bool, shape: tuple, e0: int, e1: int) -> np.ndarray:
+    """Elements e0:e1 of our layout of HF tensor `name` flattened (a flat-sharded leaf): the rows that
+    hold them are read, then cut to the range."""
+    per_row = int(np.prod(shape[1:]))
+    if e1 <= e0:
+        return np.zeros((0,), np.float32)
+    lo, hi = e0 // per_row, -(-e1 // per_row)
+    x = read_slice(files, name, transpose, slice(lo, hi), ()).reshape(-1)
+    return x[e0 - lo * per_row: e1 - lo * per_row]
+
+
 def load_params(plan, folder: str):
     """Hugging Face weights -> the plan's shards, streamed: every leaf is built with
     `jax.make_array_from_callback`, whose callback reads from the safetensors file only the rows
@@ -243,7 +254,9 @@ def load_params(plan, folder: str):
             out = []
             for i in layers:
                 name, tr = srcs[i]
-                x = read_slice(files, name, tr, slice(r0, min(r1, layout.rows)), rest)
+                x = (read_flat(files, name, tr, layout.shape, r0, min(r1, layout.rows)).reshape(-1, *layout.row_shape)
+                     if layout.is_flat
+                     else read_slice(files, name, tr, slice(r0, min(r1, layout.rows)), rest))
                 pad = [(0, max(0, r1 - max(r0, layout.rows)))] + [(0, 0)] * (x.ndim - 1)
                 out.append(np.pad(x.astype(layout.dtype), pad))
             return np.stack(out) if stacked else out[0]

@@ -38,7 +38,7 @@ from orbax.checkpoint._src.serialization import jax_array_handlers as _jah
 from orbax.checkpoint._src.serialization import replica_slices as _rs
 from orbax.checkpoint._src.serialization import type_handler_registry as _registry_lib
 
-from jfsdp.engine.layout import is_layout
+from jfsdp.io.relayout import param_like
 
 
 @dataclasses.dataclass
@@ -119,42 +119,12 @@ def type_handler_registry():
         *[(t, LogicalArrayHandler() if t is jax.Array else h) for t, h in _registry_lib._DEFAULT_TYPE_HANDLERS])
 
 
-def rows_save_args(sharded, state):
+def rows_save_args(sharded, state, layouts=None):
     """A tree like `state` (a TrainState of `sharded`, what `fully_shard` returns) of RowsSaveArgs:
-    for each leaf stored padded (see `_logical_rows`), its
-    padded axis and real row count; the other leaves get plain save args (pad_axis=rows=None)."""
-    rows = _logical_rows(sharded, state)
+    for each leaf stored padded (parameters and the optimizer subtrees shaped like them, found by
+    `relayout.param_like` against `layouts`, default the plan's), its padded axis and real row count;
+    the other leaves get plain save args (pad_axis=rows=None)."""
+    rows = {k: (a, l.rows) for k, (a, l) in param_like(sharded, state, layouts).items() if l.padded_rows != l.rows}
     return jax.tree_util.tree_map_with_path(
         lambda p, _: RowsSaveArgs(pad_axis=rows.get(jax.tree_util.keystr(p), (None, None))[0],
                                   rows=rows.get(jax.tree_util.keystr(p), (None, None))[1]), state)
-
-
-def _logical_rows(sharded, state) -> dict:
-    """{leaf key path: (padded axis, logical rows)} for every leaf of `state` stored padded: the
-    parameters and each subtree shaped like them (Adam's moments; found by tree structure, as
-    optax.tree_map_params does), when the leaf has the padded shape."""
-    root_l, stage_l = sharded.split(sharded.layouts)
-    axes = sharded.join(jax.tree.map(lambda _: 0, root_l, is_leaf=is_layout),      # root: rows are axis 0;
-                     [jax.tree.map(lambda _: 1, u, is_leaf=is_layout) for u in stage_l])   # units: axis 1
-    flat = list(zip(jax.tree.leaves(axes), jax.tree.leaves(sharded.layouts, is_leaf=is_layout)))
-    pdef = jax.tree.structure(sharded.layouts, is_leaf=is_layout)
-    like_params = lambda x: x is not state and jax.tree.structure(x) == pdef   # noqa: E731
-    out = {}
-    for path, sub in jax.tree_util.tree_flatten_with_path(state, is_leaf=like_params)[0]:
-        if not like_params(sub):
-            continue
-        for (sub_path, x), (axis, l) in zip(jax.tree_util.tree_flatten_with_path(sub)[0], flat):
-            want = (x.shape[0],) + l.stored_shape if axis else l.stored_shape
-            if tuple(x.shape) == want and l.padded_rows != l.rows:
-                out[jax.tree_util.keystr(path + sub_path)] = (axis, l.rows)
-    # subtrees shaped like the parameters but with holes (optax.MaskedNode where a parameter is frozen:
-    # jfsdp/train/frozen.py): a leaf whose key path ends with a parameter's and has its padded shape
-    params = {jax.tree_util.keystr(p): a for p, a in jax.tree_util.tree_flatten_with_path(
-        sharded.layouts, is_leaf=is_layout)[0]}
-    for (key, l), axis in zip(params.items(), jax.tree.leaves(axes)):
-        for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
-            k = jax.tree_util.keystr(path)
-            want = (x.shape[0],) + l.stored_shape if axis and x.ndim else l.stored_shape
-            if k not in out and k.endswith(key) and tuple(x.shape) == want and l.padded_rows != l.rows:
-                out[k] = (axis, l.rows)
-    return out

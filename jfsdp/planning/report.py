@@ -14,7 +14,7 @@ import time
 
 from jfsdp.config.errors import ConfigError
 from jfsdp.config.policy import schedule
-from jfsdp.planning import hlo, memory, targets
+from jfsdp.planning import hlo, memory, sizes, targets
 from jfsdp.train import frozen
 
 DEFAULT_MEMORY = 80 * 2**30   # per device, where neither --device-memory nor a named GPU says
@@ -184,6 +184,7 @@ def _estimates(a, cfg, case: _Case, budget: int) -> dict:
                                               grad_sync=a.grad_sync, trainable=case.trainable)
     if any(plan.moe_stages):
         rep["moe"] = moe.describe(plan)
+    rep["layouts"] = sizes.leaf_layouts(plan)
     return rep
 
 

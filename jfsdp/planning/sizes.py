@@ -52,3 +52,18 @@ def gathered_bytes(layouts, dtype) -> int:
 def float8_leaves(layouts) -> int:
     """How many leaves of these layouts are gathered in float8 (each with one amax all-reduce)."""
     return sum(hasattr(l, "wire_itemsize") for l in jax.tree.leaves(layouts, is_leaf=is_layout))
+
+
+def leaf_layouts(plan) -> dict:
+    """{parameter path: how it is sharded}: 'dim0 ROWSxREST' (split on dimension 0) or 'flat N' (flattened,
+    N elements with the padding), per unit; and a 'summary' line (leaves of each kind, padding)."""
+    out, kinds, pad = {}, {"dim0": 0, "flat": 0}, 0
+    parts = [("root", plan.split(plan.layouts)[0], 1)] + [(f"stage {j}", *s) for j, s in enumerate(stages(plan))]
+    for name, layouts, mult in parts:
+        for p, l in jax.tree_util.tree_flatten_with_path(layouts, is_leaf=is_layout)[0]:
+            out[name + jax.tree_util.keystr(p)] = f"{l.kind} {'x'.join(map(str, l.stored_shape))}"
+            kinds[l.kind] += mult
+            pad += mult * l.padding
+    out["summary"] = (f"{kinds['dim0']} leaves split on dimension 0, {kinds['flat']} flattened; "
+                      f"{pad} elements of padding in all (fewer than S = {plan.shards} per leaf)")
+    return out
