@@ -91,7 +91,7 @@ def load(args, mesh):
     return cfg, plan, full
 
 
-def main(argv=None):
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--init-from", required=True, help="a Hugging Face Llama folder (config.json + *.safetensors)")
     p.add_argument("--mesh", default="2x4")
@@ -104,8 +104,11 @@ def main(argv=None):
     p.add_argument("--remat", default="full")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="out/lora_adapters.npz", help="where the adapters are saved (.npz)")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
 
+
+def run(args):
+    """Train and save the adapters -> (the initial full parameters, the trained ones gathered, losses)."""
     mesh = jfsdp.make_mesh(args.mesh)
     cfg, plan, full = load(args, mesh)
     opt = jfsdp.adamw(args.lr, weight_decay=0.0, mask=plan.decay_mask())
@@ -128,11 +131,16 @@ def main(argv=None):
     first, last = np.mean(losses[: max(1, args.steps // 10)]), np.mean(losses[-max(1, args.steps // 10):])
     print(f"loss {first:.4f} -> {last:.4f} (mean of the first and last tenth of the steps)")
 
-    trained = jax.device_get(plan.gather(state.params))["units"]
-    adapters = {k: np.asarray(v) for k, v in trained.items() if k.startswith("lora_")}
+    trained = jax.device_get(plan.gather(state.params))
+    adapters = {k: np.asarray(v) for k, v in trained["units"].items() if k.startswith("lora_")}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     np.savez(args.out, **adapters)
     print(f"saved {len(adapters)} adapter arrays ({sum(a.nbytes for a in adapters.values()):,} bytes) to {args.out}")
+    return full, trained, losses
+
+
+def main(argv=None):
+    run(parse_args(argv))
     return 0
 
 

@@ -1,11 +1,14 @@
 """A plain single-device trainer written without jfsdp: the reference the engine must match.
 
 It uses only the model modules, jax.grad and optax: embed, a Python loop over the units, head,
-loss; global-norm clipping and AdamW on whole parameters. Mixed precision is modelled the obvious
-way: parameters cast to param_dtype for the forward pass, the output cast to output_dtype, gradients
-taken with respect to the fp32 parameters.
+loss; global-norm clipping and AdamW on whole parameters; gradient accumulation over micro-batches
+(`accumulated`). Mixed precision is modelled the obvious way: parameters cast to param_dtype for the
+forward pass, the output cast to output_dtype, gradients taken with respect to the fp32 parameters.
+Trees are compared through `paired`, which refuses two trees whose leaves differ.
 """
 from __future__ import annotations
+
+import contextlib
 
 import flax.linen as nn
 from flax import nnx
@@ -47,24 +50,52 @@ def optimizer():
     return optax.chain(optax.clip_by_global_norm(CLIP), optax.adamw(LR, b1=B1, b2=B2, eps=EPS, weight_decay=WD, mask=mask))
 
 
-def forward(root, unit, params, inputs, param_dtype=None, output_dtype=None, head="head"):
+def forward(root, unit, params, inputs, param_dtype=None, output_dtype=None, head="head", unit_interceptor=None):
+    """The model's outputs; `unit_interceptor` (a Linen method interceptor such as `float8_dense`) runs
+    around every unit's call."""
     p = jax.tree.map(lambda x: x.astype(param_dtype), params) if param_dtype else params
     h = root.apply({"params": p["root"]}, inputs, method="embed")
     n = jax.tree.leaves(p["units"])[0].shape[0]
     for i in range(n):
-        h = unit.apply({"params": jax.tree.map(lambda x: x[i], p["units"])}, h)
+        with nn.intercept_methods(unit_interceptor) if unit_interceptor else contextlib.nullcontext():
+            h = unit.apply({"params": jax.tree.map(lambda x: x[i], p["units"])}, h)
     out = root.apply({"params": p["root"]}, h, method=head)
     return jax.tree.map(lambda x: x.astype(output_dtype), out) if output_dtype else out
 
 
-def run_steps(opt, loss, params, batches):
+def accumulated(loss, chunks):
+    """(params, batch) -> (loss, gradients) of gradient accumulation, in plain JAX: the batch's leading
+    axis split in order into `chunks` equal micro-batches, each one's loss and gradient taken on its own
+    (a `lax.scan`, so each micro-batch is a separate computation: a float8 cast scales by its own
+    micro-batch's amax), added up and divided by `chunks`. jfsdp's micro-batch i on device d is rows
+    [(d * k + i) * m, (d * k + i + 1) * m) of the global batch (each device's rows split in k), so
+    chunks = devices x k gives the same micro-batches."""
+    vg = jax.value_and_grad(loss)
+    if chunks == 1:
+        return vg
+
+    def f(params, batch):
+        mbs = jax.tree.map(lambda x: x.reshape(chunks, x.shape[0] // chunks, *x.shape[1:]), batch)
+
+        def add(carry, mb):
+            value, grads = vg(params, mb)
+            return (carry[0] + value, jax.tree.map(jnp.add, carry[1], grads)), None
+        zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+        (value, grads), _ = jax.lax.scan(add, zero, mbs)
+        return value / chunks, jax.tree.map(lambda g: g / chunks, grads)
+    return f
+
+
+def run_steps(opt, loss, params, batches, chunks=1):
     """Optimizer steps on one device, `loss(params, batch)` -> scalar; returns (losses, final params,
-    first-step gradients). The one training loop of the references."""
+    first-step gradients). With chunks > 1 each step accumulates the gradients of that many
+    micro-batches (`accumulated`). The one training loop of the references."""
     state = opt.init(params)
+    vg = accumulated(loss, chunks)
 
     @jax.jit
     def step(params, state, batch):
-        value, grads = jax.value_and_grad(loss)(params, batch)
+        value, grads = vg(params, batch)
         updates, state = opt.update(grads, state, params)
         return optax.apply_updates(params, updates), state, value, grads
 
@@ -144,14 +175,35 @@ def keep_gradients():
     return optax.GradientTransformation(init, update)
 
 
-# ---- comparing trees, shared by the stage and example tests
+# ---- comparing trees: every comparison pairs leaves through `paired`, which first asserts that the trees
+# have the same leaves (key paths, in order), so that a leaf one tree lacks is an error, not skipped
+
+def paired(want, *others):
+    """[(path string, want's leaf, each other tree's leaf), ...] after asserting that every tree in
+    `others` has exactly want's key paths in want's order (dicts, FrozenDicts and NNX pure dicts
+    compare by their keys)."""
+    flat = jax.tree_util.tree_flatten_with_path(want)[0]
+    paths = [jax.tree_util.keystr(p) for p, _ in flat]
+    rows = [[leaf] for _, leaf in flat]
+    for i, other in enumerate(others):
+        got = jax.tree_util.tree_flatten_with_path(other)[0]
+        names = [jax.tree_util.keystr(p) for p, _ in got]
+        if names != paths:
+            missing, extra = sorted(set(paths) - set(names)), sorted(set(names) - set(paths))
+            raise AssertionError(f"tree {i + 1} does not have the reference's leaves: missing {missing[:5]}, "
+                                 f"extra {extra[:5]}" + ("" if missing or extra else ", order differs"))
+        for row, (_, leaf) in zip(rows, got):
+            row.append(leaf)
+    return [(p, *row) for p, row in zip(paths, rows)]
+
 
 def close(got, want, rtol, what, atol=0.0):
-    """Every leaf of `got` within rtol of `want`'s largest magnitude (+ atol), named on failure."""
-    for path, g, w in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(got), jax.tree.leaves(want)):
-        assert np.shape(g) == np.shape(w), jax.tree_util.keystr(path)
+    """Every leaf of `got` within rtol of `want`'s largest magnitude (+ atol), named on failure; the
+    two trees must have the same leaves."""
+    for path, w, g in paired(want, got):
+        assert np.shape(g) == np.shape(w), path
         err = np.max(np.abs(np.asarray(g, np.float64) - w))
-        assert err <= rtol * np.max(np.abs(w)) + atol, f"{what}{jax.tree_util.keystr(path)}: max error {err:.3g}"
+        assert err <= rtol * np.max(np.abs(w)) + atol, f"{what}{path}: max error {err:.3g}"
 
 
 # ---- the parameters' tolerance. docs/numerics.md says how each of the tests' tolerances was derived
@@ -260,8 +312,7 @@ def float8_linear(self, x):
 
 def leaf_errors(got, want):
     """{path: L2 of got - want over L2 of want} per leaf (float64)."""
-    return {jax.tree_util.keystr(p): np.linalg.norm(np.asarray(g, np.float64) - w) / np.linalg.norm(w)
-            for (p, w), g in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(got))}
+    return {p: np.linalg.norm(np.asarray(g, np.float64) - w) / np.linalg.norm(w) for p, w, g in paired(want, got)}
 
 
 class ScanBlock(nnx.Module):

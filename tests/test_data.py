@@ -1,13 +1,15 @@
 """The data loader: every format, deterministic and seekable batches, a disjoint validation split,
 clear errors for bad data."""
 import json
+import sysconfig
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from jfsdp import ConfigError
 
-from jfsdp.io import data
+from jfsdp.io import corpus, data
 
 V = data.BYTE_VOCAB
 
@@ -19,10 +21,24 @@ def _text_corpus(tmp_path, n=2000):
 
 
 def test_default_corpus_is_stdlib_bytes():
+    """The default corpus is the standard library's first .py files in sorted path order, up to the
+    first past STDLIB_BYTES, outside its test folders: exactly their bytes, an EOS after each."""
+    files = data.stdlib_files()
+    root = Path(sysconfig.get_paths()["stdlib"])
+    rel = [p.relative_to(root).as_posix() for p in files]
+    assert rel == sorted(rel) and all(r.endswith(".py") for r in rel)
+    assert not any(part in ("test", "tests", "site-packages") for r in rel for part in r.split("/")[:-1])
+    sizes = [p.stat().st_size for p in files]
+    assert all(sizes) and sum(sizes[:-1]) < corpus.STDLIB_BYTES <= sum(sizes)
+    # none skipped: every non-empty top-level module that sorts before the last chosen file is chosen
+    assert {p for p in root.glob("*.py") if p.name < rel[-1] and p.stat().st_size} <= set(files)
     c = data.load_tokens(None, V)
-    assert c.is_bytes and c.n_docs > 20 and len(c.train) > 1_000_000
-    assert int(c.train.max()) <= data.EOS and data.EOS in c.val   # bytes, and EOS between documents
-    assert data.stdlib_files() == data.stdlib_files()               # a fixed, sorted subset
+    assert c.is_bytes and c.n_docs == len(files) and len(c.train) > 1_000_000
+    tokens = np.concatenate([c.train, c.val])
+    assert len(tokens) == sum(sizes) + len(files)                    # the files' bytes and one EOS each
+    want = np.frombuffer(files[0].read_bytes(), np.uint8)
+    np.testing.assert_array_equal(tokens[:len(want)], want)           # the first file first, byte for byte
+    assert tokens[len(want)] == data.EOS and int(c.train.max()) <= data.EOS and data.EOS in c.val
 
 
 def test_same_seed_same_batches_and_other_seed_differs(tmp_path):

@@ -72,6 +72,13 @@ def reference_once(case, name, compute):
     return case["cache"][name]
 
 
+def reference_grads(case):
+    """jax.grad of the single-device loss on the first batch, at the initial parameters."""
+    lf, b = models.loss_fn(case["cfg"]), case["batches"][0]
+    return reference_once(case, "grads", lambda: jax.grad(
+        lambda p: lf(ref.forward(case["root"], case["unit"], p, b["inputs"]), b))(case["init"]))
+
+
 def run_jfsdp(case, mesh_spec, strategy, remat="none", mp=None, grad_accum=1):
     n_dev = jfsdp.parse_mesh(mesh_spec)[0] * jfsdp.parse_mesh(mesh_spec)[1]
     mesh = jfsdp.make_mesh(mesh_spec, devices=jax.devices()[:n_dev])
@@ -92,11 +99,9 @@ def assert_params_close(got, want, before, rtol):
     the noise floor after STEPS steps, tests/reference.py); and the step moved the leaf (so the
     comparison is not between two untouched initializations)."""
     moved = 0.0
-    for path, g, w, b in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(got),
-                             jax.tree.leaves(want), jax.tree.leaves(before)):
+    for path, w, g, b in ref.paired(want, got, before):   # the same leaves in all three, or an error
         err = np.max(np.abs(np.asarray(g, np.float64) - w))
-        assert err <= rtol * np.max(np.abs(w)) + ref.PARAM_ATOL, \
-            f"{jax.tree_util.keystr(path[0])}: max error {err:.3g}"
+        assert err <= rtol * np.max(np.abs(w)) + ref.PARAM_ATOL, f"{path}: max error {err:.3g}"
         moved = max(moved, np.max(np.abs(w - b)))
     assert moved > 1e-3, "reference parameters did not move; the comparison would prove nothing"
 
@@ -148,13 +153,10 @@ def test_gradients_match(case, mesh_spec, strategy):
     mesh = jfsdp.make_mesh(mesh_spec)
     root, unit, lf, b = case["root"], case["unit"], models.loss_fn(case["cfg"]), case["batches"][0]
     plan = jfsdp.fully_shard(jfsdp.Stacked(root, unit, case["n"]), mesh, b["inputs"], strategy=strategy, remat="full")
-    want = reference_once(case, "grads", lambda: jax.grad(lambda p: lf(ref.forward(root, unit, p, b["inputs"]), b))(
-        case["init"]))
+    want = reference_grads(case)
     loss, grads = jax.jit(plan.loss_and_grad(lf))(plan.shard(case["init"]), jax.device_put(b, plan.batch_sharding))
     np.testing.assert_allclose(float(loss), case["ref_losses"][0], rtol=1e-5)
-    for path, g, w in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(plan.gather(grads)), jax.tree.leaves(want)):
-        err = np.max(np.abs(g - w))
-        assert err <= 1e-5 * np.max(np.abs(w)), f"{jax.tree_util.keystr(path[0])}: max error {err:.3g}"
+    ref.close(plan.gather(grads), want, 1e-5, "grad")
 
 
 @pytest.mark.parametrize("mesh_spec,strategy", [("2x4", "full_shard"), ("1x8", "shard_grad_op")])

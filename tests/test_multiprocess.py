@@ -1,5 +1,6 @@
 """More than one process: train.py on 2 processes x 4 fake CPU devices (gloo on 127.0.0.1) computes
-what one process with 8 devices computes, and the faults end in bounded time.
+what one process with 8 devices computes, and each fault ends the run with its cause named (a hang fails
+at a timeout far above the normal run).
 
 The reference is an independent run: the same command in one process. Every process here is a
 subprocess; the test session's own 16 devices are not used."""
@@ -103,18 +104,18 @@ def test_two_processes_save_and_resume(tmp_path_factory, tmp_path):
 def test_coordinator_faults_are_errors_within_the_timeout():
     """Two faults, run side by side (each mostly waits out its 3 s): process 1 finds no coordinator
     at the address; process 0 starts the coordinator but process 1 never comes. jaxlib would abort
-    after its own timeout with a stack trace; jfsdp says so in one line and exits 2, within the
-    timeout plus starting Python and importing jax."""
+    after its own timeout with a stack trace; jfsdp says so in one line, naming its 3 s timeout, and
+    exits 2."""
     def start(process_id):
         return subprocess.Popen([sys.executable, "train.py", "--mesh", "2x4", *RUN, "--coordinator",
                                  f"127.0.0.1:{free_port()}", "--num-processes", "2", "--process-id", str(process_id),
                                  "--init-timeout", "3"], cwd=ROOT, env=env(), stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
-    t = time.monotonic()
     unreachable, missing_peer = start(1), start(0)
     try:
+        # a hang, not a slow start, is what fails here: 120 s is ten times the 3 s timeout plus starting
+        # Python and importing jax (on the loaded 2-core machine); the bound itself is in the message
         _, err = unreachable.communicate(timeout=120)
-        assert time.monotonic() - t < 3 + 30   # the timeout, plus starting Python and importing jax
         assert unreachable.returncode == 2, err[-2000:]
         errors = [line for line in err.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and "did not answer within 3 s" in errors[0], err
@@ -129,31 +130,36 @@ def test_coordinator_faults_are_errors_within_the_timeout():
 
 
 def test_dead_peer_stops_the_others(tmp_path):
-    """kill -9 of process 1 mid-run: process 0 stops by itself (no launcher watching) within the
-    heartbeat timeout plus a margin, instead of hanging in a collective; then --resume on both
-    processes continues from the last complete checkpoint."""
+    """kill -9 of process 1 mid-run: process 0 stops by itself (no launcher watching) because the
+    coordination service saw process 1's heartbeats stop (its error output says so), instead of
+    hanging in a collective; then --resume on both processes continues from the last complete
+    checkpoint."""
     out = tmp_path / "m.jsonl"
     port = free_port()
     ckpt = tmp_path / "ckpt"
     flags = [*RUN, "--steps", "1000", "--eval-every", "0", "--ckpt-dir", str(ckpt), "--save-every", "2"]
     args = [sys.executable, "train.py", "--mesh", "2x4", *flags, "--metrics-out", str(out),
             "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--heartbeat-timeout", "5"]
-    procs = [subprocess.Popen(args + ["--process-id", str(i)], cwd=ROOT, env=env(), stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL) for i in range(2)]
+    err0 = tmp_path / "process0.err"
+    with open(err0, "w") as log:
+        procs = [subprocess.Popen(args + ["--process-id", str(i)], cwd=ROOT, env=env(), stdout=subprocess.DEVNULL,
+                                  stderr=log if i == 0 else subprocess.DEVNULL) for i in range(2)]
     try:
         deadline = time.monotonic() + 240
         while not (out.exists() and '"step": 4,' in out.read_text()):
             assert time.monotonic() < deadline and procs[0].poll() is None, "the run did not start"
             time.sleep(0.5)
         procs[1].send_signal(signal.SIGKILL)
-        t = time.monotonic()
-        code = procs[0].wait(timeout=60)
-        assert code != 0
-        assert time.monotonic() - t < 5 + 15
+        # a hang in a collective, not a slow machine, is what fails here: 120 s is far above the 5 s
+        # heartbeat timeout; what stopped the process is read from its own error output
+        code = procs[0].wait(timeout=120)
     finally:
         for q in procs:
             if q.poll() is None:
                 q.kill()
+    # jaxlib's coordination service ends it (a fatal log, SIGABRT) naming the missed heartbeats of task 1
+    text = err0.read_text()
+    assert code == -signal.SIGABRT and "Task 1 heartbeat timeout" in text, (code, text[-2000:])
     # both processes resume from the last complete checkpoint and go on
     p = subprocess.run([sys.executable, "-m", "jfsdp.launch", "-n", "2", "train.py", "--mesh", "2x4", *flags,
                         "--metrics-out", str(out), "--resume", "--stop-after", "2"], cwd=ROOT, env=env(),

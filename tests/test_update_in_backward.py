@@ -138,16 +138,19 @@ def test_prefetch_pipeline_matches_single_device(mesh_spec, strategy, remat):
     """The prefetch pipeline's own VJP (the usual step over `_stage_passes`, which the in-backward
     step shares; on by default on GPUs only) on CPU devices, under every remat policy (each unit's VJP
     residuals saved as the policy says, the gathered unit regathered) and ZeRO-2 (the gathered unit
-    saved): the reference's losses and parameters."""
+    saved): the reference's first-step gradients (within 1e-5 of each leaf's largest: clipped AdamW's
+    parameters would not see a constant scale on every gradient), losses and parameters."""
     case = te.get_case("llama")
     r, s = jfsdp.parse_mesh(mesh_spec)
     mesh = jfsdp.make_mesh(mesh_spec, devices=jax.devices()[: r * s])
     plan = jfsdp.fully_shard(jfsdp.Stacked(case["root"], case["unit"], case["n"]), mesh, case["batches"][0]["inputs"],
                              strategy=strategy, remat=remat, prefetch=True)
     assert plan.prefetch
-    opt = jfsdp.adamw(ref.LR, b1=ref.B1, b2=ref.B2, eps=ref.EPS, weight_decay=ref.WD, clip_norm=ref.CLIP,
-                      mask=plan.decay_mask())
+    adamw = jfsdp.adamw(ref.LR, b1=ref.B1, b2=ref.B2, eps=ref.EPS, weight_decay=ref.WD, clip_norm=ref.CLIP,
+                        mask=plan.decay_mask())
+    opt = optax.chain(ref.keep_gradients(), adamw)   # the step's own first gradients, in the same program
     state, losses, _ = _steps(plan, opt, models.loss_fn(case["cfg"]), plan.shard(case["init"]), case["batches"],
                               [False] * len(case["batches"]))
+    ref.close(plan.gather(state.opt_state[0][0]), te.reference_grads(case), 1e-5, "grad")
     np.testing.assert_allclose(losses, case["ref_losses"], rtol=1e-5)
     te.assert_params_close(plan.gather(state.params), case["ref_final"], case["init"], 1e-4)
