@@ -330,7 +330,9 @@ def test_reshard_across_meshes_and_strategies(tmp_path):
             plan2, opt2 = _plan(cfg, mesh, strategy)
             src.check_compatible(3, src.read_meta(3), {}, plan2)
             restored = src.restore(3, jfsdp.abstract_state(plan2, opt2))
-            for leaf, want in zip(jax.tree.leaves(restored), jax.tree.leaves(jfsdp.abstract_state(plan2, opt2))):
+            abstract = jfsdp.abstract_state(plan2, opt2)
+            assert jax.tree.structure(restored) == jax.tree.structure(abstract)
+            for leaf, want in zip(jax.tree.leaves(restored), jax.tree.leaves(abstract)):
                 assert leaf.sharding == want.sharding and leaf.shape == want.shape
             got = _logical(plan2, restored)
             jax.tree.map(np.testing.assert_array_equal, got, saved)

@@ -72,6 +72,7 @@ def test_matches_a_reference_that_trains_only_the_unfrozen():
         losses_r, final_r, _ = ref.run_steps(opt, loss, params, _batches())
     np.testing.assert_allclose(losses, losses_r, rtol=1e-5)
     got = jax.device_get(plan.gather(state.params))
+    ref.paired(final_r, got, params)   # the same leaves in all three before pairing them by position
     for (path, g), w, p0 in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(jax.device_get(final_r)),
                                 jax.tree.leaves(params)):
         name = frozen.path_name(path)

@@ -100,7 +100,7 @@ def test_losses_match_fsdp2(parity, i):
 @pytest.mark.parametrize("i", range(len(RUNS)), ids=[f"{m}-{s}-remat_{r}" for m, s, r in RUNS])
 def test_final_params_match_fsdp2(parity, i):
     ours, theirs, init = parity["ours"][i]["final"], parity["theirs"][i]["final"], parity["init"]
-    assert jax.tree.structure(ours) == jax.tree.structure(theirs)
+    assert jax.tree.structure(ours) == jax.tree.structure(theirs) == jax.tree.structure(init)
     moved = 0.0
     for (path, w), g, b in zip(jax.tree_util.tree_leaves_with_path(theirs), jax.tree.leaves(ours), jax.tree.leaves(init)):
         w, g = np.asarray(w, np.float64), np.asarray(g, np.float64)

@@ -15,6 +15,7 @@ import pytest
 
 import jfsdp
 import models
+from tests import reference as ref
 
 CFG = models.get_config("llama-test")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -84,8 +85,8 @@ def test_stack_units_and_from_layers_round_trip(llama):
     w = full["units"]["attention"]["wq"]["kernel"]
     np.testing.assert_array_equal(layers[1]["attention"]["wq"]["kernel"], w[1])  # unit i is row i
     again = llama.from_layers(root, layers)
-    for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(full)):
-        np.testing.assert_array_equal(a, b)
+    for path, b, a in ref.paired(full, again):
+        np.testing.assert_array_equal(a, b, err_msg=path)
     stacked = jfsdp.stack_units([{"w": np.full((2, 3), i)} for i in range(4)])
     assert stacked["w"].shape == (4, 2, 3) and np.all(stacked["w"][2] == 2)
     assert [u["w"][0, 0] for u in jfsdp.unstack_units(stacked)] == [0, 1, 2, 3]
