@@ -1,6 +1,7 @@
 """The train step: sharded gradients from the FSDP core, then an optax update on the shards."""
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -11,6 +12,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jfsdp.config.errors import ConfigError
 from jfsdp.config.mesh import platform
 from jfsdp.config.xla_flags import run_hazard
+
+# The XLA_FLAGS this process had when jfsdp was imported. XLA reads them once, when jax's backend starts,
+# which in the usual order (flags set, jfsdp imported, first device used) is after this: a later change
+# of the environment (an in-process planner call sets its compile-only flags) does not reach XLA.
+XLA_FLAGS_AT_IMPORT = os.environ.get("XLA_FLAGS", "")
 from jfsdp.engine.accumulate import check_grad_sync
 from jfsdp.engine.sharded import FSDP
 from jfsdp.train import frozen, update_in_backward as in_backward
@@ -91,7 +97,7 @@ class TrainStep:
         self.sharded.check_batch(batch, self.grad_accum)
         if not self._safe_to_run:   # once: a program that would mix up its collectives never runs
             mesh = self.sharded.mesh
-            why = run_hazard() if mesh.size > 1 and platform(mesh) == "cpu" else None
+            why = run_hazard(XLA_FLAGS_AT_IMPORT) if mesh.size > 1 and platform(mesh) == "cpu" else None
             if why:
                 raise ConfigError(why)
             self._safe_to_run = True
