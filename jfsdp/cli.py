@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 import re
 
 from jfsdp.config.args import ArgParser
@@ -233,7 +234,9 @@ def setup_devices(c: TrainConfig, n_needed: int | None) -> None:
     flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", ""))
     # XLA:CPU's defaults: its memory-minimizing scheduler (jfsdp.config.xla_flags.CPU_FLAGS) is for
     # compiling only; a run under it mixes up collectives between devices (run_hazard)
-    if n > 1 and run_hazard(flags):
+    # only where XLA will read these flags: in a process whose jax already started, the step's own guard
+    # (jfsdp.train.step) reads the flags XLA started with
+    if n > 1 and "jax" not in sys.modules and run_hazard(flags):
         fail(run_hazard(flags))
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")   # don't probe for GPU/TPU plugins
