@@ -2,6 +2,7 @@
 first-step gradients and a few clipped AdamW steps with the constants of the single-device reference
 (tests/reference.py)."""
 import jax
+import jax.numpy as jnp
 
 import jfsdp
 from tests import reference as ref
@@ -29,3 +30,23 @@ def float8_run(plan, loss_fn, init, batches, steps):
         state, m = step(state, jax.device_put(b, plan.batch_sharding))
         losses.append(float(m["loss"]))
     return losses, plan.gather(grads), plan.gather(state.params)
+
+
+def bf16_rest_run(case, loss_fn, ref_forward, devices, mp):
+    """A float8 case's first loss and gradients with the rest of the model in bf16, on 1x`devices`, against
+    the single-device reference `ref_forward` (root, unit, params, inputs, dtype) run one device's rows at
+    a time (so each float8 cast sees that device's amax); both compiled with every bf16 rounding kept
+    (reference.run_exact) -> (got loss, want loss, gathered gradients, reference gradients)."""
+    batch = case["batches"][0]
+    rows_per = batch["inputs"].shape[0] // devices
+
+    def loss(p, b):
+        rows = [jax.tree.map(lambda x: x[i * rows_per:(i + 1) * rows_per], b) for i in range(devices)]
+        return sum(loss_fn(ref_forward(case["root"], case["unit"], p, r["inputs"], jnp.bfloat16), r)
+                   for r in rows) / devices
+    with jax.default_device(jax.devices()[0]):
+        want_loss, want = ref.run_exact(jax.value_and_grad(loss), case["init"], batch)
+    plan = stacked_plan(case, f"1x{devices}", "full_shard", "none", mp)
+    got_loss, got = ref.run_exact(plan.loss_and_grad(loss_fn), plan.shard(case["init"]),
+                                  jax.device_put(batch, plan.batch_sharding))
+    return got_loss, want_loss, plan.gather(got), want

@@ -196,19 +196,11 @@ BF16_REST_GRAD_TOL = 0.02
 def test_fp8_with_bf16_matches_single_device_fp8(fp8_case):
     """parse('fp8'): first loss and first-step gradients against the bf16-rest float8 reference."""
     c, lf = fp8_case, models.loss_fn(CFG)
-
-    def loss(p, b):
-        rows = [jax.tree.map(lambda x: x[i * BATCH // DEVICES:(i + 1) * BATCH // DEVICES], b) for i in range(DEVICES)]
-        return sum(lf(_ref_forward(c["root"], c["unit"], p, r["inputs"], jnp.bfloat16), r) for r in rows) / DEVICES
-    with jax.default_device(jax.devices()[0]):
-        want_loss, want = ref.run_exact(jax.value_and_grad(loss), c["init"], c["batches"][0])
-    plan = runs.stacked_plan(c, "1x4", "full_shard", "none", POLICIES["bf16"])
-    got_loss, got = ref.run_exact(plan.loss_and_grad(lf), plan.shard(c["init"]),
-                                  jax.device_put(c["batches"][0], plan.batch_sharding))
+    got_loss, want_loss, got, want = runs.bf16_rest_run(c, lf, _ref_forward, DEVICES, POLICIES["bf16"])
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
-    errs = ref.leaf_errors(plan.gather(got), want)
+    errs = ref.leaf_errors(got, want)
     assert max(errs.values()) <= BF16_REST_GRAD_TOL, errs
-    assert max(ref.leaf_errors(plan.gather(got), c["fp32"]["grads"]).values()) > 2 * BF16_REST_GRAD_TOL
+    assert max(ref.leaf_errors(got, c["fp32"]["grads"]).values()) > 2 * BF16_REST_GRAD_TOL
 
 
 def test_float8_bad_input_is_one_config_error():

@@ -198,19 +198,11 @@ def test_rowwise_with_bf16_matches_single_device(case):
     default the two programs drop different bf16 roundings inside their fusions, which float8 amplified
     to 4.8%): equal bit for bit (measured 2026-11-25, 1x4), bounded as the fp32-rest gradients, GRAD_TOL."""
     lf = models.loss_fn(CFG)
-
-    def loss(p, b):
-        rows = [jax.tree.map(lambda x: x[i * BATCH // DEVICES:(i + 1) * BATCH // DEVICES], b) for i in range(DEVICES)]
-        return sum(lf(_ref_forward(case["root"], case["unit"], p, r["inputs"], jnp.bfloat16), r) for r in rows) / DEVICES
-    with jax.default_device(jax.devices()[0]):
-        want_loss, want = ref.run_exact(jax.value_and_grad(loss), case["init"], case["batches"][0])
-    plan = runs.stacked_plan(case, "1x4", "full_shard", "none", POLICIES["bf16"])
-    got_loss, got = ref.run_exact(plan.loss_and_grad(lf), plan.shard(case["init"]),
-                                  jax.device_put(case["batches"][0], plan.batch_sharding))
+    got_loss, want_loss, got, want = runs.bf16_rest_run(case, lf, _ref_forward, DEVICES, POLICIES["bf16"])
     np.testing.assert_allclose(got_loss, want_loss, rtol=BF16_LOSS_TOL)
-    errs = ref.leaf_errors(plan.gather(got), want)
+    errs = ref.leaf_errors(got, want)
     assert max(errs.values()) <= GRAD_TOL, errs
-    assert max(ref.leaf_errors(plan.gather(got), case["plain"]).values()) > 2 * GRAD_TOL   # float8 is on
+    assert max(ref.leaf_errors(got, case["plain"]).values()) > 2 * GRAD_TOL   # float8 is on
 
 
 def test_rowwise_bad_input_is_one_config_error(monkeypatch, capsys):
