@@ -197,8 +197,7 @@ def test_bf16_policy_matches_single_device_bf16(case, mesh_spec, strategy):
     ref.assert_bf16_outputs(got, *outs, case["cfg"].__class__.__name__)
     np.testing.assert_allclose(losses, losses_ref, rtol=BF16_LOSS_RTOL)
     got, want = plan.gather(state.params), jax.device_get(final_ref)
-    for path, g, w, b in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(got),
-                             jax.tree.leaves(want), jax.tree.leaves(case["init"])):
+    for path, w, g, b in ref.paired(want, got, case["init"]):
         du, dw = np.asarray(g, np.float64) - b, np.asarray(w, np.float64) - b
         err = np.linalg.norm(du - dw) / np.linalg.norm(dw)
-        assert err <= BF16_UPDATE_RTOL, f"{jax.tree_util.keystr(path[0])}: update differs by {err:.3f} in L2"
+        assert err <= BF16_UPDATE_RTOL, f"{path}: update differs by {err:.3f} in L2"
