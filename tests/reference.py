@@ -304,15 +304,21 @@ def float8_dense(in_unit, matmul=None):
     return intercept
 
 
-def float8_linear(self, x):
-    """`nnx.Linear.__call__` in float8 (a test patches it in with monkeypatch for the reference)."""
-    y = float8_matmul(x, self.kernel[...])
+def float8_linear(self, x, matmul=None):
+    """`nnx.Linear.__call__` in float8, tensorwise (`matmul`, default float8_matmul); a test patches it in
+    with monkeypatch for the reference."""
+    y = (matmul or float8_matmul)(x, self.kernel[...])
     return y + self.bias[...].astype(y.dtype) if self.bias is not None else y
-
 
 def leaf_errors(got, want):
     """{path: L2 of got - want over L2 of want} per leaf (float64)."""
     return {p: np.linalg.norm(np.asarray(g, np.float64) - w) / np.linalg.norm(w) for p, w, g in paired(want, got)}
+
+
+def total_error(got, want):
+    """L2 of got - want over L2 of want, over all leaves together (float64)."""
+    pairs = [(np.asarray(g, np.float64), np.asarray(w, np.float64)) for _, w, g in paired(want, got)]
+    return float(np.sqrt(sum(np.sum((g - w) ** 2) for g, w in pairs) / sum(np.sum(w ** 2) for _, w in pairs)))
 
 
 class ScanBlock(nnx.Module):

@@ -1,8 +1,10 @@
 """The engine's side of the float8 comparisons (tests/test_float8.py, tests/test_float8_rowwise.py): a plan's
 first-step gradients and a few clipped AdamW steps with the constants of the single-device reference
-(tests/reference.py)."""
+(tests/reference.py); the figures every float8 test bounds (also tests/test_float8_any_model.py), and the
+check that the other recipe's reference is out of those bounds (benchmarks/float8_floor.py sweeps them)."""
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import jfsdp
 from tests import reference as ref
@@ -50,3 +52,63 @@ def bf16_rest_run(case, loss_fn, ref_forward, devices, mp):
     got_loss, got = ref.run_exact(plan.loss_and_grad(loss_fn), plan.shard(case["init"]),
                                   jax.device_put(batch, plan.batch_sharding))
     return got_loss, want_loss, plan.gather(got), want
+
+
+def rows_of(devices, loss, b):
+    """The mean of `loss(rows)` over `devices` devices' rows, each computed alone: an activation's (and
+    a gradient's) scale is its own device's amax, as in torchtitan's tensorwise recipe (no cross-device
+    amax but the weights')."""
+    per = jax.tree.leaves(b)[0].shape[0] // devices
+    return sum(loss(jax.tree.map(lambda x: x[i * per:(i + 1) * per], b)) for i in range(devices)) / devices
+
+
+def first_step_others(root, unit, lf, params, batch, other, devices):
+    """The first loss and gradients without float8 (`plain`) and in the `other` recipe's matmul for every
+    unit Dense (`other`, `other_loss`), the rest in fp32, in one program."""
+    def both(p, b):
+        plain = jax.grad(lambda p: lf(ref.forward(root, unit, p, b["inputs"]), b))(p)
+        mine = ref.float8_dense(lambda path: True, other)
+        value, grads = jax.value_and_grad(lambda p: rows_of(devices,
+            lambda r: lf(ref.forward(root, unit, p, r["inputs"], unit_interceptor=mine), r), b))(p)
+        return dict(plain=plain, other=grads, other_loss=value)
+    return jax.device_get(jax.jit(both)(params, batch))
+
+
+def figures(got, want, conv=lambda t: t, init=None):
+    """The engine's run `got` (losses, first-step gradients, final parameters) against the reference's:
+    `grad`, the largest per-leaf L2 error of the first-step gradients against the same recipe's reference
+    (`leaf` names that leaf); `other` and `plain`, the same against the other recipe's reference and the
+    trainer without float8 (what a swapped recipe or float8 off would give); `loss0` and `loss`, the
+    relative error of the first loss and the largest over the steps; `other_loss0`, the first loss against
+    the other recipe's; `update` (with `init`), the largest per-leaf L2 error of final - init."""
+    losses, grads, final = got
+    errs = ref.leaf_errors(grads, conv(want["grads"]))
+    rel = lambda a, b: abs(a - b) / abs(b)
+    out = dict(grad=max(errs.values()), leaf=max(errs, key=errs.get), grad_all=ref.total_error(grads, conv(want["grads"])),
+               other=max(ref.leaf_errors(grads, conv(want["other"])).values()),
+               other_all=ref.total_error(grads, conv(want["other"])),
+               plain=max(ref.leaf_errors(grads, conv(want["plain"])).values()),
+               plain_all=ref.total_error(grads, conv(want["plain"])),
+               loss0=rel(losses[0], want["losses"][0]),
+               loss=max(rel(a, b) for a, b in zip(losses, want["losses"][:len(losses)], strict=True)),
+               other_loss0=rel(losses[0], want["other_loss"]))
+    if init is not None and final is not None:
+        delta = lambda a, b: np.asarray(a, np.float64) - np.asarray(b, np.float64)
+        out["update"] = max(ref.leaf_errors(jax.tree.map(delta, final, conv(init)),
+                                            jax.tree.map(delta, conv(want["final"]), conv(init))).values())
+    return {k: v if isinstance(v, str) else float(v) for k, v in out.items()}
+
+
+SEPARATION = 2   # the other recipe's reference, and the trainer without float8, at least this many bounds away
+
+
+def check(m, bounds):
+    """`figures` within `bounds` (grad, grad_all, loss0, loss, and update where given), and the other
+    recipe's reference and the trainer without float8 further than SEPARATION x the bound on the gradients
+    over all leaves (`grad_all`): a run that swapped the recipes or left float8 off would fail. The
+    per-leaf bound `grad` is looser (a small leaf such as a norm scale moves most when a float8 rounding
+    flips, docs/numerics.md) and separates nothing."""
+    for k, b in bounds.items():
+        assert m[k] <= b, (k, b, m)
+    assert m["other_all"] > SEPARATION * bounds["grad_all"], m
+    assert m["plain_all"] > SEPARATION * bounds["grad_all"], m
