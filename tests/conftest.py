@@ -1,5 +1,6 @@
 """16 fake CPU devices, set before jax is imported anywhere in the test session."""
 import os
+import tempfile
 
 # LLVM optimization level 0 halves compile time on CPU; the optimized HLO, and so the collectives
 # and memory_analysis() that tests assert on, are the same (checked on llama-test, 2x8). Flags given
@@ -12,5 +13,15 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 assert jax.device_count() == 16, f"expected 16 fake CPU devices, got {jax.device_count()}"
+
+# The programs that tests run in processes of their own (train.py, the planner, the multi-process runs)
+# share XLA's persistent compilation cache, one directory per test session (pytest-xdist's run id, so
+# both workers share it and no earlier session's entries are read): a train.py run that resumes, or
+# that repeats another test's configuration, loads its compiled step instead of compiling it again.
+# Set after jax started, so this process's own programs compile as before.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
+    tempfile.gettempdir(), f"jfsdp-tests-xla-cache-{os.environ.get('PYTEST_XDIST_TESTRUNUID', os.getpid())}"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")   # the eval and sampling programs too
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 from tests.ci_skips import pytest_sessionfinish, pytest_terminal_summary  # noqa: E402,F401  (a skip under CI fails)
