@@ -9,8 +9,7 @@ working tree; the tests run in it with `python -m pytest -x`, in a process of th
 devices from tests/conftest.py). Per mutant the JSON records the tests run, whether one failed, the first
 failing test and its assertion message (how far beyond its tolerance the bug lands). It is not part of the
 suite: run it before a release and keep its output in the repository (docs/tests.md has the table).
-Written 2026-11-25 and not yet run: the mutants' texts match the sources of that day; no result is
-recorded yet (issue 33)."""
+Results: benchmarks/results/mutants.json, table in docs/tests.md."""
 from __future__ import annotations
 
 import argparse
@@ -44,6 +43,11 @@ MUTANTS = {
         "        x = lax.all_gather(x, FSDP_AXIS, axis=0, tiled=True)\n    return layout.unpad(x).astype('float32')\n",
         ["tests/test_collectives.py", "tests/test_equivalence.py::test_bf16_policy_matches_single_device_bf16"],
         "the unit gathered in bf16 as the policy says, then computed in fp32"),
+    "fp32-compute-under-bf16-numerics": (
+        "jfsdp/engine/fsdp.py", "        x = lax.all_gather(x, FSDP_AXIS, axis=0, tiled=True)\n    return layout.unpad(x)\n",
+        "        x = lax.all_gather(x, FSDP_AXIS, axis=0, tiled=True)\n    return layout.unpad(x).astype('float32')\n",
+        ["tests/test_equivalence.py::test_bf16_policy_matches_single_device_bf16"],
+        "the same, against the numerical guard alone: outputs nearer the fp32 reference than the bf16 one"),
     "skip-a-unit-gradient": (
         "jfsdp/engine/sharded.py", "            return lax.psum(loss, AXES) / self.n_devices, grads\n",
         "            grads = {**grads, 'units': jax.tree.map(lambda g: g.at[0].set(0), grads['units'])}\n"
@@ -57,7 +61,8 @@ MUTANTS = {
         "the tensorwise and rowwise float8 recipes swapped"),
     "zip-away-a-leaf": (
         "tests/reference.py", "        if names != paths:\n",
-        "        got, names = got[:len(paths)], names[:len(paths)]\n        if names[:len(got)] != paths[:len(names)]:\n",
+        "        n = min(len(names), len(paths))   # zip's way: the longer tree's last leaves are dropped\n"
+        "        rows, paths, got, names = rows[:n], paths[:n], got[:n], names[:n]\n        if names != paths:\n",
         ["tests/test_reference.py"],
         "tree comparisons zip the leaves, so a leaf missing at the end is never compared"),
 }
