@@ -59,6 +59,19 @@ MUTANTS = {
         'cls = Float8Layout if recipe == "rowwise" else RowwiseLayout',
         ["tests/test_float8_rowwise.py", "tests/test_float8.py"],
         "the tensorwise and rowwise float8 recipes swapped"),
+    "rowwise-scales-one-per-tensor": (
+        "jfsdp/engine/float8_rowwise.py",
+        "s = pow2_scale(jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axis, keepdims=True), dtype)",
+        "s = pow2_scale(jnp.broadcast_to(jnp.max(jnp.abs(x.astype(jnp.float32))), "
+        "jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axis, keepdims=True).shape), dtype)",
+        ["tests/test_float8_rowwise.py"],
+        "a scaling bug: the rowwise recipe takes one scale for the whole tensor instead of one per row (the "
+        "step tests alone let it live: their rows' amaxes share a power of two; the outlier-row test kills it)"),
+    "float8-weight-scale-per-shard": (
+        "jfsdp/engine/float8.py", "        amax = lax.pmax(amax, FSDP_AXIS) if layout.shards > 1 else amax\n",
+        "        amax = amax\n",
+        ["tests/test_float8.py", "-k", "matches_single_device"],
+        "a scaling bug: each device scales a float8 weight by its own shard's amax, not the whole tensor's"),
     "zip-away-a-leaf": (
         "tests/reference.py", "        if names != paths:\n",
         "        n = min(len(names), len(paths))   # zip's way: the longer tree's last leaves are dropped\n"
