@@ -9,20 +9,21 @@ import tempfile
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=16 --xla_backend_optimization_level=0").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# Every program the suite compiles, in the test processes and in the processes they start (train.py, the
-# planner, the two-process runs), goes through XLA's persistent compilation cache, one directory per test
-# session (pytest-xdist's run id, so that both workers share it and no earlier session's entries are read):
-# a test that builds the same program as an earlier one (a new plan of the same model and mesh, a train.py
-# run that resumes) loads it instead of compiling it again. The executable is the same; only the compile
-# time goes (about 10% of tests/test_any_model.py alone, measured 2026-11-25).
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
-    tempfile.gettempdir(), f"jfsdp-tests-xla-cache-{os.environ.get('PYTEST_XDIST_TESTRUNUID', os.getpid())}"))
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")   # the small programs too
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402
 
 assert jax.device_count() == 16, f"expected 16 fake CPU devices, got {jax.device_count()}"
+
+# The processes that tests start (train.py, the planner, the two-process runs) share XLA's persistent
+# compilation cache, one directory per test session (pytest-xdist's run id, so both workers share it and
+# no earlier session's entries are read): a train.py run that resumes, or repeats another test's
+# configuration, loads its compiled step (a repeated run: 24 s -> 14 s, measured 2026-11-25). Set after
+# jax started, so this process's own programs are not cached: with them cached too, a fresh-clone run took
+# 1,744 s, against 1,583 s for the run before any caching (with a larger schedule sweep), 2026-11-25.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
+    tempfile.gettempdir(), f"jfsdp-tests-xla-cache-{os.environ.get('PYTEST_XDIST_TESTRUNUID', os.getpid())}"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")   # the eval and sampling programs too
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 
 from tests.ci_skips import pytest_sessionfinish, pytest_terminal_summary  # noqa: E402,F401  (a skip under CI fails)
