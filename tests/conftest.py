@@ -18,8 +18,8 @@ assert jax.device_count() == 16, f"expected 16 fake CPU devices, got {jax.device
 # compilation cache, one directory per test session (pytest-xdist's run id, so both workers share it and
 # no earlier session's entries are read): a train.py run that resumes, or repeats another test's
 # configuration, loads its compiled step (a repeated run: 24 s -> 14 s, measured 2026-11-25). Set after
-# jax started, so this process's own programs are not cached: with them cached too, a fresh-clone run took
-# 1,744 s, against 1,583 s for the run before any caching (with a larger schedule sweep), 2026-11-25.
+# jax started, so this process's own programs are not cached: caching them too made no difference to a
+# fresh-clone run (1,744 s with, 1,750 s without, 2026-11-25).
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
     tempfile.gettempdir(), f"jfsdp-tests-xla-cache-{os.environ.get('PYTEST_XDIST_TESTRUNUID', os.getpid())}"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")   # the eval and sampling programs too
