@@ -310,6 +310,7 @@ def float8_linear(self, x, matmul=None):
     y = (matmul or float8_matmul)(x, self.kernel[...])
     return y + self.bias[...].astype(y.dtype) if self.bias is not None else y
 
+
 def leaf_errors(got, want):
     """{path: L2 of got - want over L2 of want} per leaf (float64)."""
     return {p: np.linalg.norm(np.asarray(g, np.float64) - w) / np.linalg.norm(w) for p, w, g in paired(want, got)}

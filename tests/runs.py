@@ -40,12 +40,9 @@ def bf16_rest_run(case, loss_fn, ref_forward, devices, mp):
     a time (so each float8 cast sees that device's amax); both compiled with every bf16 rounding kept
     (reference.run_exact) -> (got loss, want loss, gathered gradients, reference gradients)."""
     batch = case["batches"][0]
-    rows_per = batch["inputs"].shape[0] // devices
 
     def loss(p, b):
-        rows = [jax.tree.map(lambda x: x[i * rows_per:(i + 1) * rows_per], b) for i in range(devices)]
-        return sum(loss_fn(ref_forward(case["root"], case["unit"], p, r["inputs"], jnp.bfloat16), r)
-                   for r in rows) / devices
+        return rows_of(devices, lambda r: loss_fn(ref_forward(case["root"], case["unit"], p, r["inputs"], jnp.bfloat16), r), b)
     with jax.default_device(jax.devices()[0]):
         want_loss, want = ref.run_exact(jax.value_and_grad(loss), case["init"], batch)
     plan = stacked_plan(case, f"1x{devices}", "full_shard", "none", mp)
