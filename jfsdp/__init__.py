@@ -8,14 +8,15 @@ import importlib
 
 _EXPORTS = {   # module -> the names it gives this package ("alias=name" where they differ)
     "config.errors": ("ConfigError",),
-    "config.mesh": ("AXES", "DATA_AXIS", "DATA=DATA_AXIS", "FSDP_AXIS", "MeshSpec", "make_mesh", "mesh_shape",
-                    "parse_mesh"),
+    "config.mesh": ("AXES", "DATA_AXIS", "DATA=DATA_AXIS", "FSDP_AXIS", "MeshSpec", "TENSOR_AXIS", "make_mesh",
+                    "mesh_shape", "parse_mesh", "tensor_size"),
     "config.policy": ("REMAT", "Float8", "MixedPrecision", "Strategy"),
     "engine.layout": ("Layout", "Stacked", "Stage", "Staged", "stack_units", "unstack_units"),
     "engine.sharded": ("FSDP", "checkpoint_policy", "unshard"),
     "engine.entry": ("fully_shard",),
     "engine.as_is": ("AsIs",),
     "engine.moe": ("MoE",),
+    "engine.parallel.plan": ("TensorPlan",),
     "train.losses": ("linear_cross_entropy", "lm_loss"),
     "train.optim": ("adamw", "matrices", "unit_view", "warmup_cosine"),
     "train.step": ("TrainState", "TrainStep", "abstract_state", "init_state", "make_train_step", "state_shardings"),

@@ -32,3 +32,24 @@ def language_model(cfg, loss="fused", moe="auto", moe_chunks="auto", backend=Non
                 jfsdp.MoE(mode=moe, chunks=moe_chunks, backend=backend), loss_fn)
     root, unit, n_units = parts(cfg)
     return jfsdp.Stacked(root, unit, n_units, head_method=head), None, loss_fn
+
+
+# The tensor-parallel plan of jfsdp's Llama (torchtitan's, in jfsdp's parameter paths): the attention's
+# q, k, v and the FFN's gate and up projections split on their outputs (heads, FFN width), the attention's
+# output and the FFN's down projection on their inputs; norms and the root replicated over `tensor`.
+LLAMA_TP_RULES = {
+    r"attention/w[qkv]/kernel$": "colwise",
+    r"attention/wo/kernel$": "rowwise",
+    r"feed_forward/w[13]/kernel$": "colwise",
+    r"feed_forward/w2/kernel$": "rowwise",
+}
+
+
+def tensor_plan(cfg):
+    """The `jfsdp.TensorPlan` of a Llama config: its rules, the sequence on axis 1 of h, and the sizes T
+    must divide (heads, KV heads, FFN width). ConfigError for a model that has none yet (MoE)."""
+    if isinstance(cfg, MoEConfig) or not hasattr(cfg, "n_kv_heads"):
+        raise jfsdp.ConfigError(f"tensor parallelism is not supported for {type(cfg).__name__} models yet "
+                                "(docs/tensor-parallel.md): only the Llama models have a tensor plan")
+    return jfsdp.TensorPlan(LLAMA_TP_RULES, sequence_dim=1,
+                            divides={"heads": cfg.n_heads, "KV heads": cfg.n_kv_heads, "FFN width": cfg.ffn_dim})

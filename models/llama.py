@@ -111,9 +111,11 @@ class Attention(nn.Module):
         c = self.cfg
         b, t, _ = x.shape
         hd = c.head_dim
-        q = _dense(c.n_heads * hd, "wq", c.init_std)(x).reshape(b, t, c.n_heads, hd)
-        k = _dense(c.n_kv_heads * hd, "wk", c.init_std)(x).reshape(b, t, c.n_kv_heads, hd)
-        v = _dense(c.n_kv_heads * hd, "wv", c.init_std)(x).reshape(b, t, c.n_kv_heads, hd)
+        # the head counts come from the projections' widths (-1): a caller may hand each projection a
+        # share of the heads (tensor parallelism runs this code on n_heads / T heads per device)
+        q = _dense(c.n_heads * hd, "wq", c.init_std)(x).reshape(b, t, -1, hd)
+        k = _dense(c.n_kv_heads * hd, "wk", c.init_std)(x).reshape(b, t, -1, hd)
+        v = _dense(c.n_kv_heads * hd, "wv", c.init_std)(x).reshape(b, t, -1, hd)
         q, k = rotary(q, c.rope_theta), rotary(k, c.rope_theta)
         # grouped-query attention natively: k and v keep their n_kv_heads, no repeat
         impl = attention_impl(c, q.dtype, t)
@@ -121,7 +123,7 @@ class Attention(nn.Module):
             out = blockwise_attention(q, k, v, causal=True)
         else:
             out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
-        out = out.reshape(b, t, c.n_heads * hd)
+        out = out.reshape(b, t, -1)
         return _dense(c.dim, "wo", c.init_std)(out)
 
 

@@ -10,6 +10,7 @@ import flax.linen as nn
 from flax import nnx
 
 from jfsdp.config.errors import ConfigError
+from jfsdp.config.mesh import tensor_size
 from jfsdp.config.policy import MixedPrecision, Strategy
 from jfsdp.engine.as_is import AsIs
 from jfsdp.engine.layout import Stacked, Staged, check_model
@@ -35,7 +36,7 @@ def resolve_strategy(strategy, reshard_after_forward) -> Strategy:
 
 def fully_shard(model, mesh, example_inputs, *, units=None, call: Callable | None = None, strategy="full_shard",
                 mp_policy=None, remat="none", reshard_after_forward=None, prefetch=None, moe=None, seed: int = 0,
-                rng_streams=("dropout",), init: Callable | None = None):
+                rng_streams=("dropout",), init: Callable | None = None, tensor_plan=None):
     """Apply FSDP to a model from outside.
 
     A Flax model as it is (docs/any-model.md): `model` is an unbound Linen module or an NNX module
@@ -53,7 +54,11 @@ def fully_shard(model, mesh, example_inputs, *, units=None, call: Callable | Non
     with JFSDP_PREFETCH=1); `moe=jfsdp.MoE(mode, chunks)` says how units that call an experts module run
     (moe.py).
 
-    Either way `reshard_after_forward=False` turns FULL_SHARD into SHARD_GRAD_OP, as in FSDP2."""
+    Either way `reshard_after_forward=False` turns FULL_SHARD into SHARD_GRAD_OP, as in FSDP2.
+
+    Tensor parallelism: on a mesh with a `tensor` axis (`make_mesh(spec, tensor=T)`), a `Stacked` model
+    takes `tensor_plan=jfsdp.TensorPlan({regex: 'colwise' | 'rowwise' | 'replicate'})`; Megatron-SP runs
+    inside the units (docs/tensor-parallel.md)."""
     strategy = resolve_strategy(strategy, reshard_after_forward)
     mp_policy = mp_policy or MixedPrecision()
     if not isinstance(model, (Stacked, Staged)):
@@ -67,6 +72,9 @@ def fully_shard(model, mesh, example_inputs, *, units=None, call: Callable | Non
                               "model's own loop, which the prefetch pipeline cannot reorder; use jfsdp.Stacked for it")
         if moe is not None:
             raise ConfigError("moe= applies to jfsdp.Stacked / jfsdp.Staged models")
+        if tensor_size(mesh) > 1 or tensor_plan is not None:
+            raise ConfigError("tensor parallelism for a model given as it is is not supported yet "
+                              "(docs/tensor-parallel.md): use jfsdp.Stacked with a tensor_plan")
         if not isinstance(example_inputs, Mapping) and not hasattr(example_inputs, "shape"):
             raise ConfigError("example_inputs must be a batch dict of arrays or ShapeDtypeStructs (or an inputs array), "
                               f"got {type(example_inputs).__name__}")
@@ -78,4 +86,4 @@ def fully_shard(model, mesh, example_inputs, *, units=None, call: Callable | Non
     if not hasattr(example_inputs, "shape") or not hasattr(example_inputs, "dtype"):
         raise ConfigError("example_inputs must be an array or jax.ShapeDtypeStruct of the inputs (batch['inputs']), "
                           f"got {type(example_inputs).__name__}")
-    return FSDP(model, mesh, example_inputs, strategy, mp_policy, remat, prefetch, moe)
+    return FSDP(model, mesh, example_inputs, strategy, mp_policy, remat, prefetch, moe, tensor_plan)

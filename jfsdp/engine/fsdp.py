@@ -19,7 +19,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jfsdp.config.mesh import FSDP_AXIS
 from jfsdp.config.policy import REMAT_POLICIES, check_remat
 from jfsdp.engine.layout import Layout, is_layout
 
@@ -27,8 +26,9 @@ from jfsdp.engine.layout import Layout, is_layout
 @dataclasses.dataclass(frozen=True)
 class Comm:
     """How parameters go out and gradients come back: gathered in `param_dtype`; reduce-scattered over
-    `fsdp` in `reduce_dtype` when S > 1, then summed over `reduce_axes`, then times `scale` (1/N: the loss
-    is the mean over all N devices' batches)."""
+    each leaf's axes (`Layout.gather_axes`: `fsdp`, and `tensor` too for a leaf that is not
+    tensor-parallel) in `reduce_dtype` when S > 1, then summed over `reduce_axes`, then times `scale`
+    (1/N: the loss is the mean over all N devices' batches)."""
     reduce_axes: tuple
     scale: float
     param_dtype: Any
@@ -67,7 +67,7 @@ def unshard(shard, layout: Layout, comm: Comm):
 def _unshard(shard, layout: Layout, comm: Comm):
     x = shard.astype(comm.param_dtype or shard.dtype)
     if layout.shards > 1:
-        x = lax.all_gather(x, FSDP_AXIS, axis=0, tiled=True)
+        x = lax.all_gather(x, layout.gather_axes, axis=0, tiled=True)
     return layout.unpad(x)
 
 
@@ -76,7 +76,7 @@ def reduce_gradient(g, layout: Layout, comm: Comm):
     over the replica axes, scale, master dtype. `unshard`'s backward."""
     g = layout.pad(g.astype(comm.reduce_dtype or g.dtype))
     if layout.shards > 1:
-        g = lax.psum_scatter(g, FSDP_AXIS, scatter_dimension=0, tiled=True)
+        g = lax.psum_scatter(g, layout.gather_axes, scatter_dimension=0, tiled=True)
     if comm.reduce_axes:
         g = lax.psum(g, comm.reduce_axes)
     return g.astype(layout.dtype) * comm.scale

@@ -16,6 +16,7 @@ import numpy as np
 from jax import lax
 
 from jfsdp.config.errors import ConfigError
+from jfsdp.config.mesh import FSDP_AXIS
 
 # the keys of the parameter tree: {'root': ..., 'units': stacked} (Stacked) or {'root', 'stages': [...]}
 ROOT, UNITS, STAGES = "root", "units", "stages"
@@ -92,11 +93,19 @@ class Layout:
       with E < S). Row-major flattening keeps each gathered leaf one contiguous buffer that is the
       parameter's bytes in order: unpadding is a prefix and a reshape, never a transpose.
     Leaves of one dimension (and scalars, as (1,)) are padded on dimension 0, the same either way.
-    `flat` forces the flat (True) or the row (False) form: checkpoints convert between them."""
+    `flat` forces the flat (True) or the row (False) form: checkpoints convert between them.
+    `axes`: the mesh axes the S shards lie on and are gathered over (None: `fsdp`; with tensor
+    parallelism a leaf that is not tensor-parallel lies on (`fsdp`, `tensor`), jfsdp/engine/parallel)."""
     shape: tuple
     dtype: Any
     shards: int
     flat: bool | None = None
+    axes: tuple | None = None
+
+    @property
+    def gather_axes(self):
+        """The mesh axis (or axes) that `unshard` gathers over and the gradient is reduce-scattered over."""
+        return FSDP_AXIS if self.axes is None else self.axes
 
     @property
     def is_flat(self) -> bool:
@@ -146,6 +155,22 @@ class Layout:
 
     def unpad(self, x):
         return x[: self.rows].reshape(self.shape)
+
+    # The whole parameter and its stored (global) array. Here the same as `shape`, `stored_shape`, `pad`
+    # and `unpad`; a tensor-parallel leaf (parallel/layout.py) stores its T slices one after the other.
+    @property
+    def full_shape(self) -> tuple:
+        return self.shape
+
+    @property
+    def stored_full_shape(self) -> tuple:
+        return self.stored_shape
+
+    def pad_full(self, x, xp=jnp):
+        return self.pad(x, xp)
+
+    def unpad_full(self, x):
+        return self.unpad(x)
 
 
 def at_row(stacked, i):

@@ -16,17 +16,18 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jfsdp.config.errors import ConfigError
-from jfsdp.config.mesh import FSDP_AXIS
+from jfsdp.config.mesh import FSDP_AXIS, tensor_size
 from jfsdp.engine.layout import (ROOT, STAGES, UNITS, Layout, Stacked, is_layout, listing, paths, stack_units,
                                  tree_shapes, unstack_units, zeros_like_tree)
+from jfsdp.engine.parallel import layout as tp_layout
 
 
 class ParamLayout:
     """The parameters of `model` (Stacked or Staged) as shards over `shards` row-shards of `mesh`
     (`sharded`: split over the `fsdp` axis; else replicated). `example_inputs` fixes the shapes."""
 
-    def __init__(self, model, mesh, example_inputs, shards: int, sharded: bool):
-        self.model, self.mesh, self.shards = model, mesh, shards
+    def __init__(self, model, mesh, example_inputs, shards: int, sharded: bool, tensor_plan=None):
+        self.model, self.mesh, self.shards, self.tensor_plan = model, mesh, shards, tensor_plan
         self._one = isinstance(model, Stacked)
         self.stage_sizes = tuple(s.n_units for s in model.stages)
         self.example_inputs = jax.ShapeDtypeStruct(example_inputs.shape, example_inputs.dtype)
@@ -38,6 +39,14 @@ class ParamLayout:
         root and the stages, whose leaves are stacked on axis 0): every leaf laid out for `self.shards`
         shards (`Layout`: rows, or flat), split over the `fsdp` axis when `sharded` (a stage's leaves within each unit), else replicated."""
         root, stages = self.split(full)
+        if tensor_size(self.mesh) > 1:   # tensor parallelism: the placement rule of parallel/layout.py
+            names = [UNITS] if self._one else [f"{STAGES}/{j}" for j in range(len(stages))]
+            root_l, stage_l = tp_layout.lay_out(self.tensor_plan, root, stages, names, self.shards,
+                                                tensor_size(self.mesh))
+            self.layouts = self.join(root_l, stage_l)
+            self.param_specs = self.join(*tp_layout.specs(root_l, stage_l))
+            self.param_shardings = jax.tree.map(lambda p: NamedSharding(self.mesh, p), self.param_specs)
+            return
         layout = lambda shape, x: Layout(tuple(shape), jnp.dtype(x.dtype), self.shards)
         per_unit = lambda t: jax.tree.map(lambda x: layout(x.shape[1:], x), t)
         self.layouts = self.join(jax.tree.map(lambda x: layout(x.shape, x), root), [per_unit(u) for u in stages])
@@ -100,8 +109,8 @@ class ParamLayout:
     def _pad(self, full, xp=jnp):
         root_l, stage_l = self.split(self.layouts)
         root_x, stage_x = self.split(full)
-        root = jax.tree.map(lambda l, x: l.pad(x, xp), root_l, root_x, is_leaf=is_layout)
-        stages = [jax.tree.map(lambda l, x: xp.stack([l.pad(u, xp) for u in x]) if xp is np else jax.vmap(l.pad)(x),
+        root = jax.tree.map(lambda l, x: l.pad_full(x, xp), root_l, root_x, is_leaf=is_layout)
+        stages = [jax.tree.map(lambda l, x: xp.stack([l.pad_full(u, xp) for u in x]) if xp is np else jax.vmap(l.pad_full)(x),
                                ls, xs, is_leaf=is_layout) for ls, xs in zip(stage_l, stage_x)]
         return self.join(root, stages)
 
@@ -169,11 +178,11 @@ class ParamLayout:
             raise ConfigError(f"{name} does not match the model's parameters: missing {listing(set(want) - set(got)) or 'none'}; "
                               f"unexpected {listing(set(got) - set(want)) or 'none'}")
         for k, l in want.items():
-            shape = l.stored_shape if stored else l.shape
+            shape = l.stored_full_shape if stored else l.full_shape
             shape = shape if n is None else (n, *shape)
             if np.shape(got[k]) != shape:
                 why = (f"; stack the {n} units on axis 0 (jfsdp.stack_units)" if n is not None
-                       and np.shape(got[k]) == (l.stored_shape if stored else l.shape) else "")
+                       and np.shape(got[k]) == (l.stored_full_shape if stored else l.full_shape) else "")
                 raise ConfigError(f"{name}{k} has shape {np.shape(got[k])}, expected {shape}{why}")
         leaves = [got[k] for k in want]
         return jax.tree.unflatten(jax.tree.structure(layouts, is_leaf=is_layout), leaves)
@@ -207,8 +216,8 @@ class ParamLayout:
         host = jax.device_get(params)
         root_l, stage_l = self.split(self.layouts)
         root_x, stage_x = self.split(host)
-        root = jax.tree.map(lambda l, x: l.unpad(x), root_l, root_x, is_leaf=is_layout)
-        stages = [jax.tree.map(lambda l, x: np.stack([l.unpad(u) for u in x]), ls, xs, is_leaf=is_layout)
+        root = jax.tree.map(lambda l, x: l.unpad_full(x), root_l, root_x, is_leaf=is_layout)
+        stages = [jax.tree.map(lambda l, x: np.stack([l.unpad_full(u) for u in x]), ls, xs, is_leaf=is_layout)
                   for ls, xs in zip(stage_l, stage_x)]
         return self.join(root, stages)
 

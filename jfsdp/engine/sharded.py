@@ -19,12 +19,13 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jfsdp.config.errors import ConfigError
-from jfsdp.config.mesh import AXES, DATA_AXIS, mesh_shape, platform
+from jfsdp.config.mesh import AXES, DATA_AXIS, TENSOR_AXIS, mesh_shape, platform, tensor_size
 from jfsdp.config.policy import resolve_prefetch
 from jfsdp.engine import accumulate, expert_parallel, float8, moe as moe_engine
 from jfsdp.engine.fsdp import Comm, any_unreduced, checkpoint_policy, scan_stage, unshard, unshard_tree
 from jfsdp.engine.layout import is_layout, tree_shapes
 from jfsdp.engine.params import ParamLayout
+from jfsdp.engine.parallel import layout as tp_layout, support, tensor as tp
 from jfsdp.engine.pipeline import StagePasses, pipelined_stage
 
 
@@ -32,11 +33,15 @@ class FSDP(ParamLayout):
     """A model placed on a mesh with a strategy. Build it with `fully_shard`. The parameter layout
     (`init`, `shard`, `gather`, `layouts`, `from_layers`, ...) is `ParamLayout`'s."""
 
-    def __init__(self, model, mesh, example_inputs, strategy, mp_policy, remat, prefetch=None, moe=None):
+    def __init__(self, model, mesh, example_inputs, strategy, mp_policy, remat, prefetch=None, moe=None,
+                 tensor_plan=None):
+        prefetch = support.check(model, mesh, strategy, mp_policy, prefetch, moe, tensor_plan)
         super().__init__(model, mesh, example_inputs, shards=mesh_shape(mesh)[1] if strategy.sharded else 1,
-                         sharded=strategy.sharded)
+                         sharded=strategy.sharded, tensor_plan=tensor_plan)
         self.set_strategy(strategy, mp_policy, remat)
         self.prefetch = resolve_prefetch(prefetch, strategy, remat, self.shards, on_gpu=platform(mesh) == "gpu")
+        if self.tensor > 1:   # Megatron-SP around the units' tensor-parallel matmuls (parallel/tensor.py)
+            self.tp_intercept = tp.interceptor(tp_layout.tp_modules(self.split(self.layouts)[1]), tensor_plan.sequence_dim)
         # MoE stages (jfsdp/engine/moe.py): per stage None (dense, or gathered like any unit) or its mode
         self.moe, self.moe_stages = moe, moe_engine.resolve(self, moe)
         self.unit_layouts = self.float8_layouts()
@@ -45,9 +50,9 @@ class FSDP(ParamLayout):
         """How this model runs on `self.mesh` with `self.shards` row-shards: the strategy, the precision,
         the remat policy, the communication (`Comm`) and the batch's placement. Shared by every way a
         model is described (`AsIs` too)."""
-        r, s = mesh_shape(self.mesh)
+        (r, s), self.tensor = mesh_shape(self.mesh), tensor_size(self.mesh)
         self.strategy, self.mp, self.remat = strategy, mp_policy, remat
-        self.replicas, self.n_devices = r, r * s
+        self.replicas, self.n_devices = r, r * s * self.tensor
         if strategy.sharded:
             reduce_axes = (DATA_AXIS,) if r > 1 else ()
         else:
@@ -58,7 +63,10 @@ class FSDP(ParamLayout):
         # parameters (DDP's peak held the weights twice).
         self.policy = checkpoint_policy(remat, strategy.reshard_after_forward or self.shards == 1)
         self.on_cpu = platform(self.mesh) == "cpu"
-        self.batch_sharding = NamedSharding(self.mesh, P(AXES))
+        # the batch's rows over (data, fsdp); with T > 1 its sequence over `tensor` too (sequence parallelism)
+        self.batch_spec = P(AXES) if self.tensor == 1 else P(AXES, TENSOR_AXIS)
+        self.loss_axes = AXES if self.tensor == 1 else (*AXES, TENSOR_AXIS)
+        self.batch_sharding = NamedSharding(self.mesh, self.batch_spec)
 
     def float8_layouts(self) -> list:
         """Each stage's unit layouts as gathered: with a float8 policy the selected Dense kernels are
@@ -73,6 +81,11 @@ class FSDP(ParamLayout):
 
     def unit_apply(self, unit):
         """(unit params, h) -> h: the unit's apply, its float8 matmuls intercepted when there are any."""
+        if self.tensor > 1:
+            def apply(params, h):
+                with nn.intercept_methods(self.tp_intercept):
+                    return unit.apply({"params": params}, h)
+            return apply
         if self.mp.float8 is None:
             return lambda params, h: unit.apply({"params": params}, h)
 
@@ -175,6 +188,8 @@ class FSDP(ParamLayout):
         return batch
 
     def _check_rows(self, tree, grad_accum=1):
+        if self.tensor > 1:
+            support.check_sequence(tree, self.tensor, self.tensor_plan.sequence_dim)
         for x in jax.tree.leaves(tree):
             if not np.ndim(x):
                 raise ConfigError(f"every batch leaf needs a leading batch axis, got a scalar ({x!r})")
@@ -231,6 +246,8 @@ class FSDP(ParamLayout):
         so its gradient (zeros) is never reduce-scattered."""
         if not isinstance(grad_accum, int) or grad_accum < 1:
             raise ConfigError(f"grad_accum must be an integer of at least 1, got {grad_accum}")
+        if self.tensor > 1:
+            support.check_step(grad_accum, trainable)
         if accumulate.check_grad_sync(grad_sync) == "once" and grad_accum > 1:
             return accumulate.loss_and_grad_once(self, loss_fn, grad_accum, trainable)
 
@@ -250,9 +267,9 @@ class FSDP(ParamLayout):
                 zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
                 (loss, grads), _ = lax.scan(acc, zero, mbs)
                 loss, grads = loss / grad_accum, jax.tree.map(lambda g: g / grad_accum, grads)
-            return lax.psum(loss, AXES) / self.n_devices, grads
+            return lax.psum(loss, self.loss_axes) / self.n_devices, grads
 
-        sharded = self.shard_map(local, (self.param_specs, P(AXES)), (P(), self.param_specs))
+        sharded = self.shard_map(local, (self.param_specs, self.batch_spec), (P(), self.param_specs))
 
         def fn(params, batch):
             self.check_batch(batch, grad_accum)
@@ -262,8 +279,8 @@ class FSDP(ParamLayout):
     def loss(self, loss_fn: Callable):
         """(params, batch) -> mean loss, forward only (evaluation). Same contract as `loss_and_grad`."""
         def local(params, batch):
-            return lax.psum(self.batch_loss(loss_fn, params, batch), AXES) / self.n_devices
-        sharded = self.shard_map(local, (self.param_specs, P(AXES)), P())
+            return lax.psum(self.batch_loss(loss_fn, params, batch), self.loss_axes) / self.n_devices
+        sharded = self.shard_map(local, (self.param_specs, self.batch_spec), P())
 
         def fn(params, batch):
             self.check_batch(batch)
@@ -273,5 +290,5 @@ class FSDP(ParamLayout):
     def apply(self, params, inputs):
         """Model outputs for a batch of inputs split over all devices (call under jit)."""
         self._check_rows(inputs)
-        return self.shard_map(self.forward, (self.param_specs, P(AXES)), P(AXES))(params, inputs)
+        return self.shard_map(self.forward, (self.param_specs, self.batch_spec), self.batch_spec)(params, inputs)
 

@@ -43,6 +43,8 @@ def unsupported(sharded: FSDP, grad_accum: int) -> str | None:
     if getattr(sharded, "as_is", False):
         return ("a model given as it is runs its units in its own loop, and the in-backward step needs them as "
                 "stacked stages (jfsdp.Stacked / Staged)")
+    if getattr(sharded, "tensor", 1) > 1:
+        return "tensor parallelism is not supported with it yet (docs/tensor-parallel.md)"
     if grad_accum != 1:
         return (f"it applies each unit's update as soon as its gradient is reduced, so it cannot accumulate "
                 f"{grad_accum} micro-batches (use grad_accum=1)")

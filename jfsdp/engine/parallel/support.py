@@ -1,0 +1,59 @@
+"""What tensor parallelism (T > 1) supports so far, and a ConfigError that says why for the rest.
+
+Supported: a `jfsdp.Stacked` model with a `TensorPlan`, FULL_SHARD / SHARD_GRAD_OP / HYBRID_SHARD
+(and its ZeRO-2 form), any remat policy, fp32 or bf16 mixed precision without float8, one micro-batch
+per step, every parameter trained. Refused until a later slice: NO_SHARD, `Staged` models, models given as
+they are, MoE, float8, the prefetch pipeline, gradient accumulation, frozen parameters, the in-backward
+update (train/update_in_backward.py); checkpoints, HF import/export and the planner refuse at their
+command lines."""
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from jfsdp.config.errors import ConfigError
+from jfsdp.config.mesh import tensor_size
+from jfsdp.engine.layout import Stacked
+from jfsdp.engine.parallel.plan import TensorPlan
+
+LATER = "is not supported with tensor parallelism yet (docs/tensor-parallel.md)"
+
+
+def check(model, mesh, strategy, mp_policy, prefetch, moe, tensor_plan):
+    """ConfigError for what T > 1 does not support; the prefetch option to use (None or False)."""
+    t = tensor_size(mesh)
+    if t == 1:
+        if tensor_plan is not None and not isinstance(tensor_plan, TensorPlan):
+            raise ConfigError(f"tensor_plan must be a jfsdp.TensorPlan, got {type(tensor_plan).__name__}")
+        return prefetch
+    if not isinstance(tensor_plan, TensorPlan):
+        raise ConfigError(f"a mesh with tensor {t} needs tensor_plan=jfsdp.TensorPlan(...) saying which layers are "
+                          "colwise and rowwise (models/factory.py has the plan of jfsdp's Llama)")
+    if not isinstance(model, Stacked):
+        raise ConfigError(f"a jfsdp.{type(model).__name__} model {LATER}: use jfsdp.Stacked")
+    if not strategy.sharded:
+        raise ConfigError(f"strategy no_shard {LATER}: use full_shard, shard_grad_op or hybrid_shard")
+    if moe is not None:
+        raise ConfigError(f"MoE {LATER}")
+    if mp_policy.float8 is not None:
+        raise ConfigError(f"float8 {LATER}")
+    if prefetch:
+        raise ConfigError(f"the prefetch pipeline {LATER}: pass prefetch=False")
+    return False   # not resolved on by default (GPUs, JFSDP_PREFETCH) either
+
+
+def check_step(grad_accum: int, trainable):
+    if grad_accum != 1:
+        raise ConfigError(f"gradient accumulation (grad_accum={grad_accum}) {LATER}")
+    if trainable is not None:
+        raise ConfigError(f"frozen parameters (trainable=) {LATER}")
+
+
+def check_sequence(tree, tensor: int, dim: int):
+    """ConfigError unless every batch leaf has a sequence axis `dim` that T divides (sequence parallelism
+    splits it over `tensor`)."""
+    for x in jax.tree.leaves(tree):
+        shape = np.shape(x)
+        if len(shape) <= dim or shape[dim] % tensor:
+            raise ConfigError(f"a batch leaf of shape {shape}: sequence parallelism splits axis {dim} (the sequence) "
+                              f"over tensor {tensor}, which must divide it")
