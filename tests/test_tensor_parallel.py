@@ -1,0 +1,167 @@
+"""Tensor parallelism with sequence parallelism on a (data, fsdp, tensor) mesh (docs/tensor-parallel.md):
+the single-device reference's losses and parameters, the TP collectives in the compiled program, the
+placement rule, T = 1 unchanged, and what is refused so far."""
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jfsdp
+import models
+from jfsdp.engine.parallel import layout as tp_layout
+from jfsdp.planning import hlo
+from models import factory
+from tests import reference as ref
+
+# llama-test with 8 heads and 4 KV heads (GQA, groups of 2), so that T = 4 divides both; dim 96 (head
+# dim 12), ffn 200, vocabulary 259 (padded on every fsdp x tensor count), tied embeddings.
+CFG = dataclasses.replace(models.get_config("llama-test"), n_heads=8, n_kv_heads=4)
+STEPS, BATCH, SEQ = 3, 16, 16
+_REF = {}
+
+
+def reference():
+    """The case and the single-device trainer's losses and final parameters (tests/reference.py), once."""
+    if not _REF:
+        root, unit, n = models.parts(CFG)
+        batches = [{k: jnp.asarray(v) for k, v in b.items()} for b in ref.token_batches(CFG.vocab_size, STEPS, BATCH, SEQ)]
+        with jax.default_device(jax.devices()[0]):
+            init = ref.init_params(root, unit, n, batches[0]["inputs"])
+            losses, final = ref.train(root, unit, models.loss_fn(CFG), init, batches)
+        _REF.update(root=root, unit=unit, n=n, batches=batches, init=jax.device_get(init), losses=losses,
+                    final=jax.device_get(final))
+    return _REF
+
+
+def plan_on(spec, tensor, strategy="full_shard", remat="none", cfg=CFG, **kw):
+    root, unit, n = models.parts(cfg)
+    mesh = jfsdp.make_mesh(spec, tensor=tensor, devices=jax.devices()[:jfsdp.MeshSpec(*jfsdp.parse_mesh(spec), tensor).devices])
+    tok = jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32)
+    return jfsdp.fully_shard(jfsdp.Stacked(root, unit, n), mesh, tok, strategy=strategy, remat=remat,
+                             tensor_plan=kw.pop("tensor_plan", factory.tensor_plan(cfg)), **kw)
+
+
+def compiled_step(plan):
+    """(the train step compiled ahead of time, its optimizer): one compilation for the run and the HLO."""
+    opt = jfsdp.adamw(ref.LR, b1=ref.B1, b2=ref.B2, eps=ref.EPS, weight_decay=ref.WD, clip_norm=ref.CLIP,
+                      mask=plan.decay_mask())
+    batch = {k: jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32, sharding=plan.batch_sharding) for k in ("inputs", "targets")}
+    step = jfsdp.make_train_step(plan, opt, models.loss_fn(CFG))
+    return step.lower(jfsdp.abstract_state(plan, opt), batch).compile(), opt
+
+
+def tensor_collectives(text, spec, tensor):
+    """{(kind, result bytes): count} of the all-gathers / reduce-scatters / all-reduces whose replica
+    groups are exactly the mesh's tensor groups (T consecutive devices)."""
+    n = jfsdp.MeshSpec(*jfsdp.parse_mesh(spec), tensor).devices
+    groups = "{" + ",".join("{" + ",".join(map(str, range(g, g + tensor))) + "}" for g in range(0, n, tensor)) + "}"
+    by_name = {c.name: c for c in hlo.collectives(text, n)}
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*replica_groups=(\{\{[\d,{}]*\}\})", line)
+        if m and m.group(2) == groups and m.group(1) in by_name:
+            c = by_name[m.group(1)]
+            out[(c.kind, c.result_bytes)] = out.get((c.kind, c.result_bytes), 0) + 1
+    return out
+
+
+# (R x S, T, strategy, remat): the lead's meshes 1x4x4 and 2x2x4 under FULL_SHARD, and SHARD_GRAD_OP
+# (ZeRO-2) on 2x4x2; each remat policy once.
+CASES = [("1x4", 4, "full_shard", "none"), ("2x2", 4, "full_shard", "full"), ("2x4", 2, "shard_grad_op", "dots")]
+
+
+@pytest.mark.parametrize("spec,tensor,strategy,remat", CASES)
+def test_matches_single_device_fp32(spec, tensor, strategy, remat):
+    """Losses within 1e-5 at every step and final parameters (norm scales and the tied embedding
+    included) at the fp32 + Adam noise floor of test_equivalence, against the plain single-device trainer.
+    On 1x4x4 the same compiled program also shows Megatron-SP's collectives over the tensor groups."""
+    r = reference()
+    plan = plan_on(spec, tensor, strategy, remat)
+    step, opt = compiled_step(plan)
+    if (spec, tensor) == ("1x4", 4):
+        rows, d = BATCH // 4, CFG.dim   # each device's rows; 4 bytes per fp32 element
+        whole, part = rows * SEQ * d * 4, rows * (SEQ // tensor) * d * 4
+        # per block, forward: 2 all-gathers of the sequence (before attention, before the FFN) and 2
+        # reduce-scatters (after wo, after w2); backward: their transposes. One scan body each way, remat
+        # none: 4 of each in the program, and no all-reduce over `tensor` (nothing summed twice).
+        assert tensor_collectives(step.as_text(), spec, tensor) == {("all-gather", whole): 4,
+                                                                    ("reduce-scatter", part): 4}
+    state = jfsdp.init_state(plan, opt, params=plan.shard(r["init"]))
+    losses = []
+    for b in r["batches"]:
+        state, m = step(state, jax.device_put(b, plan.batch_sharding))
+        losses.append(float(m["loss"]))
+    np.testing.assert_allclose(losses, r["losses"], rtol=1e-5)
+    moved = 0.0
+    for path, w, g, b in ref.paired(r["final"], plan.gather(state.params), r["init"]):
+        err = np.max(np.abs(np.asarray(g, np.float64) - w))
+        assert err <= ref.PARAM_RTOL * np.max(np.abs(w)) + ref.PARAM_ATOL, f"{path}: max error {err:.3g}"
+        moved = max(moved, np.max(np.abs(w - b)))
+    assert moved > 1e-3
+
+
+def test_placement_rule():
+    """Every leaf of the Llama plan is sharded over, or summed over, `fsdp` and `tensor`, each once: TP
+    kernels on (tensor, fsdp) and gathered over fsdp alone, every other leaf over (fsdp, tensor); a
+    placement that sums over `tensor` twice or never is refused."""
+    plan = plan_on("2x2", 4)
+    tp = {"wq", "wk", "wv", "wo", "w1", "w2", "w3"}
+    for path, l in jax.tree_util.tree_flatten_with_path(plan.layouts, is_leaf=lambda x: isinstance(x, jfsdp.Layout))[0]:
+        name = path[-2].key
+        if isinstance(l, tp_layout.TensorLayout):
+            assert name in tp and l.gather_axes == "fsdp" and tp_layout.spec_axes(l) == ("tensor", "fsdp"), path
+            assert l.shards == 2 and l.full_shape[l.dim] == 4 * l.shape[l.dim]
+        else:
+            assert name not in tp and l.gather_axes == ("fsdp", "tensor") and l.shards == 8, path
+        tp_axis = "tensor" if isinstance(l, tp_layout.TensorLayout) else None
+        tp_layout.check_placement(tp_axis, (l.gather_axes,) if isinstance(l.gather_axes, str) else l.gather_axes)
+    for bad in [("tensor", ("fsdp", "tensor")), (None, ("fsdp",)), ("tensor", ("data", "fsdp"))]:
+        with pytest.raises(RuntimeError, match="placement rule"):
+            tp_layout.check_placement(*bad)
+    for kind in ("colwise", "rowwise", "replicate"):
+        tp_layout.check_placement(*tp_layout.placement(kind))
+
+
+def test_tensor_one_is_the_two_axis_program():
+    """make_mesh(spec, tensor=1) is today's (data, fsdp) mesh, and a Llama plan given on it changes
+    nothing: the lowered train step is the same text as without the argument and the plan."""
+    root, unit, n = models.parts(CFG)
+    tok = jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32)
+
+    def lowered(mesh, **kw):
+        plan = jfsdp.fully_shard(jfsdp.Stacked(root, unit, n), mesh, tok, remat="full", **kw)
+        opt = jfsdp.adamw(ref.LR, mask=plan.decay_mask())
+        batch = {k: jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32, sharding=plan.batch_sharding) for k in ("inputs", "targets")}
+        return jfsdp.make_train_step(plan, opt, models.loss_fn(CFG)).lower(jfsdp.abstract_state(plan, opt), batch).as_text()
+    assert jfsdp.make_mesh("2x8", tensor=1).axis_names == ("data", "fsdp")
+    base = lowered(jfsdp.make_mesh("2x8"))
+    assert lowered(jfsdp.make_mesh("2x8", tensor=1), tensor_plan=factory.tensor_plan(CFG)) == base
+    assert '"tensor"' not in base
+
+
+def test_bad_input_and_what_is_not_supported_yet():
+    """T must divide the devices, the heads, the KV heads and the sequence; a plan is required, its rules
+    must match; NO_SHARD, float8 and gradient accumulation are refused with a reason."""
+    with pytest.raises(jfsdp.ConfigError, match="needs 24 devices"):
+        jfsdp.make_mesh("2x4", tensor=3)
+    with pytest.raises(jfsdp.ConfigError, match="KV heads"):
+        plan_on("1x2", 8)
+    with pytest.raises(jfsdp.ConfigError, match="heads"):
+        plan_on("2x1", 8, cfg=dataclasses.replace(CFG, n_heads=12, dim=96, n_kv_heads=4))
+    with pytest.raises(jfsdp.ConfigError, match="needs tensor_plan"):
+        plan_on("2x2", 4, tensor_plan=None)
+    with pytest.raises(jfsdp.ConfigError, match="matches no parameter"):
+        plan_on("2x2", 4, tensor_plan=jfsdp.TensorPlan({r"mlp/up/kernel": "colwise"}))
+    with pytest.raises(jfsdp.ConfigError, match="no_shard is not supported with tensor parallelism"):
+        plan_on("2x2", 4, strategy="no_shard")
+    with pytest.raises(jfsdp.ConfigError, match="float8 is not supported with tensor parallelism"):
+        plan_on("2x2", 4, mp_policy=jfsdp.MixedPrecision.parse("fp8"))
+    plan = plan_on("2x2", 4)
+    with pytest.raises(jfsdp.ConfigError, match="gradient accumulation"):
+        plan.loss_and_grad(models.loss_fn(CFG), grad_accum=2)
+    odd = {k: np.zeros((BATCH, 6), np.int32) for k in ("inputs", "targets")}
+    with pytest.raises(jfsdp.ConfigError, match="sequence parallelism splits axis 1"):
+        plan.check_batch(odd)
