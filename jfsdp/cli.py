@@ -54,6 +54,9 @@ def model_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
     g = p.add_argument_group("parallelism and model")
     g.add_argument("--mesh", default=d.mesh, help="device mesh RxS: R replicas (data axis) of S shards (fsdp axis); "
                    "1xN = full sharding, Nx1 = data parallel, both > 1 = hybrid sharding")
+    g.add_argument("--tensor", type=int, default=d.tensor, metavar="T",
+                   help="tensor-parallel size: a third mesh axis of T consecutive devices (R*S*T devices in all), "
+                   "Megatron tensor and sequence parallelism inside each unit (docs/tensor-parallel.md)")
     g.add_argument("--strategy", default=d.strategy, help="full_shard (ZeRO-3), shard_grad_op (ZeRO-2), no_shard "
                    "(DDP), hybrid_shard, hybrid_shard_zero2")
     g.add_argument("--model", default=d.model, help="named model config from models/__init__.py: llama-test, "
@@ -187,14 +190,17 @@ def check_flags(c: TrainConfig) -> int | None:
         fail(f"--keep must be at least 1, got {c.keep}")
     if (c.resume or c.save_every) and not c.ckpt_dir:
         fail(f"{'--resume' if c.resume else '--save-every'} needs --ckpt-dir")
+    if c.tensor != 1:
+        check_tensor_flags(c)
     try:
-        n = mesh_spec(c.mesh).devices
+        n = mesh_spec(c.mesh, c.tensor).devices
     except ConfigError:
         return None
-    if c.batch_size % n:
-        fail(f"--batch-size {c.batch_size} does not divide over the {n} devices of mesh {c.mesh}")
-    if (c.batch_size // n) % c.grad_accum:
-        fail(f"per-device batch {c.batch_size // n} does not divide into --grad-accum {c.grad_accum} micro-batches")
+    rows = n // c.tensor   # the batch's rows go over R*S devices; the sequence over T
+    if c.batch_size % rows:
+        fail(f"--batch-size {c.batch_size} does not divide over the {rows} devices of mesh {c.mesh}")
+    if (c.batch_size // rows) % c.grad_accum:
+        fail(f"per-device batch {c.batch_size // rows} does not divide into --grad-accum {c.grad_accum} micro-batches")
     if c.update_in_backward and c.grad_accum != 1:
         fail("--update-in-backward needs --grad-accum 1 (each unit is updated as soon as its gradient is reduced), "
              f"got --grad-accum {c.grad_accum}")
@@ -205,6 +211,22 @@ def check_flags(c: TrainConfig) -> int | None:
     if procs > 1 and n % procs:
         fail(f"mesh {c.mesh} has {n} devices, which do not divide over {procs} processes")
     return n // procs
+
+
+def check_tensor_flags(c: TrainConfig) -> None:
+    """--tensor T: a positive integer dividing --seq-len; what T > 1 does not support yet is refused."""
+    if c.tensor < 1:
+        fail(f"--tensor must be at least 1, got {c.tensor}")
+    if c.seq_len % c.tensor:
+        fail(f"--tensor {c.tensor} does not divide --seq-len {c.seq_len} (sequence parallelism splits the sequence)")
+    later = [flag for flag, on in [("--ckpt-dir", c.ckpt_dir), ("--init-from", c.init_from), ("--freeze", c.freeze),
+                                   ("--update-in-backward", c.update_in_backward), ("--grad-accum > 1", c.grad_accum > 1),
+                                   (f"--precision {c.precision}", c.precision.startswith("fp8")),
+                                   ("--strategy no_shard", c.strategy.strip().lower() == "no_shard"),
+                                   ("several processes", (c.num_processes or 1) > 1 or c.coordinator)] if on]
+    if later:
+        fail(f"--tensor {c.tensor}: {', '.join(later)} {'is' if len(later) == 1 else 'are'} not supported with tensor "
+             "parallelism yet (docs/tensor-parallel.md)")
 
 
 def prefetches(c: TrainConfig) -> bool:

@@ -40,6 +40,8 @@ def _args(argv):
     p = ArgParser(prog="python -m jfsdp.plan", description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help="a name from models.CONFIGS, e.g. llama-8b, llama-70b")
     p.add_argument("--mesh", required=True, help="RxS: R replicas (data) x S shards (fsdp)")
+    p.add_argument("--tensor", type=int, default=1, metavar="T",
+                   help="tensor-parallel size (train.py's --tensor); the planner plans T = 1 only so far")
     p.add_argument("--strategy", default="full_shard")
     p.add_argument("--precision", default="bf16", help="fp32, bf16 (fp32 master, bf16 compute, fp32 reduce) or fp8 "
                    "(bf16 plus float8 unit matmuls and unit gathers at 1 byte per parameter) or fp8-rowwise (float8 "
@@ -170,7 +172,9 @@ def main(argv=None) -> int:
 
 def _plan(a) -> dict:
     """Check what needs no jax, set up the devices, then start jax and make the report."""
-    n = mesh_spec(a.mesh).devices
+    n = mesh_spec(a.mesh, a.tensor).devices
+    if a.tensor != 1:
+        raise ConfigError(f"--tensor {a.tensor}: the planner does not plan tensor parallelism yet (docs/tensor-parallel.md)")
     budget = parse_bytes(a.device_memory) if a.device_memory else None
     set_fake_cpu_devices(n)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -165,3 +165,22 @@ def test_bad_input_and_what_is_not_supported_yet():
     odd = {k: np.zeros((BATCH, 6), np.int32) for k in ("inputs", "targets")}
     with pytest.raises(jfsdp.ConfigError, match="sequence parallelism splits axis 1"):
         plan.check_batch(odd)
+
+
+@pytest.mark.parametrize("argv,why", [
+    (["train.py", "--mesh", "2x4", "--tensor", "2", "--ckpt-dir", "unused"], "--ckpt-dir is not supported with tensor"),
+    (["train.py", "--mesh", "2x4", "--tensor", "3", "--seq-len", "64"], "--tensor 3 does not divide --seq-len 64"),
+    (["-m", "jfsdp.plan", "--mesh", "2x4", "--tensor", "2", "--model", "llama-test"], "does not plan tensor parallelism"),
+])
+def test_command_lines_refuse_with_one_line(argv, why):
+    """train.py and the planner: what --tensor does not support yet is one `error:` line, exit status 2
+    (before jax starts)."""
+    import os
+    import subprocess
+    import sys
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, *argv], capture_output=True, text=True, cwd=repo, timeout=120,
+                       env={**os.environ, "PYTHONPATH": repo})
+    assert r.returncode == 2, r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and why in errors[0], r.stderr

@@ -68,7 +68,7 @@ def report_from_lead(c: TrainConfig) -> tuple[TrainConfig, bool]:
 
 
 def take_devices(c: TrainConfig, r: int, s: int) -> list:
-    """The devices of an R x S mesh: the first R*S of `jax.devices()`."""
+    """The devices of an R x S mesh (S x T with tensor parallelism): the first R*S of `jax.devices()`."""
     devices = jax.devices()
     if len(devices) < r * s:
         raise jfsdp.ConfigError(f"mesh {c.mesh} needs {r * s} devices but {len(devices)} "
@@ -90,7 +90,9 @@ def shard_model(c: TrainConfig, models, model: ModelChoice, mesh, strategy, mp) 
     def shard(head):
         nonlocal loss_fn
         module, moe, loss_fn = models.factory.language_model(model.config, c.loss, c.moe, c.moe_chunks, head=head)
-        return jfsdp.fully_shard(module, mesh, example, strategy=strategy, mp_policy=mp, remat=c.remat, moe=moe)
+        plan = models.factory.tensor_plan(model.config) if c.tensor > 1 else None
+        return jfsdp.fully_shard(module, mesh, example, strategy=strategy, mp_policy=mp, remat=c.remat, moe=moe,
+                                 tensor_plan=plan)
     logits_sharded = shard("head")
     sharded = shard(None) if c.loss == "fused" else logits_sharded
     return sharded, logits_sharded, loss_fn

@@ -9,6 +9,7 @@ import dataclasses
 class TrainConfig:
     # parallelism and model
     mesh: str = "2x8"
+    tensor: int = 1                 # tensor-parallel size T (a third mesh axis; docs/tensor-parallel.md)
     strategy: str = "full_shard"
     model: str = "llama-tiny"
     precision: str = "fp32"
