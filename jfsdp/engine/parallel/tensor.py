@@ -32,19 +32,27 @@ def scatter_sequence(y, dim: int):
     return lax.psum_scatter(y, TENSOR_AXIS, scatter_dimension=dim, tiled=True)
 
 
-def dense(mod, x):
-    """nn.Dense's matmul on the kernel slice this rank holds (Flax's own call would refuse its shape)."""
+def dense(mod, x, out_dtype=None):
+    """nn.Dense's matmul on the kernel slice this rank holds (Flax's own call would refuse its shape):
+    (the product in `out_dtype`, None: the compute dtype; the compute dtype)."""
     if not isinstance(mod, nn.Dense) or mod.dot_general is not None or mod.dot_general_cls is not None:
         raise ConfigError(f"layer {'/'.join(mod.path)} ({type(mod).__name__}) is tensor-parallel, but only a plain "
                           "nn.Dense (no custom dot_general) can be")
     kernel = nn.meta.unbox(mod.get_variable("params", "kernel"))
     x, kernel = mod.promote_dtype(x, kernel, dtype=mod.dtype)
-    return lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=mod.precision)
+    y = lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=mod.precision,
+                        preferred_element_type=out_dtype)
+    return y, x.dtype
 
 
-def interceptor(modules: dict, sequence_dim: int):
+def interceptor(modules: dict, sequence_dim: int, reduce_dtype=None):
     """A Linen method interceptor for a unit: `modules` is {module path: 'colwise' / 'rowwise'}
-    (layout.tp_modules); the parent of every colwise layer gets its input gathered over the sequence."""
+    (layout.tp_modules); the parent of every colwise layer gets its input gathered over the sequence.
+    A rowwise layer's partial sums leave the matmul in `reduce_dtype` (the precision policy's, fp32 under
+    bf16; None: the compute dtype), are reduce-scattered in it and cast back: the sum of the T partials
+    is rounded once, as the single-device matmul rounds its accumulator once. (Rounding each partial
+    to bf16 first, as Megatron does, put llama-test's outputs 5.2e-3 in L2 from the single-device bf16
+    model's, nearly as far as fp32's, 6.1e-3: docs/tensor-parallel.md.)"""
     gathers = {path[:-1] for path, kind in modules.items() if kind != ROWWISE}
     if () in gathers:
         raise ConfigError("a colwise layer sits at the unit's top level: its input would be the residual stream "
@@ -60,10 +68,10 @@ def interceptor(modules: dict, sequence_dim: int):
         kind = modules.get(path)
         if kind is None:
             return next_fun(*args, **kwargs)
-        y = dense(mod, args[0])
         if kind != ROWWISE:
-            return y
-        y = scatter_sequence(y, sequence_dim)
+            return dense(mod, args[0])[0]
+        y, dtype = dense(mod, args[0], reduce_dtype)
+        y = scatter_sequence(y, sequence_dim).astype(dtype)
         if mod.use_bias:   # replicated over `tensor`: added once, after the sum
             y = y + nn.meta.unbox(mod.get_variable("params", "bias")).astype(y.dtype)
         return y
