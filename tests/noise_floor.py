@@ -12,8 +12,8 @@ computation against itself in float64.
 Printed as the worst over leaves and over k, and as a ratio to the tolerance the tests use (tests/
 reference.py), so 1/ratio is the margin. Bugs the tests must catch, simulated on the reference, are
 printed as the same ratio: how far beyond the tolerance they land. Sections: the model names of
-CASES (parameters, gradients, losses in float32), bf16, resume, ops, hf. docs/numerics.md keeps the
-figures; re-measure natively and with XLA_FLAGS=--xla_cpu_max_isa=AVX2 (and SSE4_2).
+CASES (parameters, gradients, losses in float32), bf16, bf16-compute, tp-bf16, resume, ops, hf.
+docs/numerics.md keeps the figures; re-measure natively and with XLA_FLAGS=--xla_cpu_max_isa=AVX2 (and SSE4_2).
 """
 import dataclasses
 import importlib
@@ -219,6 +219,49 @@ def bf16_compute_section():
                   f"computed in fp32 against bf16: {ref.rel_l2(mutant, out[jnp.bfloat16]):.2e}")
 
 
+def split_rowwise(t, round_parts=False):
+    """A Linen interceptor for the reference: the Llama's rowwise layers (wo, w2) as T partial products
+    over slices of their input features, summed in fp32 and rounded once (tensor parallelism's order of
+    sums, without jfsdp); with `round_parts`, each partial rounded to the compute dtype first (Megatron's)."""
+    import flax.linen as nn
+
+    def intercept(next_fun, args, kwargs, context):
+        mod = context.module
+        if context.method_name != "__call__" or not isinstance(mod, nn.Dense) or mod.name not in ("wo", "w2"):
+            return next_fun(*args, **kwargs)
+        x, k = args[0], mod.get_variable("params", "kernel").astype(args[0].dtype)
+        parts = [jnp.matmul(xp, kp, preferred_element_type=jnp.float32)
+                 for xp, kp in zip(jnp.split(x, t, axis=-1), jnp.split(k, t, axis=0))]
+        parts = [q.astype(x.dtype).astype(jnp.float32) for q in parts] if round_parts else parts
+        return sum(parts).astype(x.dtype)
+    return intercept
+
+
+def tp_bf16_section():
+    """test_tensor_parallel's bf16 tolerance: the bf16 reference (llama-test with 8 heads, 4 KV heads)
+    against itself with its rowwise layers summed as T partial products (the floor), and with each partial
+    rounded to bf16 (Megatron's order, what the tolerance must catch), and bf16 against fp32."""
+    from tests import test_tensor_parallel as ttp
+    print("\n== tp-bf16 (test_tensor_parallel: outputs, L2)")
+    print(f"  tolerance {ttp.TP_BF16_OUT_RTOL:.0e}")
+    root, unit, n = models.parts(ttp.CFG)
+    with jax.default_device(jax.devices()[0]):
+        x = token_batches(ttp.CFG.vocab_size, 1, 16, 16)[0]["inputs"]
+        params = ref.init_params(root, unit, n, x)
+        fwd = lambda p, dt=jnp.bfloat16, i=None: ref.forward(root, unit, p, x, dt, dt and jnp.float32, unit_interceptor=i)
+        bf16, fp32 = ref.run_exact(fwd, params), ref.run_exact(lambda p: fwd(p, None), params)
+        for t in (2, 4, 8):
+            floor = ref.rel_l2(ref.run_exact(lambda p: fwd(p, i=split_rowwise(t)), params), bf16)
+            parts = ref.rel_l2(ref.run_exact(lambda p: fwd(p, i=split_rowwise(t, True)), params), bf16)
+            print(f"  T={t}: split sums {floor:.2e}; partials rounded to bf16 {parts:.2e}")
+        print(f"  bf16 against fp32: {ref.rel_l2(bf16, fp32):.2e}")
+    import jfsdp   # the engine's own figure beside the floor (what the test bounds)
+    for spec, t in (("2x4", 2), ("1x8", 2), ("1x4", 4), ("2x2", 4), ("4x1", 4)):
+        plan = ttp.plan_on(spec, t, mp_policy=jfsdp.MixedPrecision.parse("bf16"))
+        got = ref.run_exact(plan.apply, plan.shard(params), jax.device_put(x, plan.batch_sharding))
+        print(f"  jfsdp {spec} --tensor {t}: {ref.rel_l2(got, bf16):.2e}")
+
+
 def resume_section():
     """test_checkpoint's resumed training: 3 steps in common, then 2 steps on another mesh, elementwise."""
     print("\n== resume (test_checkpoint: 2 steps after a restore, elementwise); ratio to the tolerance")
@@ -301,6 +344,7 @@ def hf_section():
 if __name__ == "__main__":
     print(f"XLA_FLAGS={os.environ.get('XLA_FLAGS')!r}")
     sections = {**{n: (lambda n=n: fp32_section(n)) for n in CASES}, "bf16": bf16_section, "bf16-compute": bf16_compute_section,
+                "tp-bf16": tp_bf16_section,
                 "resume": resume_section, "moe": moe_section, "ops": ops_section, "hf": hf_section}
     for name in sys.argv[1:] or sections:
         sections[name]()

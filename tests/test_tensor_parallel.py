@@ -107,9 +107,10 @@ def test_matches_single_device_fp32(spec, tensor, strategy, remat):
 # model's, both compiled with every bf16 rounding kept (reference.run_exact). Each rowwise layer sums its
 # T partial products in fp32 and rounds once, so the engine differs from the reference only by the order
 # of fp32 sums, seen through bf16 roundings it flips: measured 1.9e-4 (T = 2) and 2.1e-4 (T = 4) in L2,
-# on 1x4x4, 2x2x4, 4x1x4, 2x4x2 and 1x8x2, the same under --xla_cpu_max_isa=SSE4_2 (2026-11-26). The
-# tolerance is 4.7x that; the bf16 reference lies 6.1e-3 from the fp32 one, and rounding each partial
-# product to bf16 before the reduce-scatter (Megatron's way) landed 5.2e-3 from it.
+# on 1x4x4, 2x2x4, 4x1x4, 2x4x2 and 1x8x2 (1.8e-4, 2.0e-4 under --xla_cpu_max_isa=SSE4_2), against a
+# floor of 9.0e-5 for the reference itself with its rowwise sums split (`python -m tests.noise_floor
+# tp-bf16`, 2026-11-26). The tolerance is 4.7x jfsdp's figure; the bf16 reference lies 6.1e-3 from the
+# fp32 one, and rounding each partial product to bf16 first (Megatron's way) lands 5.2e-3 from it.
 TP_BF16_OUT_RTOL = 1e-3
 
 

@@ -41,8 +41,8 @@ class FSDP(ParamLayout):
         self.set_strategy(strategy, mp_policy, remat)
         self.prefetch = resolve_prefetch(prefetch, strategy, remat, self.shards, on_gpu=platform(mesh) == "gpu")
         if self.tensor > 1:   # Megatron-SP around the units' tensor-parallel matmuls (parallel/tensor.py)
-            self.tp_intercept = tp.interceptor(tp_layout.tp_modules(self.split(self.layouts)[1]), tensor_plan.sequence_dim,
-                                               mp_policy.reduce_dtype)
+            self.tp_intercept = tp.interceptor(tp_layout.tp_modules(self.split(self.layouts)[1]),
+                                               tensor_plan.sequence_dim, mp_policy.reduce_dtype)
         # MoE stages (jfsdp/engine/moe.py): per stage None (dense, or gathered like any unit) or its mode
         self.moe, self.moe_stages = moe, moe_engine.resolve(self, moe)
         self.unit_layouts = self.float8_layouts()
