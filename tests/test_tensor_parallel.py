@@ -185,6 +185,11 @@ def test_bad_input_and_what_is_not_supported_yet():
     plan = plan_on("2x2", 4)
     with pytest.raises(jfsdp.ConfigError, match="gradient accumulation"):
         plan.loss_and_grad(models.loss_fn(CFG), grad_accum=2)
+    from jfsdp.io import checkpoint, hf
+    with pytest.raises(jfsdp.ConfigError, match="checkpointing is not supported with tensor parallelism"):
+        checkpoint.param_signature(plan)
+    with pytest.raises(jfsdp.ConfigError, match="Hugging Face import is not supported with tensor parallelism"):
+        hf.load_params(plan, "unused")
     odd = {k: np.zeros((BATCH, 6), np.int32) for k in ("inputs", "targets")}
     with pytest.raises(jfsdp.ConfigError, match="sequence parallelism splits axis 1"):
         plan.check_batch(odd)

@@ -52,7 +52,9 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jfsdp.config.mesh import TENSOR_AXIS
 from jfsdp.engine.layout import is_layout
+from jfsdp.engine.parallel import support
 from jfsdp.engine.sharded import FSDP
 from jfsdp.config.errors import ConfigError
 from jfsdp.io.orbax_rows import rows_save_args, type_handler_registry
@@ -76,6 +78,7 @@ def param_signature(plan: FSDP) -> dict:
     """{parameter path: [logical shape, dtype]} of the full (unpadded) layout: what a checkpoint must
     match to be restored into `plan`, whatever the mesh. Paths as in the state: `root/...`, then
     `units/...` (`Stacked`) or `stages/<j>/...` (`Staged`), a stage's leaves with its unit count first."""
+    support.refuse(plan, "checkpointing")
     root_l, stage_l = plan.split(plan.layouts)
     stacked = plan.join(jax.tree.map(lambda _: (), root_l, is_leaf=is_layout),
                         [jax.tree.map(lambda _: (n,), l, is_leaf=is_layout)
@@ -197,6 +200,8 @@ class Checkpointer:
         reads only its own row range of the stored (logical) arrays; the rows past them, the target
         mesh's padding, are zeros. A format /1 checkpoint (padded for its writer) restores the same
         way, its extra padding rows dropped."""
+        if any(TENSOR_AXIS in getattr(getattr(x, "sharding", None), "mesh", {}).shape for x in jax.tree.leaves(target)):
+            raise ConfigError(f"checkpointing {support.LATER}")
         path = self.step_dir(step) / STATE
         ignore_closed_loop_callbacks()
         try:

@@ -223,6 +223,8 @@ def load_params(plan, folder: str):
     `jax.make_array_from_callback`, whose callback reads from the safetensors file only the rows
     (the region of the index) that one device holds, so neither the host nor any device ever holds
     the whole model, and a sharded leaf is never whole anywhere. Padding rows are zeros."""
+    from jfsdp.engine.parallel import support
+    support.refuse(plan, "Hugging Face import")
     import jax
     from jfsdp.engine.layout import ROOT, UNITS, is_layout
     cfg = read_config(folder)

@@ -42,6 +42,12 @@ def check(model, mesh, strategy, mp_policy, prefetch, moe, tensor_plan):
     return False   # not resolved on by default (GPUs, JFSDP_PREFETCH) either
 
 
+def refuse(plan, what: str):
+    """ConfigError if `plan` (an FSDP) runs tensor parallelism: `what` does not support it yet."""
+    if getattr(plan, "tensor", 1) > 1:
+        raise ConfigError(f"{what} {LATER}")
+
+
 def check_step(grad_accum: int, trainable):
     if grad_accum != 1:
         raise ConfigError(f"gradient accumulation (grad_accum={grad_accum}) {LATER}")
