@@ -248,7 +248,7 @@ def test_an_xla_abort_is_one_line_and_the_checkpoint_survives(tmp_path):
 def test_help_documents_every_flag():
     r = run_train("--help")
     assert r.returncode == 0
-    for flag in ("--mesh", "--strategy", "--model", "--precision", "--remat", "--steps", "--batch-size",
+    for flag in ("--mesh", "--tensor", "--strategy", "--model", "--precision", "--remat", "--steps", "--batch-size",
                  "--seq-len", "--grad-accum", "--lr", "--warmup", "--clip", "--seed", "--data", "--eval-every",
                  "--metrics-out", "--ckpt-dir", "--save-every", "--resume", "--profile", "--cpu-devices"):
         assert flag in r.stdout, flag
