@@ -7,50 +7,85 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import jfsdp
 import models
 from jfsdp.engine.parallel import layout as tp_layout
 from jfsdp.planning import hlo
+from jfsdp.train import frozen
 from models import factory
 from tests import reference as ref
 
 # llama-test with 8 heads and 4 KV heads (GQA, groups of 2), so that T = 4 divides both; dim 96 (head
 # dim 12), ffn 200, vocabulary 259 (padded on every fsdp x tensor count), tied embeddings.
 CFG = dataclasses.replace(models.get_config("llama-test"), n_heads=8, n_kv_heads=4)
+# T = 16 (1x1x16) needs 16 heads, 16 KV heads and an FFN width 16 divides: head dim 6, ffn 208
+CFG16 = dataclasses.replace(CFG, n_heads=16, n_kv_heads=16, ffn_dim=208)
 STEPS, BATCH, SEQ = 3, 16, 16
 _REF = {}
 
 
-def reference():
-    """The case and the single-device trainer's losses and final parameters (tests/reference.py), once."""
-    if not _REF:
-        root, unit, n = models.parts(CFG)
-        batches = [{k: jnp.asarray(v) for k, v in b.items()} for b in ref.token_batches(CFG.vocab_size, STEPS, BATCH, SEQ)]
+def reference(cfg=CFG, chunks=1, trainable=None):
+    """The case and the single-device trainer's losses and final parameters (tests/reference.py), once per
+    (cfg, chunks, trainable). `chunks` > 1: each step adds up the gradients of that many micro-batches in
+    plain JAX (ref.accumulated); `trainable`: a predicate on a leaf's path, the others get no update."""
+    key = (cfg, chunks, trainable)
+    if key not in _REF:
+        root, unit, n = models.parts(cfg)
+        batches = [{k: jnp.asarray(v) for k, v in b.items()} for b in ref.token_batches(cfg.vocab_size, STEPS, BATCH, SEQ)]
         with jax.default_device(jax.devices()[0]):
             init = ref.init_params(root, unit, n, batches[0]["inputs"])
-            losses, final = ref.train(root, unit, models.loss_fn(CFG), init, batches)
-        _REF.update(root=root, unit=unit, n=n, batches=batches, init=jax.device_get(init), losses=losses,
-                    final=jax.device_get(final))
-    return _REF
+            opt = ref.optimizer()
+            if trainable is not None:
+                labels = jax.tree_util.tree_map_with_path(
+                    lambda p, _: "train" if trainable(frozen.path_name(p)) else "frozen", init)
+                opt = optax.multi_transform({"train": opt, "frozen": optax.set_to_zero()}, labels)
+            loss = lambda p, b: models.loss_fn(cfg)(ref.forward(root, unit, p, b["inputs"]), b)
+            losses, final, _ = ref.run_steps(opt, loss, init, batches, chunks=chunks)
+        _REF[key] = dict(root=root, unit=unit, n=n, batches=batches, init=jax.device_get(init), losses=losses,
+                         final=jax.device_get(final))
+    return _REF[key]
 
 
-def plan_on(spec, tensor, strategy="full_shard", remat="none", cfg=CFG, **kw):
+def plan_on(spec, tensor, strategy="full_shard", remat="none", cfg=CFG, rows=BATCH, **kw):
     root, unit, n = models.parts(cfg)
     mesh = jfsdp.make_mesh(spec, tensor=tensor, devices=jax.devices()[:jfsdp.MeshSpec(*jfsdp.parse_mesh(spec), tensor).devices])
-    tok = jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32)
+    tok = jax.ShapeDtypeStruct((rows, SEQ), jnp.int32)
     return jfsdp.fully_shard(jfsdp.Stacked(root, unit, n), mesh, tok, strategy=strategy, remat=remat,
                              tensor_plan=kw.pop("tensor_plan", factory.tensor_plan(cfg)), **kw)
 
 
-def compiled_step(plan):
-    """(the train step compiled ahead of time, its optimizer): one compilation for the run and the HLO."""
+def compiled_step(plan, cfg=CFG, **kw):
+    """(the train step compiled ahead of time, its optimizer): one compilation for the run and the HLO.
+    `kw`: make_train_step's (grad_accum, grad_sync, trainable)."""
     opt = jfsdp.adamw(ref.LR, b1=ref.B1, b2=ref.B2, eps=ref.EPS, weight_decay=ref.WD, clip_norm=ref.CLIP,
                       mask=plan.decay_mask())
     batch = {k: jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32, sharding=plan.batch_sharding) for k in ("inputs", "targets")}
-    step = jfsdp.make_train_step(plan, opt, models.loss_fn(CFG))
-    return step.lower(jfsdp.abstract_state(plan, opt), batch).compile(), opt
+    step = jfsdp.make_train_step(plan, opt, models.loss_fn(cfg), **kw)
+    state = jfsdp.abstract_state(plan, opt, trainable=kw.get("trainable"))
+    return step.lower(state, batch).compile(), opt
+
+
+def run_and_check(plan, r, step, opt, trainable=None):
+    """Run the reference's batches through the compiled step from its initial parameters: losses within
+    1e-5 at every step, every final parameter within the fp32 + Adam noise floor (norm scales and the
+    tied embedding included), and the parameters moved. Returns the final parameters (gathered)."""
+    state = jfsdp.init_state(plan, opt, params=plan.shard(r["init"]), trainable=trainable)
+    losses = []
+    for b in r["batches"]:
+        state, m = step(state, jax.device_put(b, plan.batch_sharding))
+        losses.append(float(m["loss"]))
+    np.testing.assert_allclose(losses, r["losses"], rtol=1e-5)
+    moved = 0.0
+    final = jax.device_get(plan.gather(state.params))
+    for path, w, g, b in ref.paired(r["final"], final, r["init"]):
+        err = np.max(np.abs(np.asarray(g, np.float64) - w))
+        assert err <= ref.PARAM_RTOL * np.max(np.abs(w)) + ref.PARAM_ATOL, f"{path}: max error {err:.3g}"
+        moved = max(moved, np.max(np.abs(w - b)))
+    assert moved > 1e-3
+    return final
 
 
 def tensor_collectives(text, spec, tensor):
@@ -68,39 +103,69 @@ def tensor_collectives(text, spec, tensor):
     return out
 
 
-# (R x S, T, strategy, remat): the lead's meshes 1x4x4 and 2x2x4 under FULL_SHARD, and SHARD_GRAD_OP
-# (ZeRO-2) on 2x4x2; each remat policy once.
-CASES = [("1x4", 4, "full_shard", "none"), ("2x2", 4, "full_shard", "full"), ("2x4", 2, "shard_grad_op", "dots")]
+# (R x S, T, strategy, remat, prefetch, config): the issue's meshes 1x4x4, 2x2x4, 1x8x2, 4x1x4 (DDP x TP)
+# and 1x1x16 under FULL_SHARD, SHARD_GRAD_OP (ZeRO-2) on 2x4x2; each remat policy once; the prefetch
+# pipeline (the GPU default for remat full) on 1x4x4. 1x1x16 needs a head count, KV head count and FFN
+# width that 16 divides: CFG16 (16 heads and 16 KV heads, no GQA; GQA is in every other case).
+CASES = [("1x4", 4, "full_shard", "none", False, CFG), ("2x2", 4, "full_shard", "full", False, CFG),
+         ("2x4", 2, "shard_grad_op", "dots", False, CFG), ("1x4", 4, "full_shard", "full", True, CFG),
+         ("1x8", 2, "full_shard", "none", False, CFG), ("4x1", 4, "full_shard", "none", False, CFG),
+         ("1x1", 16, "full_shard", "none", False, CFG16)]
 
 
-@pytest.mark.parametrize("spec,tensor,strategy,remat", CASES)
-def test_matches_single_device_fp32(spec, tensor, strategy, remat):
+@pytest.mark.parametrize("spec,tensor,strategy,remat,prefetch,cfg", CASES,
+                         ids=[f"{c[0]}x{c[1]}-{c[2]}-{c[3]}" + ("-prefetch" if c[4] else "") for c in CASES])
+def test_matches_single_device_fp32(spec, tensor, strategy, remat, prefetch, cfg):
     """Losses within 1e-5 at every step and final parameters (norm scales and the tied embedding
     included) at the fp32 + Adam noise floor of test_equivalence, against the plain single-device trainer.
-    On 1x4x4 the same compiled program also shows Megatron-SP's collectives over the tensor groups."""
-    r = reference()
-    plan = plan_on(spec, tensor, strategy, remat)
-    step, opt = compiled_step(plan)
+    On 1x4x4 the same compiled programs also show Megatron-SP's collectives over the tensor groups."""
+    r = reference(cfg)
+    plan = plan_on(spec, tensor, strategy, remat, cfg=cfg, prefetch=prefetch)
+    assert plan.prefetch == prefetch
+    step, opt = compiled_step(plan, cfg)
     if (spec, tensor) == ("1x4", 4):
         rows, d = BATCH // 4, CFG.dim   # each device's rows; 4 bytes per fp32 element
         whole, part = rows * SEQ * d * 4, rows * (SEQ // tensor) * d * 4
         # per block, forward: 2 all-gathers of the sequence (before attention, before the FFN) and 2
         # reduce-scatters (after wo, after w2); backward: their transposes. One scan body each way, remat
         # none: 4 of each in the program, and no all-reduce over `tensor` (nothing summed twice).
-        assert tensor_collectives(step.as_text(), spec, tensor) == {("all-gather", whole): 4,
-                                                                    ("reduce-scatter", part): 4}
-    state = jfsdp.init_state(plan, opt, params=plan.shard(r["init"]))
-    losses = []
-    for b in r["batches"]:
-        state, m = step(state, jax.device_put(b, plan.batch_sharding))
-        losses.append(float(m["loss"]))
-    np.testing.assert_allclose(losses, r["losses"], rtol=1e-5)
-    moved = 0.0
-    for path, w, g, b in ref.paired(r["final"], plan.gather(state.params), r["init"]):
-        err = np.max(np.abs(np.asarray(g, np.float64) - w))
-        assert err <= ref.PARAM_RTOL * np.max(np.abs(w)) + ref.PARAM_ATOL, f"{path}: max error {err:.3g}"
-        moved = max(moved, np.max(np.abs(w - b)))
-    assert moved > 1e-3
+        # The prefetch pipeline (remat full) runs both units outside a loop (llama-test has 2: unit 0
+        # in the one-iteration loop, unit 1 peeled) and each unit's backward recomputes its forward
+        # first: 2 x 4 in the forward pass; per unit's backward, 2 all-gathers and 1 reduce-scatter
+        # recomputed (the block's last reduce-scatter feeds only its output, which the backward does
+        # not need) and 2 + 2 transposed: 4 + 2 x 4 = 12 all-gathers and 4 + 2 x 3 = 10 reduce-scatters.
+        want = {("all-gather", whole): 12, ("reduce-scatter", part): 10} if prefetch else \
+            {("all-gather", whole): 4, ("reduce-scatter", part): 4}
+        assert tensor_collectives(step.as_text(), spec, tensor) == want
+    run_and_check(plan, r, step, opt)
+
+
+# Frozen: the tied embedding (a leaf over fsdp x tensor) and every FFN kernel (colwise w1, w3 and rowwise
+# w2): only attention and the norms train.
+FROZEN = ("tok_embeddings", "feed_forward")
+
+
+def is_trainable(path):
+    return not any(f in path for f in FROZEN)
+
+
+@pytest.mark.parametrize("grad_sync", ["every", "once"])
+def test_accumulation_and_frozen_match_single_device(grad_sync):
+    """Gradient accumulation (2 micro-batches, each grad_sync mode) with frozen leaves on 2x2x4, against the
+    single-device trainer that adds up its micro-batches' gradients in plain JAX and updates only the
+    trainable leaves: losses within 1e-5, parameters at the noise floor, frozen leaves bit-identical.
+    jfsdp's micro-batch i on row-device d (the 4 of data x fsdp) is the reference's chunk 2d + i."""
+    k = 2
+    r = reference(chunks=4 * k, trainable=is_trainable)
+    plan = plan_on("2x2", 4, rows=BATCH // k)
+    step, opt = compiled_step(plan, grad_accum=k, grad_sync=grad_sync, trainable=is_trainable)
+    final = run_and_check(plan, r, step, opt, trainable=is_trainable)
+    n_frozen = 0
+    for path, g, b in ref.paired(final, r["init"]):
+        if not is_trainable(path):
+            assert np.array_equal(g, b), path
+            n_frozen += 1
+    assert n_frozen == 4   # the embedding, w1, w2, w3
 
 
 # bf16: the engine's outputs (plan.apply) from the same fp32 parameters against the single-device bf16
@@ -183,8 +248,6 @@ def test_bad_input_and_what_is_not_supported_yet():
     with pytest.raises(jfsdp.ConfigError, match="float8 is not supported with tensor parallelism"):
         plan_on("2x2", 4, mp_policy=jfsdp.MixedPrecision.parse("fp8"))
     plan = plan_on("2x2", 4)
-    with pytest.raises(jfsdp.ConfigError, match="gradient accumulation"):
-        plan.loss_and_grad(models.loss_fn(CFG), grad_accum=2)
     from jfsdp.io import checkpoint, hf
     with pytest.raises(jfsdp.ConfigError, match="checkpointing is not supported with tensor parallelism"):
         checkpoint.param_signature(plan)
