@@ -117,7 +117,7 @@ def tensor_collectives(text, spec, tensor):
 
 
 # (R x S, T, strategy, remat, prefetch, config): the issue's meshes 1x4x4, 2x2x4, 1x8x2, 4x1x4 (DDP x TP)
-# and 1x1x16 under FULL_SHARD, SHARD_GRAD_OP (ZeRO-2) on 2x4x2; each remat policy once; the prefetch
+# and 1x1x16 under FULL_SHARD, SHARD_GRAD_OP (ZeRO-2) on 2x4x2; each remat policy at least once; the prefetch
 # pipeline (the GPU default for remat full) on 1x4x4. 1x1x16 needs a head count, KV head count and FFN
 # width that 16 divides: CFG16 (16 heads and 16 KV heads, no GQA; GQA is in every other case).
 CASES = [("1x4", 4, "full_shard", "none", False, CFG), ("2x2", 4, "full_shard", "full", False, CFG),
@@ -280,7 +280,7 @@ def test_tensor_one_is_the_two_axis_program():
 
 def test_bad_input_and_what_is_not_supported_yet():
     """T must divide the devices, the heads, the KV heads and the sequence; a plan is required, its rules
-    must match; NO_SHARD, float8 and gradient accumulation are refused with a reason."""
+    must match; NO_SHARD, float8 and HF import are refused with a reason."""
     with pytest.raises(jfsdp.ConfigError, match="needs 24 devices"):
         jfsdp.make_mesh("2x4", tensor=3)
     with pytest.raises(jfsdp.ConfigError, match="KV heads"):
