@@ -2,12 +2,13 @@
 import os
 import tempfile
 
-# LLVM optimization level 0 halves compile time on CPU; the optimized HLO, and so the collectives
-# and memory_analysis() that tests assert on, are the same (checked on llama-test, 2x8). Flags given
-# from outside are kept (appended to), e.g. XLA_FLAGS=--xla_cpu_max_isa=AVX2 to run the numerical
-# tests as on an AVX2-only CPU (docs/numerics.md).
+from tests.compile_flags import FAST  # noqa: E402  (jax-free)
+
+# Faster CPU compiles (tests/compile_flags.py says what each flag changes). Flags given from outside are
+# kept (appended to), e.g. XLA_FLAGS=--xla_cpu_max_isa=AVX2 to run the numerical tests as on an
+# AVX2-only CPU (docs/numerics.md).
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_force_host_platform_device_count=16 --xla_backend_optimization_level=0").strip()
+                           + " --xla_force_host_platform_device_count=16 " + FAST).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402

@@ -3,7 +3,9 @@ examples/, written without jfsdp in mind, trained with `fully_shard(model, ..., 
 plain single-device optax trainer of the same model, on 1x8, 2x4 and 8x1 with every strategy; dropout
 deterministic for a seed; an NNX plan saved on 1x8 and resumed on 2x4; each bad input a ConfigError."""
 import importlib.util
+import os
 import pathlib
+import subprocess
 import sys
 
 import flax.linen as nn
@@ -15,7 +17,7 @@ import pytest
 from flax import nnx
 
 import jfsdp
-from tests import reference as ref
+from tests import compile_flags, reference as ref
 
 
 def _example(name):
@@ -95,6 +97,32 @@ def linen_init_keys(key, rng_streams=("dropout",)):
     return {"params": k[0], **{s: k[i + 1] for i, s in enumerate(rng_streams)}}
 
 
+def same_values(got, want, path):
+    """Bit for bit under XLA:CPU's default emitters. Under the suite's faster ones (tests/compile_flags.py)
+    an initializer's float math may round the last bit differently in the sharded program than in the
+    whole one (measured 2026-11-26: 4% of a table's elements, at most 2 ulp): at most 4 ulp there (other
+    keys or another initializer would differ in most elements by far more), and
+    test_deferred_init_bit_for_bit_under_default_emitters checks the bits in a child process."""
+    if f"--{compile_flags.NAME}=false" in os.environ.get("XLA_FLAGS", ""):
+        np.testing.assert_array_max_ulp(got, want, maxulp=4)
+    else:
+        np.testing.assert_array_equal(got, want, err_msg=path)
+
+
+def test_deferred_init_bit_for_bit_under_default_emitters():
+    """The two deferred-init tests below, run in a child pytest under XLA:CPU's default emitters, where
+    docs/any-model.md's 'bit for bit' holds: they compare the bits there."""
+    flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                     if not f.startswith(("--xla_force_host_platform_device_count", f"--{compile_flags.NAME}",
+                                          "--xla_backend_optimization_level")))
+    env = {**os.environ, compile_flags.DEFAULT_EMITTERS_ENV: "1", "XLA_FLAGS": flags}
+    env.pop("PYTEST_XDIST_WORKER", None)
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", __file__, "-k",
+                        "test_linen_deferred_init_is_the_models_own_init or test_nnx_nested_units_and_abstract_model"],
+                       cwd=pathlib.Path(__file__).parents[1], env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0 and "2 passed" in p.stdout, p.stdout[-3000:] + p.stderr[-2000:]
+
+
 def test_linen_deferred_init_is_the_models_own_init():
     """init_state(rng) runs the model's own initializers shard by shard. Against the model's own `init`,
     as docs/any-model.md states it: the leaves, shapes and dtypes of model.init(key, batch); bit for
@@ -112,7 +140,7 @@ def test_linen_deferred_init_is_the_models_own_init():
     documented = jax.device_get(nn.meta.unbox(init(linen_init_keys(key), data[0]["inputs"])["params"]))
     for path, w, g, d in ref.paired(own, got, documented):
         assert (g.shape, g.dtype) == (w.shape, w.dtype), path
-        np.testing.assert_array_equal(g, d, err_msg=path)
+        same_values(g, d, path)
         if np.all(w == w.flat[0]):
             np.testing.assert_array_equal(g, w, err_msg=path)
             continue
@@ -307,7 +335,7 @@ def test_nnx_nested_units_and_abstract_model_without_constructor():
     own = jax.jit(lambda k: nnx.state(make(nnx.Rngs(k)), nnx.Param).to_pure_dict())(jax.random.key(3))
     for path, w, g in ref.paired(jax.device_get(own), jax.device_get(sharded.gather(state.params))):
         assert g.dtype == w.dtype, path
-        np.testing.assert_array_equal(g, w, err_msg=path)
+        same_values(g, w, path)
 
 
 def test_prefetch_and_update_in_backward_are_refused_with_reasons():

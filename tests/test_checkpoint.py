@@ -19,6 +19,7 @@ import pytest
 import jfsdp
 import models
 from jfsdp.io import checkpoint as jckpt
+from tests.compile_flags import FAST
 
 REPO = Path(__file__).resolve().parents[1]
 RUN = ["--mesh", "1x2", "--model", "llama-test", "--batch-size", "4", "--seq-len", "16", "--steps", "12",
@@ -28,7 +29,7 @@ RUN = ["--mesh", "1x2", "--model", "llama-test", "--batch-size", "4", "--seq-len
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     e = dict(os.environ)
-    e["XLA_FLAGS"] = "--xla_backend_optimization_level=0"   # as conftest: compile faster, same programs
+    e["XLA_FLAGS"] = FAST   # as conftest: compile faster
     e["JAX_PLATFORMS"] = "cpu"
     e["PYTHONUNBUFFERED"] = "1"
     # the same train step is compiled by many runs here: share it through jax's persistent cache

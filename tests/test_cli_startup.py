@@ -6,13 +6,14 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from tests.compile_flags import FAST
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _env():
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
-    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"   # compiles faster; train.py adds its own flags
+    env["XLA_FLAGS"] = FAST   # compiles faster; train.py adds its own flags
     env["PYTHONUNBUFFERED"] = "1"
     return env
 

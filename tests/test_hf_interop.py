@@ -20,6 +20,7 @@ import models
 from jfsdp.io import checkpoint as jckpt
 from jfsdp import export as jexport
 from jfsdp.io import hf
+from tests.compile_flags import FAST
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -118,7 +119,7 @@ def test_tokenizer_json_drives_train_py(tmp_path):
                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tok.save(str(src / "tokenizer.json"))
     eos = tok.token_to_id("</s>")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_backend_optimization_level=0",
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": FAST,
            "PYTHONUNBUFFERED": "1"}
     m = tmp_path / "m.jsonl"
     r = subprocess.run([sys.executable, str(REPO / "train.py"), "--init-from", str(src), "--data", str(data),

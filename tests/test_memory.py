@@ -24,6 +24,7 @@ from jfsdp.plan import parse_bytes
 from jfsdp.planning import memory
 from jfsdp.planning.report import largest_batch
 from jfsdp.engine.layout import stored_bytes
+from tests.compile_flags import FAST
 
 # Width 256 so that parameters, gathered units and activations all weigh in the peak; vocab 259
 # pads on 8 and 16 shards (259 -> 264 or 272 rows), so padding is exercised.
@@ -117,10 +118,13 @@ def test_comm_per_step_matches_formula(mesh, strategy):
 
 
 def test_unit_scan_trip_count_is_n_units():
-    """Collectives inside the unit scan run n_units times: the reader must find that count."""
+    """Collectives inside the unit scan run n_units times: the reader must find that count for every loop
+    that holds a collective. (Other loops may exist: with the suite's compile flags, tests/compile_flags.py,
+    XLA:CPU expands the loss's and the embedding's scatters into loops of their own.)"""
     _, plan, _, compiled = compiled_case("1x16", "full_shard", "full", "fp32")
     trips = hlo.trip_counts(compiled.as_text())
-    assert trips and set(trips.values()) == {plan.model.n_units}
+    holding = {body for c in hlo.collectives(compiled.as_text(), 16) for body in c.loops}
+    assert holding and holding <= set(trips) and {trips[b] for b in holding} == {plan.model.n_units}
     per = hlo.per_step(compiled.as_text(), 16)
     assert "unknown_loops" not in per
     assert per["all-gather"]["count"] > hlo.summarize(hlo.collectives(compiled.as_text(), 16))["all-gather"]["count"]
@@ -143,7 +147,7 @@ def test_largest_batch_and_bytes_parsing():
 
 
 def _plan(*args, env_extra=None):
-    env = {**os.environ, "XLA_FLAGS": "--xla_backend_optimization_level=0"}   # the planner fakes its devices
+    env = {**os.environ, "XLA_FLAGS": FAST}   # the planner fakes its devices
     env.update(env_extra or {})
     return subprocess.run([sys.executable, "-m", "jfsdp.plan", *args], capture_output=True, text=True, env=env,
                           timeout=300)

@@ -17,6 +17,7 @@ import pytest
 
 from jfsdp.runtime import distributed
 from jfsdp.config.errors import ConfigError
+from tests.compile_flags import FAST
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ["--model", "llama-test", "--steps", "8", "--batch-size", "8", "--seq-len", "32", "--eval-every", "4",
@@ -25,7 +26,7 @@ RUN = ["--model", "llama-test", "--steps", "8", "--batch-size", "8", "--seq-len"
 
 def env():
     e = dict(os.environ)   # train.py fakes the devices itself; conftest's LLVM level compiles faster, same HLO
-    e["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
+    e["XLA_FLAGS"] = FAST
     e["JAX_PLATFORMS"] = "cpu"
     e["PYTHONPATH"] = str(ROOT)
     return e

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tests.compile_flags import FAST
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--mesh", "2x4", "--model", "llama-test", "--batch-size", "8", "--seq-len", "32"]
@@ -20,7 +21,7 @@ def _env():
     env = dict(os.environ)
     # conftest's 16 devices are for in-process tests; its LLVM level (compiles faster, the same HLO) is
     # kept, and train.py adds its own device count to it
-    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
+    env["XLA_FLAGS"] = FAST
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONUNBUFFERED"] = "1"
     return env
@@ -224,7 +225,7 @@ runpy.run_path("train.py", run_name="__main__")
 def test_an_xla_abort_is_one_line_and_the_checkpoint_survives(tmp_path):
     env = {**_env(), "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax_cache"),
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
-           "XLA_FLAGS": "--xla_backend_optimization_level=0 --xla_cpu_collective_call_warn_stuck_timeout_seconds=1 "
+           "XLA_FLAGS": FAST + " --xla_cpu_collective_call_warn_stuck_timeout_seconds=1 "
                         "--xla_cpu_collective_call_terminate_timeout_seconds=2"}
     ck = tmp_path / "ck"
     args = ["--mesh", "1x4", "--model", "llama-test", "--batch-size", "4", "--seq-len", "16", "--steps", "6",

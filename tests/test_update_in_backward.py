@@ -20,6 +20,7 @@ from jfsdp.config.xla_flags import cpu_xla_flags
 from tests import reference as ref
 from tests import test_equivalence as te
 from tests import test_stages as ts
+from tests.compile_flags import FAST
 
 
 def _steps(plan, opt, loss_fn, params, batches, in_backward):
@@ -122,7 +123,7 @@ def test_peak_below_the_usual_step_by_most_of_a_gradient():
     units' whole gradient: the peak falls by at least half of it (the rest: one leaf's rows in flight,
     the root's gradient, the two-pass clip). The planner's estimate of it is within 10%."""
     env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=cpu_xla_flags("--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0"))
+               XLA_FLAGS=cpu_xla_flags("--xla_force_host_platform_device_count=1 " + FAST))
     out = subprocess.run([sys.executable, "-c", _PEAKS], env=env, capture_output=True, text=True, timeout=600,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert out.returncode == 0, out.stderr[-2000:]
