@@ -23,33 +23,35 @@ STEPS, BATCH, SEQ = 3, 16, 16
 _REF = {}
 
 
-def reference():
-    """The case and the single-device trainer's losses and final parameters (tests/reference.py), once."""
-    if not _REF:
-        root, unit, n = models.parts(CFG)
-        batches = [{k: jnp.asarray(v) for k, v in b.items()} for b in ref.token_batches(CFG.vocab_size, STEPS, BATCH, SEQ)]
+def reference(cfg=CFG):
+    """The case and the single-device trainer's losses and final parameters (tests/reference.py), once
+    per config. Its loss is models.llama's plain log-softmax cross-entropy, not jfsdp's."""
+    if cfg not in _REF:
+        root, unit, n = models.parts(cfg)
+        batches = [{k: jnp.asarray(v) for k, v in b.items()} for b in ref.token_batches(cfg.vocab_size, STEPS, BATCH, SEQ)]
         with jax.default_device(jax.devices()[0]):
             init = ref.init_params(root, unit, n, batches[0]["inputs"])
-            losses, final = ref.train(root, unit, models.loss_fn(CFG), init, batches)
-        _REF.update(root=root, unit=unit, n=n, batches=batches, init=jax.device_get(init), losses=losses,
-                    final=jax.device_get(final))
-    return _REF
+            losses, final = ref.train(root, unit, models.loss_fn(cfg), init, batches)
+        _REF[cfg] = dict(root=root, unit=unit, n=n, batches=batches, init=jax.device_get(init), losses=losses,
+                         final=jax.device_get(final))
+    return _REF[cfg]
 
 
-def plan_on(spec, tensor, strategy="full_shard", remat="none", cfg=CFG, **kw):
-    root, unit, n = models.parts(cfg)
+def plan_on(spec, tensor, strategy="full_shard", remat="none", cfg=CFG, loss="plain", **kw):
+    """jfsdp's Llama as train.py builds it (models/factory.py: the head and loss of `loss`), on R x S x T."""
+    model = factory.language_model(cfg, loss)[0]
     mesh = jfsdp.make_mesh(spec, tensor=tensor, devices=jax.devices()[:jfsdp.MeshSpec(*jfsdp.parse_mesh(spec), tensor).devices])
     tok = jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32)
-    return jfsdp.fully_shard(jfsdp.Stacked(root, unit, n), mesh, tok, strategy=strategy, remat=remat,
+    return jfsdp.fully_shard(model, mesh, tok, strategy=strategy, remat=remat,
                              tensor_plan=kw.pop("tensor_plan", factory.tensor_plan(cfg)), **kw)
 
 
-def compiled_step(plan):
+def compiled_step(plan, cfg=CFG, loss="plain"):
     """(the train step compiled ahead of time, its optimizer): one compilation for the run and the HLO."""
     opt = jfsdp.adamw(ref.LR, b1=ref.B1, b2=ref.B2, eps=ref.EPS, weight_decay=ref.WD, clip_norm=ref.CLIP,
                       mask=plan.decay_mask())
     batch = {k: jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32, sharding=plan.batch_sharding) for k in ("inputs", "targets")}
-    step = jfsdp.make_train_step(plan, opt, models.loss_fn(CFG))
+    step = jfsdp.make_train_step(plan, opt, factory.language_model(cfg, loss)[2])
     return step.lower(jfsdp.abstract_state(plan, opt), batch).compile(), opt
 
 
@@ -78,17 +80,29 @@ def test_matches_single_device_fp32(spec, tensor, strategy, remat):
     """Losses within 1e-5 at every step and final parameters (norm scales and the tied embedding
     included) at the fp32 + Adam noise floor of test_equivalence, against the plain single-device trainer.
     On 1x4x4 the same compiled program also shows Megatron-SP's collectives over the tensor groups."""
-    r = reference()
     plan = plan_on(spec, tensor, strategy, remat)
     step, opt = compiled_step(plan)
     if (spec, tensor) == ("1x4", 4):
         rows, d = BATCH // 4, CFG.dim   # each device's rows; 4 bytes per fp32 element
-        whole, part = rows * SEQ * d * 4, rows * (SEQ // tensor) * d * 4
+        whole, part, n = rows * SEQ * d * 4, rows * (SEQ // tensor) * d * 4, rows * SEQ
         # per block, forward: 2 all-gathers of the sequence (before attention, before the FFN) and 2
         # reduce-scatters (after wo, after w2); backward: their transposes. One scan body each way, remat
-        # none: 4 of each in the program, and no all-reduce over `tensor` (nothing summed twice).
-        assert tensor_collectives(step.as_text(), spec, tensor) == {("all-gather", whole): 4,
-                                                                    ("reduce-scatter", part): 4}
+        # none: 4 of each. The vocabulary-parallel root adds one of each: the embedding's reduce-scatter
+        # and the all-gather of h before the head, and their transposes. The token ids (for the lookup)
+        # and the targets (for the loss) are all-gathered, 4 bytes a token. The loss all-reduces 3 floats
+        # a token forward (the max, the sum of exponentials, the target's logit) and 1 backward (the
+        # transpose of the sum's psum; the target logit's cotangent is one constant, its psum folded).
+        got = tensor_collectives(step.as_text(), spec, tensor)
+        reduced = sum(b * c for (kind, b), c in got.items() if kind == "all-reduce")
+        assert {k: c for k, c in got.items() if k[0] != "all-reduce"} == {
+            ("all-gather", whole): 6, ("reduce-scatter", part): 6, ("all-gather", n * 4): 2}, got
+        assert reduced == 4 * n * 4, got
+    run_against_reference(plan, step, opt, reference())
+
+
+def run_against_reference(plan, step, opt, r):
+    """STEPS steps of `step` from the reference's initial parameters: losses within 1e-5 of the
+    reference's at every step, every final parameter at the fp32 + Adam noise floor."""
     state = jfsdp.init_state(plan, opt, params=plan.shard(r["init"]))
     losses = []
     for b in r["batches"]:
@@ -101,6 +115,68 @@ def test_matches_single_device_fp32(spec, tensor, strategy, remat):
         assert err <= ref.PARAM_RTOL * np.max(np.abs(w)) + ref.PARAM_ATOL, f"{path}: max error {err:.3g}"
         moved = max(moved, np.max(np.abs(w - b)))
     assert moved > 1e-3
+
+
+def vocabulary_buffers(text, vocab):
+    """The shapes (f32 / bf16 arrays) in an optimized HLO text with a dimension the size of the whole
+    vocabulary, or of the vocabulary padded to a multiple of 4."""
+    return {m.group(0) for m in re.finditer(r"(?:f32|bf16)\[([\d,]+)\]", text)
+            if {int(x) for x in m.group(1).split(",")} & {vocab, -(-vocab // 4) * 4}}
+
+
+# The vocabulary-parallel root with the fused (chunked) loss tied, and the plain loss untied (the plain
+# tied case is CASES above), on 1x4x4: the single-device reference with models.llama's plain loss; and
+# no array of the whole vocabulary's size in the compiled step, where the T = 1 step of the same model
+# and loss (1x16) has its logits (the fused loss: one chunk's, 16 tokens).
+@pytest.mark.parametrize("loss,tied", [("fused", True), ("plain", False)])
+def test_vocabulary_parallel_root_matches_single_device(loss, tied):
+    cfg = dataclasses.replace(CFG, tie_embeddings=tied)
+    plan = plan_on("1x4", 4, cfg=cfg, loss=loss)
+    step, opt = compiled_step(plan, cfg, loss)
+    assert not vocabulary_buffers(step.as_text(), cfg.vocab_size)
+    base, _ = compiled_step(plan_on("1x16", 1, cfg=cfg, loss=loss, tensor_plan=None), cfg, loss)
+    logits = f"f32[1,16,{cfg.vocab_size}]" if loss == "plain" else f"f32[16,{cfg.vocab_size}]"
+    assert logits in vocabulary_buffers(base.as_text(), cfg.vocab_size)
+    run_against_reference(plan, step, opt, reference(cfg))
+
+
+@pytest.mark.parametrize("vocab_major", [True, False])
+def test_fused_vocabulary_parallel_loss_matches_log_softmax(vocab_major):
+    """The fused loss under loss_parallel on 4 tensor ranks (V = 259 in 4 shares of 65, the last padded),
+    both weight layouts, against jax.nn.log_softmax on the whole logits: the mean loss and the gradients
+    of h and of the weight, each rank's share of it. Every rank holds the whole h, as the engine's
+    all-gather before the head leaves it; the engine's sum over ranks is taken here by hand."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jfsdp.engine.parallel import vocab
+    n, d, v, t = 24, 8, 259, 4
+    k = jax.random.split(jax.random.key(0), 3)
+    h = jax.random.normal(k[0], (2, n // 2, d))
+    w = jax.random.normal(k[1], (v, d) if vocab_major else (d, v)) * 0.5
+    targets = jax.random.randint(k[2], (2, n // 2), 0, v)
+
+    def plain(h, w):
+        logits = jnp.einsum("btd,vd->btv" if vocab_major else "btd,dv->btv", h, w)
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1))
+    want, (want_dh, want_dw) = jax.value_and_grad(plain, argnums=(0, 1))(h, w)
+
+    mesh = jax.make_mesh((t,), ("tensor",), devices=jax.devices()[:t])
+    axis = 0 if vocab_major else 1
+    shares = jnp.pad(w, [(0, 1) if a == axis else (0, 0) for a in range(2)])
+    loss_fn, shard = jfsdp.lm_loss(vocab_major=vocab_major, chunk=8), vocab.VocabShard(v, 65, t)
+
+    def local(h, w_share):
+        def f(h, w_share):
+            with vocab.loss_parallel(shard):
+                return loss_fn((h, w_share), {"targets": targets})
+        loss, (dh, dw) = jax.value_and_grad(f, argnums=(0, 1))(h, w_share)
+        return jax.lax.psum(loss, "tensor")[None] / t, jax.lax.psum(dh, "tensor") / t, dw / t
+    spec = P("tensor") if vocab_major else P(None, "tensor")
+    got, dh, dw = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), spec), out_specs=(P("tensor"), P(), spec),
+                                        check_vma=False))(h, jax.device_put(shares, NamedSharding(mesh, spec)))
+    np.testing.assert_allclose(np.asarray(got), float(want), rtol=1e-5)
+    np.testing.assert_allclose(dh, want_dh, rtol=1e-4, atol=1e-6)
+    dw = np.asarray(dw)[:v] if vocab_major else np.asarray(dw)[:, :v]
+    np.testing.assert_allclose(dw, want_dw, rtol=1e-4, atol=1e-6)
 
 
 # bf16: the engine's outputs (plan.apply) from the same fp32 parameters against the single-device bf16
@@ -131,12 +207,13 @@ def test_placement_rule():
     kernels on (tensor, fsdp) and gathered over fsdp alone, every other leaf over (fsdp, tensor); a
     placement that sums over `tensor` twice or never is refused."""
     plan = plan_on("2x2", 4)
-    tp = {"wq", "wk", "wv", "wo", "w1", "w2", "w3"}
+    tp = {"wq", "wk", "wv", "wo", "w1", "w2", "w3", "tok_embeddings"}   # the embedding: vocabulary-parallel
     for path, l in jax.tree_util.tree_flatten_with_path(plan.layouts, is_leaf=lambda x: isinstance(x, jfsdp.Layout))[0]:
         name = path[-2].key
         if isinstance(l, tp_layout.TensorLayout):
             assert name in tp and l.gather_axes == "fsdp" and tp_layout.spec_axes(l) == ("tensor", "fsdp"), path
-            assert l.shards == 2 and l.full_shape[l.dim] == 4 * l.shape[l.dim]
+            assert l.shards == 2 and l.full_shape[l.dim] == (4 * l.shape[l.dim] if name != "tok_embeddings" else 259)
+            assert name != "tok_embeddings" or (l.shape, l.full) == ((65, 96), 259)   # 259 rows padded to 4 x 65
         else:
             assert name not in tp and l.gather_axes == ("fsdp", "tensor") and l.shards == 8, path
         tp_axis = "tensor" if isinstance(l, tp_layout.TensorLayout) else None
@@ -185,6 +262,10 @@ def test_bad_input_and_what_is_not_supported_yet():
     plan = plan_on("2x2", 4)
     with pytest.raises(jfsdp.ConfigError, match="gradient accumulation"):
         plan.loss_and_grad(models.loss_fn(CFG), grad_accum=2)
+    batch = {k: jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32, sharding=plan.batch_sharding) for k in ("inputs", "targets")}
+    params = jfsdp.abstract_state(plan, jfsdp.adamw(ref.LR)).params
+    with pytest.raises(jfsdp.ConfigError, match="the loss must reduce over `tensor`"):   # log_softmax on V/T logits
+        jax.eval_shape(plan.loss(models.loss_fn(CFG)), params, batch)
     from jfsdp.io import checkpoint, hf
     with pytest.raises(jfsdp.ConfigError, match="checkpointing is not supported with tensor parallelism"):
         checkpoint.param_signature(plan)
