@@ -97,7 +97,37 @@ def test_matches_single_device_fp32(spec, tensor, strategy, remat):
         assert {k: c for k, c in got.items() if k[0] != "all-reduce"} == {
             ("all-gather", whole): 6, ("reduce-scatter", part): 6, ("all-gather", n * 4): 2}, got
         assert reduced == 4 * n * 4, got
+        base = plan_on(spec, 1, tensor_plan=None)
+        check_comm_formula(plan, step, "plain", base=(base, compiled_step(base)[0]))
+    elif remat == "full":   # the recomputed forward's collectives; the shards' all-reduce over `data`
+        check_comm_formula(plan, step, "plain")
     run_against_reference(plan, step, opt, reference())
+
+
+def check_comm_formula(plan, step, loss, base=None):
+    """The planner's formula (jfsdp/planning/tensor_comm.py) against the compiled step's collectives,
+    classified by the mesh axes of their replica groups (hlo.per_axes): equal for every kind and
+    axes. One exception, under remat none: the formula gathers each unit's norm scales (over `fsdp` x
+    `tensor`) twice, as every unit leaf under FULL_SHARD, and the compiled step gathers those 1-D
+    leaves once (at T = 1 too: the T = 1 formula of memory.comm_formula over-counts them the same way;
+    under remat full they are gathered twice). `base`: the T = 1 step on the same R x S, whose FSDP all-gathers are T times those of this
+    step over `fsdp` (to padding, under 1%)."""
+    from jfsdp.planning import tensor_comm
+    want = tensor_comm.tensor_comm(plan, BATCH, SEQ, fused=loss == "fused")
+    got = {k: v["wire_bytes"] for k, v in hlo.per_axes(step.as_text(), tuple(plan.mesh.shape.items())).items()}
+    stage_l = plan.split(plan.layouts)[1]
+    second = sum(n * np.prod(l.stored_shape) * 4 * (l.shards - 1) / l.shards for ls, n in zip(stage_l, plan.stage_sizes)
+                 for l in jax.tree.leaves(ls, is_leaf=lambda x: isinstance(x, jfsdp.Layout))
+                 if not isinstance(l, tp_layout.TensorLayout))
+    want[("all-gather", ("fsdp", "tensor"))] -= second if plan.remat == "none" else 0
+    for key in want:
+        assert got.get(key, 0.0) == pytest.approx(want[key], rel=1e-9), (key, got.get(key), want[key])
+    assert all(v < 1024 for k, v in got.items() if k not in want), got   # scalars: the loss, the gradient norm
+    if base is not None:
+        base_plan, base_step = base
+        t1 = hlo.per_axes(base_step.as_text(), tuple(base_plan.mesh.shape.items()))
+        ratio = t1[("all-gather", ("fsdp",))]["wire_bytes"] / got[("all-gather", ("fsdp",))]
+        assert ratio == pytest.approx(plan.tensor, rel=0.01), ratio
 
 
 def run_against_reference(plan, step, opt, r):
@@ -137,6 +167,7 @@ def test_vocabulary_parallel_root_matches_single_device(loss, tied):
     base, _ = compiled_step(plan_on("1x16", 1, cfg=cfg, loss=loss, tensor_plan=None), cfg, loss)
     logits = f"f32[1,16,{cfg.vocab_size}]" if loss == "plain" else f"f32[16,{cfg.vocab_size}]"
     assert logits in vocabulary_buffers(base.as_text(), cfg.vocab_size)
+    check_comm_formula(plan, step, loss)
     run_against_reference(plan, step, opt, reference(cfg))
 
 
