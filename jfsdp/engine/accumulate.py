@@ -29,7 +29,6 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jfsdp.config.errors import ConfigError
-from jfsdp.config.mesh import AXES
 from jfsdp.engine.fsdp import Unreduced, is_unreduced, reduce_gradient
 from jfsdp.engine.layout import is_layout
 
@@ -110,9 +109,9 @@ def loss_and_grad_once(plan, loss_fn: Callable, grad_accum: int, trainable=None)
         if trainable is not None:
             grads = jax.tree.map(lambda t, g, p: g if t else jnp.zeros_like(p), trainable, grads, params)
         grads = jax.tree.map(lambda g: g / grad_accum, grads)
-        return lax.psum(total / grad_accum, AXES) / plan.n_devices, grads
+        return lax.psum(total / grad_accum, plan.loss_axes) / plan.n_devices, grads
 
-    sharded = plan.shard_map(local, (plan.param_specs, P(AXES)), (P(), plan.param_specs))
+    sharded = plan.shard_map(local, (plan.param_specs, plan.batch_spec), (P(), plan.param_specs))
 
     def fn(params, batch):
         plan.check_batch(batch, grad_accum)

@@ -195,14 +195,15 @@ class FSDP(ParamLayout):
     def _check_rows(self, tree, grad_accum=1):
         if self.tensor > 1:
             support.check_sequence(tree, self.tensor, self.tensor_plan.sequence_dim)
+        rows = self.n_devices // self.tensor   # the rows lie on data x fsdp; `tensor` splits the sequence
         for x in jax.tree.leaves(tree):
             if not np.ndim(x):
                 raise ConfigError(f"every batch leaf needs a leading batch axis, got a scalar ({x!r})")
             b = np.shape(x)[0]
             if b % self.n_devices:
                 raise ConfigError(f"batch size {b} does not divide over the {self.n_devices} devices of the mesh")
-            if (b // self.n_devices) % grad_accum:
-                raise ConfigError(f"per-device batch {b // self.n_devices} does not divide into "
+            if (b // rows) % grad_accum:
+                raise ConfigError(f"per-device batch {b // rows} does not divide into "
                                   f"{grad_accum} gradient-accumulation micro-batches")
 
     def check_batch(self, batch, grad_accum: int = 1):
@@ -251,8 +252,6 @@ class FSDP(ParamLayout):
         so its gradient (zeros) is never reduce-scattered."""
         if not isinstance(grad_accum, int) or grad_accum < 1:
             raise ConfigError(f"grad_accum must be an integer of at least 1, got {grad_accum}")
-        if self.tensor > 1:
-            support.check_step(grad_accum, trainable)
         if accumulate.check_grad_sync(grad_sync) == "once" and grad_accum > 1:
             return accumulate.loss_and_grad_once(self, loss_fn, grad_accum, trainable)
 

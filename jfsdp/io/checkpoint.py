@@ -54,9 +54,9 @@ import orbax.checkpoint as ocp
 
 from jfsdp.config.mesh import TENSOR_AXIS
 from jfsdp.engine.layout import is_layout
-from jfsdp.engine.parallel import support
 from jfsdp.engine.sharded import FSDP
 from jfsdp.config.errors import ConfigError
+from jfsdp.io import tensor_rows
 from jfsdp.io.orbax_rows import rows_save_args, type_handler_registry
 from jfsdp.io.relayout import from_rows, path_name, read_targets, to_rows
 
@@ -78,14 +78,13 @@ def param_signature(plan: FSDP) -> dict:
     """{parameter path: [logical shape, dtype]} of the full (unpadded) layout: what a checkpoint must
     match to be restored into `plan`, whatever the mesh. Paths as in the state: `root/...`, then
     `units/...` (`Stacked`) or `stages/<j>/...` (`Staged`), a stage's leaves with its unit count first."""
-    support.refuse(plan, "checkpointing")
     root_l, stage_l = plan.split(plan.layouts)
     stacked = plan.join(jax.tree.map(lambda _: (), root_l, is_leaf=is_layout),
                         [jax.tree.map(lambda _: (n,), l, is_leaf=is_layout)
                          for l, n in zip(stage_l, plan.stage_sizes)])
     lead = jax.tree.leaves(stacked, is_leaf=lambda x: isinstance(x, tuple))
     flat = jax.tree_util.tree_flatten_with_path(plan.layouts, is_leaf=is_layout)[0]
-    return {path_name(path): [list(n + l.shape), str(l.dtype)] for (path, l), n in zip(flat, lead)}
+    return {path_name(path): [list(n + l.full_shape), str(l.dtype)] for (path, l), n in zip(flat, lead)}
 
 
 def _all_finite(state) -> jax.Array:
@@ -140,7 +139,8 @@ class Checkpointer:
         meta["params"] = param_signature(plan)
         if step in self._mgr.all_steps():   # e.g. the final save right after a periodic one
             return self.step_dir(step)
-        state, rows = to_rows(plan, state)          # flat leaves in their row form (relayout.py)
+        # tensor-parallel leaves as whole parameters (tensor_rows.py), flat leaves in their row form (relayout.py)
+        state, rows = to_rows(plan, tensor_rows.to_logical(plan, state), tensor_rows.save_layouts(plan))
         save_args = rows_save_args(plan, state, rows)
         self._mgr.save(step, args=ocp.args.Composite(**{STATE: ocp.args.PyTreeSave(state, save_args=save_args),
                                                          META: ocp.args.JsonSave(meta)}), force=True)
@@ -194,14 +194,19 @@ class Checkpointer:
                     raise CheckpointError(f"{path}: parameter {k} is {have[k][0]} {have[k][1]}, this run expects "
                                           f"{want[k][0]} {want[k][1]}: incompatible checkpoint")
 
-    def restore(self, step: int, target) -> Any:
+    def restore(self, step: int, target, plan: FSDP | None = None) -> Any:
         """The state of checkpoint `step` placed like `target` (a tree of ShapeDtypeStructs with
         shardings, e.g. `jfsdp.abstract_state(plan, opt)` for any mesh and strategy). Each device
         reads only its own row range of the stored (logical) arrays; the rows past them, the target
         mesh's padding, are zeros. A format /1 checkpoint (padded for its writer) restores the same
-        way, its extra padding rows dropped."""
+        way, its extra padding rows dropped. A target on a mesh with a `tensor` axis needs its `plan`
+        (which leaves are tensor-parallel: read whole, then split, tensor_rows.py)."""
         if any(TENSOR_AXIS in getattr(getattr(x, "sharding", None), "mesh", {}).shape for x in jax.tree.leaves(target)):
-            raise ConfigError(f"checkpointing {support.LATER}")
+            if plan is None or getattr(plan, "tensor", 1) == 1:
+                raise ConfigError("restoring onto a mesh with a tensor axis needs plan= (the FSDP object the target "
+                                  "is laid out for): its tensor-parallel leaves are read whole, then split")
+        target, tp_later = (tensor_rows.logical_targets(plan, target) if getattr(plan, "tensor", 1) > 1
+                            else (target, {}))
         path = self.step_dir(step) / STATE
         ignore_closed_loop_callbacks()
         try:
@@ -224,7 +229,7 @@ class Checkpointer:
         except Exception as e:
             raise CheckpointError(f"{path}: cannot be read ({one_line_error(e)}): checkpoint {step} is corrupt "
                                   "or partial") from None
-        return from_rows(out[STATE], later)
+        return tensor_rows.from_logical(from_rows(out[STATE], later), tp_later)
 
 
 def _check_stored(path: Path, stored, target) -> None:

@@ -42,7 +42,7 @@ def param_like(sharded, state, layouts=None) -> dict:
         if not like_params(sub):
             continue
         for (sub_path, x), (axis, l) in zip(jax.tree_util.tree_flatten_with_path(sub)[0], flat):
-            want = (x.shape[0],) + l.stored_shape if axis else l.stored_shape
+            want = (x.shape[0],) + l.stored_full_shape if axis else l.stored_full_shape
             if tuple(x.shape) == want:
                 out[jax.tree_util.keystr(path + sub_path)] = (axis, l)
     # subtrees shaped like the parameters but with holes (optax.MaskedNode where a parameter is frozen:
@@ -52,7 +52,7 @@ def param_like(sharded, state, layouts=None) -> dict:
     for (key, l), axis in zip(params.items(), jax.tree.leaves(axes)):
         for path, x in leaves:
             k = jax.tree_util.keystr(path)
-            want = (x.shape[0],) + l.stored_shape if axis and x.ndim else l.stored_shape
+            want = (x.shape[0],) + l.stored_full_shape if axis and x.ndim else l.stored_full_shape
             if k not in out and k.endswith(key) and tuple(x.shape) == want:
                 out[k] = (axis, l)
     return out
@@ -94,13 +94,15 @@ def relayout(x, lead: int, shape: tuple, sharding):
     return jax.jit(f, out_shardings=NamedSharding(sharding.mesh, spec))(x)
 
 
-def to_rows(sharded, state):
-    """(state with every flat leaf in the row form for the same shard count, the row-form layouts)."""
+def to_rows(sharded, state, layouts=None):
+    """(state with every flat leaf in the row form for the same shard count, the row-form layouts).
+    `layouts`: the state's parameter layouts, default the plan's."""
+    layouts = sharded.layouts if layouts is None else layouts
     row = lambda l: dataclasses.replace(l, flat=False) if l.is_flat else l   # noqa: E731
-    rows = jax.tree.map(row, sharded.layouts, is_leaf=is_layout)
-    turn = {k: (a, l) for k, (a, l) in param_like(sharded, state).items() if l.is_flat}
+    rows = jax.tree.map(row, layouts, is_leaf=is_layout)
+    turn = {k: (a, l) for k, (a, l) in param_like(sharded, state, layouts).items() if l.is_flat}
     if not turn:
-        return state, sharded.layouts
+        return state, layouts
 
     def one(path, x):
         if jax.tree_util.keystr(path) not in turn:

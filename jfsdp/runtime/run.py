@@ -149,19 +149,21 @@ class Run:
             return jfsdp.init_state(sharded, opt, jax.random.key(c.seed), trainable=self.trainable)
         meta = ckpt.read_meta(step)
         ckpt.check_compatible(step, meta, self.identity, sharded)
-        state = ckpt.restore(step, jfsdp.abstract_state(sharded, opt, trainable=self.trainable))
+        state = ckpt.restore(step, jfsdp.abstract_state(sharded, opt, trainable=self.trainable), plan=sharded)
         if not isinstance(meta.get("loader"), dict) or "step" not in meta["loader"]:
             raise jckpt.CheckpointError(f"{ckpt.step_dir(step) / 'meta/metadata'}: no data position")
         self.loader.restore(meta["loader"])
+        tensor = f" --tensor {meta['tensor']}" if meta.get("tensor", 1) > 1 else ""
         note(f"resumed from {ckpt.step_dir(step)} (step {self.loader.step}, saved on mesh "
-             f"{meta['mesh']}, {meta['strategy']})")
+             f"{meta['mesh']}{tensor}, {meta['strategy']})")
         return state
 
     def save(self, step: int) -> str:
         """Start an asynchronous save of the current state (a non-finite state is never saved)."""
         c, ckpt = self.c, self.ckpt
-        meta = {**self.identity, "loader": self.loader.state(), "mesh": c.mesh, "strategy": self.strategy.value,
-                "model": self.model.name, "run": dataclasses.asdict(c), "jax": jax.__version__}
+        meta = {**self.identity, "loader": self.loader.state(), "mesh": c.mesh, "tensor": c.tensor,
+                "strategy": self.strategy.value, "model": self.model.name, "run": dataclasses.asdict(c),
+                "jax": jax.__version__}
         try:
             return str(ckpt.save(step, self.state, meta, plan=self.sharded))
         except jckpt.NonFiniteState as e:

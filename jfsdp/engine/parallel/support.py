@@ -1,11 +1,11 @@
 """What tensor parallelism (T > 1) supports so far, and a ConfigError that says why for the rest.
 
 Supported: a `jfsdp.Stacked` model with a `TensorPlan`, FULL_SHARD / SHARD_GRAD_OP / HYBRID_SHARD
-(and its ZeRO-2 form), any remat policy, fp32 or bf16 mixed precision without float8, one micro-batch
-per step, every parameter trained. Refused until a later slice: NO_SHARD, `Staged` models, models given as
-they are, MoE, float8, the prefetch pipeline, gradient accumulation, frozen parameters, the in-backward
-update (train/update_in_backward.py); checkpoints, HF import/export and the planner refuse at their
-command lines."""
+(and its ZeRO-2 form), any remat policy, the prefetch pipeline, fp32 or bf16 mixed precision without
+float8, gradient accumulation (both grad_sync modes), frozen parameters, a vocabulary-parallel root
+(parallel/vocab.py), checkpoints (io/tensor_rows.py). Refused until a later slice: NO_SHARD, `Staged`
+models, models given as they are, MoE, float8, the in-backward update (train/update_in_backward.py);
+HF import and the planner's command line refuse where they are called."""
 from __future__ import annotations
 
 import jax
@@ -37,22 +37,13 @@ def check(model, mesh, strategy, mp_policy, prefetch, moe, tensor_plan):
         raise ConfigError(f"MoE {LATER}")
     if mp_policy.float8 is not None:
         raise ConfigError(f"float8 {LATER}")
-    if prefetch:
-        raise ConfigError(f"the prefetch pipeline {LATER}: pass prefetch=False")
-    return False   # not resolved on by default (GPUs, JFSDP_PREFETCH) either
+    return prefetch   # the prefetch pipeline gathers the TP-local units over `fsdp`; TP stays inside each unit
 
 
 def refuse(plan, what: str):
     """ConfigError if `plan` (an FSDP) runs tensor parallelism: `what` does not support it yet."""
     if getattr(plan, "tensor", 1) > 1:
         raise ConfigError(f"{what} {LATER}")
-
-
-def check_step(grad_accum: int, trainable):
-    if grad_accum != 1:
-        raise ConfigError(f"gradient accumulation (grad_accum={grad_accum}) {LATER}")
-    if trainable is not None:
-        raise ConfigError(f"frozen parameters (trainable=) {LATER}")
 
 
 def check_sequence(tree, tensor: int, dim: int):
