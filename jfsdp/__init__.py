@@ -17,7 +17,7 @@ _EXPORTS = {   # module -> the names it gives this package ("alias=name" where t
     "engine.as_is": ("AsIs",),
     "engine.moe": ("MoE",),
     "engine.parallel.plan": ("TensorPlan",),
-    "train.losses": ("linear_cross_entropy", "lm_loss"),
+    "train.losses": ("linear_cross_entropy", "lm_loss", "logits_loss"),
     "train.optim": ("adamw", "matrices", "unit_view", "warmup_cosine"),
     "train.step": ("TrainState", "TrainStep", "abstract_state", "init_state", "make_train_step", "state_shardings"),
 }

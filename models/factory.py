@@ -7,6 +7,7 @@ from __future__ import annotations
 import jfsdp
 from models import moe as moe_model
 from models import loss_fn as loss_fn_of, parts
+from models.llama import LlamaConfig
 from models.moe import MoEConfig
 
 
@@ -18,7 +19,8 @@ def language_model(cfg, loss="fused", moe="auto", moe_chunks="auto", backend=Non
     An MoE model adds its load-balancing loss (models.moe.loss) and gets `jfsdp.MoE(moe, moe_chunks)`."""
     fused = loss == "fused"
     head = head or ("head_features" if fused else "head")
-    loss_fn = jfsdp.lm_loss(vocab_major=cfg.tie_embeddings) if fused else loss_fn_of(cfg)
+    loss_fn = (jfsdp.lm_loss(vocab_major=cfg.tie_embeddings) if fused else
+               jfsdp.logits_loss() if isinstance(cfg, LlamaConfig) and not isinstance(cfg, MoEConfig) else loss_fn_of(cfg))
     if isinstance(cfg, MoEConfig):
         if moe_chunks != "auto":
             try:
@@ -36,8 +38,11 @@ def language_model(cfg, loss="fused", moe="auto", moe_chunks="auto", backend=Non
 
 # The tensor-parallel plan of jfsdp's Llama (torchtitan's, in jfsdp's parameter paths): the attention's
 # q, k, v and the FFN's gate and up projections split on their outputs (heads, FFN width), the attention's
-# output and the FFN's down projection on their inputs; norms and the root replicated over `tensor`.
+# output and the FFN's down projection on their inputs; norms replicated over `tensor`. The root is
+# vocabulary-parallel (jfsdp/engine/parallel/vocab.py): the embedding table's rows (the vocabulary) and an
+# untied head's columns split over `tensor`, as torchtitan names them (rowwise, colwise).
 LLAMA_TP_RULES = {
+    r"^root/tok_embeddings/embedding$": "rowwise",
     r"attention/w[qkv]/kernel$": "colwise",
     r"attention/wo/kernel$": "rowwise",
     r"feed_forward/w[13]/kernel$": "colwise",
@@ -51,5 +56,6 @@ def tensor_plan(cfg):
     if isinstance(cfg, MoEConfig) or not hasattr(cfg, "n_kv_heads"):
         raise jfsdp.ConfigError(f"tensor parallelism is not supported for {type(cfg).__name__} models yet "
                                 "(docs/tensor-parallel.md): only the Llama models have a tensor plan")
-    return jfsdp.TensorPlan(LLAMA_TP_RULES, sequence_dim=1,
+    rules = {**LLAMA_TP_RULES, **({} if cfg.tie_embeddings else {r"^root/output/kernel$": "colwise"})}
+    return jfsdp.TensorPlan(rules, sequence_dim=1,
                             divides={"heads": cfg.n_heads, "KV heads": cfg.n_kv_heads, "FFN width": cfg.ffn_dim})

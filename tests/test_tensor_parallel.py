@@ -1,6 +1,7 @@
 """Tensor parallelism with sequence parallelism on a (data, fsdp, tensor) mesh (docs/tensor-parallel.md):
 the single-device reference's losses and parameters, the TP collectives in the compiled program, the
-placement rule, T = 1 unchanged, and what is refused so far."""
+placement rule, the vocabulary-parallel root, gradient accumulation with frozen leaves, checkpoints
+resumed under another T, T = 1 unchanged, and what is refused so far."""
 import dataclasses
 import re
 
@@ -29,8 +30,9 @@ _REF = {}
 
 def reference(cfg=CFG, chunks=1, trainable=None):
     """The case and the single-device trainer's losses and final parameters (tests/reference.py), once per
-    (cfg, chunks, trainable). `chunks` > 1: each step adds up the gradients of that many micro-batches in
-    plain JAX (ref.accumulated); `trainable`: a predicate on a leaf's path, the others get no update."""
+    (cfg, chunks, trainable). Its loss is models.llama's plain log-softmax cross-entropy, not jfsdp's.
+    `chunks` > 1: each step adds up the gradients of that many micro-batches in plain JAX
+    (ref.accumulated); `trainable`: a predicate on a leaf's path, the others get no update."""
     key = (cfg, chunks, trainable)
     if key not in _REF:
         root, unit, n = models.parts(cfg)
@@ -49,21 +51,24 @@ def reference(cfg=CFG, chunks=1, trainable=None):
     return _REF[key]
 
 
-def plan_on(spec, tensor, strategy="full_shard", remat="none", cfg=CFG, rows=BATCH, **kw):
-    root, unit, n = models.parts(cfg)
+def plan_on(spec, tensor, strategy="full_shard", remat="none", cfg=CFG, loss="plain", rows=BATCH, **kw):
+    """jfsdp's Llama as train.py builds it (models/factory.py: the head and loss of `loss`; the plan's
+    vocabulary-parallel root), on R x S x T, for batches of `rows` rows. `kw`: fully_shard's."""
+    model = factory.language_model(cfg, loss)[0]
     mesh = jfsdp.make_mesh(spec, tensor=tensor, devices=jax.devices()[:jfsdp.MeshSpec(*jfsdp.parse_mesh(spec), tensor).devices])
     tok = jax.ShapeDtypeStruct((rows, SEQ), jnp.int32)
-    return jfsdp.fully_shard(jfsdp.Stacked(root, unit, n), mesh, tok, strategy=strategy, remat=remat,
+    return jfsdp.fully_shard(model, mesh, tok, strategy=strategy, remat=remat,
                              tensor_plan=kw.pop("tensor_plan", factory.tensor_plan(cfg)), **kw)
 
 
-def compiled_step(plan, cfg=CFG, **kw):
+def compiled_step(plan, cfg=CFG, loss="plain", **kw):
     """(the train step compiled ahead of time, its optimizer): one compilation for the run and the HLO.
-    `kw`: make_train_step's (grad_accum, grad_sync, trainable)."""
+    The loss of `loss` (factory.language_model: vocabulary-parallel at T > 1); `kw`: make_train_step's
+    (grad_accum, grad_sync, trainable)."""
     opt = jfsdp.adamw(ref.LR, b1=ref.B1, b2=ref.B2, eps=ref.EPS, weight_decay=ref.WD, clip_norm=ref.CLIP,
                       mask=plan.decay_mask())
     batch = {k: jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32, sharding=plan.batch_sharding) for k in ("inputs", "targets")}
-    step = jfsdp.make_train_step(plan, opt, models.loss_fn(cfg), **kw)
+    step = jfsdp.make_train_step(plan, opt, factory.language_model(cfg, loss)[2], **kw)
     state = jfsdp.abstract_state(plan, opt, trainable=kw.get("trainable"))
     return step.lower(state, batch).compile(), opt
 
@@ -71,13 +76,13 @@ def compiled_step(plan, cfg=CFG, **kw):
 _COMPILED = {}
 
 
-def compiled_case(spec, tensor, strategy="full_shard", remat="none", prefetch=False, cfg=CFG):
+def compiled_case(spec, tensor, strategy="full_shard", remat="none", prefetch=False, cfg=CFG, loss="plain"):
     """(plan, compiled step, optimizer) of a case, compiled once per test session (the checkpoint test
     resumes on the meshes of two equivalence cases)."""
-    key = (spec, tensor, strategy, remat, prefetch, cfg)
+    key = (spec, tensor, strategy, remat, prefetch, cfg, loss)
     if key not in _COMPILED:
-        plan = plan_on(spec, tensor, strategy, remat, cfg=cfg, prefetch=prefetch)
-        _COMPILED[key] = (plan, *compiled_step(plan, cfg))
+        plan = plan_on(spec, tensor, strategy, remat, cfg=cfg, loss=loss, prefetch=prefetch)
+        _COMPILED[key] = (plan, *compiled_step(plan, cfg, loss))
     return _COMPILED[key]
 
 
@@ -131,28 +136,70 @@ CASES = [("1x4", 4, "full_shard", "none", False, CFG), ("2x2", 4, "full_shard", 
 def test_matches_single_device_fp32(spec, tensor, strategy, remat, prefetch, cfg):
     """Losses within 1e-5 at every step and final parameters (norm scales and the tied embedding
     included) at the fp32 + Adam noise floor of test_equivalence, against the plain single-device trainer.
-    On 1x4x4 the same compiled programs also show Megatron-SP's collectives over the tensor groups."""
+    On 1x4x4 the same compiled programs also show Megatron-SP's collectives over the tensor groups, and
+    the planner's communication formula is checked against them (and on 2x2x4, remat full)."""
     r = reference(cfg)
     plan, step, opt = compiled_case(spec, tensor, strategy, remat, prefetch, cfg)
     assert plan.prefetch == prefetch
     if (spec, tensor) == ("1x4", 4):
         rows, d = BATCH // 4, CFG.dim   # each device's rows; 4 bytes per fp32 element
-        whole, part = rows * SEQ * d * 4, rows * (SEQ // tensor) * d * 4
+        whole, part, n = rows * SEQ * d * 4, rows * (SEQ // tensor) * d * 4, rows * SEQ
         # per block, forward: 2 all-gathers of the sequence (before attention, before the FFN) and 2
         # reduce-scatters (after wo, after w2); backward: their transposes. One scan body each way, remat
-        # none: 4 of each in the program, and no all-reduce over `tensor` (nothing summed twice).
+        # none: 4 of each. The vocabulary-parallel root adds one of each: the embedding's reduce-scatter
+        # and the all-gather of h before the head, and their transposes (2 + 2 more). The token ids (for
+        # the lookup) and the targets (for the loss) are all-gathered, 4 bytes a token. The loss
+        # all-reduces 3 floats a token forward (the max, the sum of exponentials, the target's logit) and
+        # 1 backward (the transpose of the sum's psum; the target logit's cotangent is one constant, its
+        # psum folded). No other all-reduce over `tensor` (nothing summed twice).
         # The prefetch pipeline (remat full) runs both units outside a loop (llama-test has 2: unit 0
         # in the one-iteration loop, unit 1 peeled) and each unit's backward recomputes its forward
         # first: 2 x 4 in the forward pass; per unit's backward, 2 all-gathers and 1 reduce-scatter
         # recomputed (the block's last reduce-scatter feeds only its output, which the backward does
-        # not need) and 2 + 2 transposed: 4 + 2 x 4 = 12 all-gathers and 4 + 2 x 3 = 10 reduce-scatters.
-        want = {("all-gather", whole): 12, ("reduce-scatter", part): 10} if prefetch else \
-            {("all-gather", whole): 4, ("reduce-scatter", part): 4}
-        assert tensor_collectives(step.as_text(), spec, tensor) == want
+        # not need) and 2 + 2 transposed: 4 + 2 x 4 = 12 all-gathers and 4 + 2 x 3 = 10 reduce-scatters
+        # in the units. The root is not rematerialized: its 2 + 2 and the ids', targets' and loss's
+        # collectives are those of remat none, so 14 all-gathers and 12 reduce-scatters of activations.
+        got = tensor_collectives(step.as_text(), spec, tensor)
+        reduced = sum(b * c for (kind, b), c in got.items() if kind == "all-reduce")
+        units = (12, 10) if prefetch else (4, 4)
+        assert {k: c for k, c in got.items() if k[0] != "all-reduce"} == {
+            ("all-gather", whole): units[0] + 2, ("reduce-scatter", part): units[1] + 2, ("all-gather", n * 4): 2}, got
+        assert reduced == 4 * n * 4, got
+        if not prefetch:
+            base = plan_on(spec, 1, tensor_plan=None)
+            check_comm_formula(plan, step, "plain", base=(base, compiled_step(base)[0]))
+    elif remat == "full":   # the recomputed forward's collectives; the shards' all-reduce over `data`
+        check_comm_formula(plan, step, "plain")
     run_and_check(plan, r, step, opt)
 
 
-# Frozen: the tied embedding (a leaf over fsdp x tensor) and every FFN kernel (colwise w1, w3 and rowwise
+def check_comm_formula(plan, step, loss, base=None):
+    """The planner's formula (jfsdp/planning/tensor_comm.py) against the compiled step's collectives,
+    classified by the mesh axes of their replica groups (hlo.per_axes): equal for every kind and
+    axes. One exception, under remat none: the formula gathers each unit's norm scales (over `fsdp` x
+    `tensor`) twice, as every unit leaf under FULL_SHARD, and the compiled step gathers those 1-D
+    leaves once (at T = 1 too: the T = 1 formula of memory.comm_formula over-counts them the same way;
+    under remat full they are gathered twice). `base`: the T = 1 step on the same R x S, whose FSDP all-gathers are T times those of this
+    step over `fsdp` (to padding, under 1%)."""
+    from jfsdp.planning import tensor_comm
+    want = tensor_comm.tensor_comm(plan, BATCH, SEQ, fused=loss == "fused")
+    got = {k: v["wire_bytes"] for k, v in hlo.per_axes(step.as_text(), tuple(plan.mesh.shape.items())).items()}
+    stage_l = plan.split(plan.layouts)[1]
+    second = sum(n * np.prod(l.stored_shape) * 4 * (l.shards - 1) / l.shards for ls, n in zip(stage_l, plan.stage_sizes)
+                 for l in jax.tree.leaves(ls, is_leaf=lambda x: isinstance(x, jfsdp.Layout))
+                 if not isinstance(l, tp_layout.TensorLayout))
+    want[("all-gather", ("fsdp", "tensor"))] -= second if plan.remat == "none" else 0
+    for key in want:
+        assert got.get(key, 0.0) == pytest.approx(want[key], rel=1e-9), (key, got.get(key), want[key])
+    assert all(v < 1024 for k, v in got.items() if k not in want), got   # scalars: the loss, the gradient norm
+    if base is not None:
+        base_plan, base_step = base
+        t1 = hlo.per_axes(base_step.as_text(), tuple(base_plan.mesh.shape.items()))
+        ratio = t1[("all-gather", ("fsdp",))]["wire_bytes"] / got[("all-gather", ("fsdp",))]
+        assert ratio == pytest.approx(plan.tensor, rel=0.01), ratio
+
+
+# Frozen: the tied embedding (vocabulary-parallel: rowwise, 259 rows padded to 4 x 65) and every FFN kernel (colwise w1, w3 and rowwise
 # w2): only attention and the norms train.
 FROZEN = ("tok_embeddings", "feed_forward")
 
@@ -185,7 +232,8 @@ def test_checkpoint_resumes_under_another_tensor_and_shards(tmp_path):
     never-stopped run's losses (the single-device trainer's) within 1e-5 and its final parameters at the
     noise floor (Adam's moments restored too). On disk every parameter is whole: the exporter's reader
     (a T = 1 plan's logical parameters) gives the saving plan's gathered parameters bit for bit, and so
-    does the resumed plan."""
+    does the resumed plan. The vocabulary-parallel embedding (259 rows: 4 x 65 padded on 1x4x4, 2 x 130
+    on 1x8x2) is stored as its 259 rows."""
     from jfsdp import export
     from jfsdp.io import checkpoint as jckpt
     r = reference()
@@ -198,6 +246,7 @@ def test_checkpoint_resumes_under_another_tensor_and_shards(tmp_path):
     c.wait()
     saved = jax.device_get(a.gather(state.params))
     whole = export.read_params(str(tmp_path))[0]
+    assert (CFG.vocab_size, CFG.dim) in {np.shape(x) for x in jax.tree.leaves(whole)}
     for path, want, got in ref.paired(saved, whole):
         np.testing.assert_array_equal(got, want, err_msg=path)
     b, step_b, opt_b = compiled_case("1x8", 2)
@@ -214,6 +263,69 @@ def test_checkpoint_resumes_under_another_tensor_and_shards(tmp_path):
     for path, w, g in ref.paired(r["final"], jax.device_get(b.gather(state.params))):
         err = np.max(np.abs(np.asarray(g, np.float64) - w))
         assert err <= ref.PARAM_RTOL * np.max(np.abs(w)) + ref.PARAM_ATOL, f"{path}: max error {err:.3g}"
+
+
+def vocabulary_buffers(text, vocab):
+    """The shapes (f32 / bf16 arrays) in an optimized HLO text with a dimension the size of the whole
+    vocabulary, or of the vocabulary padded to a multiple of 4."""
+    return {m.group(0) for m in re.finditer(r"(?:f32|bf16)\[([\d,]+)\]", text)
+            if {int(x) for x in m.group(1).split(",")} & {vocab, -(-vocab // 4) * 4}}
+
+
+# The vocabulary-parallel root with the fused (chunked) loss tied, and the plain loss untied (the plain
+# tied case is CASES above), on 1x4x4: the single-device reference with models.llama's plain loss; and
+# no array of the whole vocabulary's size in the compiled step, where the T = 1 step of the same model
+# and loss (1x16) has its logits (the fused loss: one chunk's, 16 tokens).
+@pytest.mark.parametrize("loss,tied", [("fused", True), ("plain", False)])
+def test_vocabulary_parallel_root_matches_single_device(loss, tied):
+    cfg = dataclasses.replace(CFG, tie_embeddings=tied)
+    plan = plan_on("1x4", 4, cfg=cfg, loss=loss)
+    step, opt = compiled_step(plan, cfg, loss)
+    assert not vocabulary_buffers(step.as_text(), cfg.vocab_size)
+    base, _ = compiled_step(plan_on("1x16", 1, cfg=cfg, loss=loss, tensor_plan=None), cfg, loss)
+    logits = f"f32[1,16,{cfg.vocab_size}]" if loss == "plain" else f"f32[16,{cfg.vocab_size}]"
+    assert logits in vocabulary_buffers(base.as_text(), cfg.vocab_size)
+    check_comm_formula(plan, step, loss)
+    run_and_check(plan, reference(cfg), step, opt)
+
+
+@pytest.mark.parametrize("vocab_major", [True, False])
+def test_fused_vocabulary_parallel_loss_matches_log_softmax(vocab_major):
+    """The fused loss under loss_parallel on 4 tensor ranks (V = 259 in 4 shares of 65, the last padded),
+    both weight layouts, against jax.nn.log_softmax on the whole logits: the mean loss and the gradients
+    of h and of the weight, each rank's share of it. Every rank holds the whole h, as the engine's
+    all-gather before the head leaves it; the engine's sum over ranks is taken here by hand."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jfsdp.engine.parallel import vocab
+    n, d, v, t = 24, 8, 259, 4
+    k = jax.random.split(jax.random.key(0), 3)
+    h = jax.random.normal(k[0], (2, n // 2, d))
+    w = jax.random.normal(k[1], (v, d) if vocab_major else (d, v)) * 0.5
+    targets = jax.random.randint(k[2], (2, n // 2), 0, v)
+
+    def plain(h, w):
+        logits = jnp.einsum("btd,vd->btv" if vocab_major else "btd,dv->btv", h, w)
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1))
+    want, (want_dh, want_dw) = jax.value_and_grad(plain, argnums=(0, 1))(h, w)
+
+    mesh = jax.make_mesh((t,), ("tensor",), devices=jax.devices()[:t])
+    axis = 0 if vocab_major else 1
+    shares = jnp.pad(w, [(0, 1) if a == axis else (0, 0) for a in range(2)])
+    loss_fn, shard = jfsdp.lm_loss(vocab_major=vocab_major, chunk=8), vocab.VocabShard(v, 65, t)
+
+    def local(h, w_share):
+        def f(h, w_share):
+            with vocab.loss_parallel(shard):
+                return loss_fn((h, w_share), {"targets": targets})
+        loss, (dh, dw) = jax.value_and_grad(f, argnums=(0, 1))(h, w_share)
+        return jax.lax.psum(loss, "tensor")[None] / t, jax.lax.psum(dh, "tensor") / t, dw / t
+    spec = P("tensor") if vocab_major else P(None, "tensor")
+    got, dh, dw = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), spec), out_specs=(P("tensor"), P(), spec),
+                                        check_vma=False))(h, jax.device_put(shares, NamedSharding(mesh, spec)))
+    np.testing.assert_allclose(np.asarray(got), float(want), rtol=1e-5)
+    np.testing.assert_allclose(dh, want_dh, rtol=1e-4, atol=1e-6)
+    dw = np.asarray(dw)[:v] if vocab_major else np.asarray(dw)[:, :v]
+    np.testing.assert_allclose(dw, want_dw, rtol=1e-4, atol=1e-6)
 
 
 # bf16: the engine's outputs (plan.apply) from the same fp32 parameters against the single-device bf16
@@ -244,12 +356,13 @@ def test_placement_rule():
     kernels on (tensor, fsdp) and gathered over fsdp alone, every other leaf over (fsdp, tensor); a
     placement that sums over `tensor` twice or never is refused."""
     plan = plan_on("2x2", 4)
-    tp = {"wq", "wk", "wv", "wo", "w1", "w2", "w3"}
+    tp = {"wq", "wk", "wv", "wo", "w1", "w2", "w3", "tok_embeddings"}   # the embedding: vocabulary-parallel
     for path, l in jax.tree_util.tree_flatten_with_path(plan.layouts, is_leaf=lambda x: isinstance(x, jfsdp.Layout))[0]:
         name = path[-2].key
         if isinstance(l, tp_layout.TensorLayout):
             assert name in tp and l.gather_axes == "fsdp" and tp_layout.spec_axes(l) == ("tensor", "fsdp"), path
-            assert l.shards == 2 and l.full_shape[l.dim] == 4 * l.shape[l.dim]
+            assert l.shards == 2 and l.full_shape[l.dim] == (4 * l.shape[l.dim] if name != "tok_embeddings" else 259)
+            assert name != "tok_embeddings" or (l.shape, l.full) == ((65, 96), 259)   # 259 rows padded to 4 x 65
         else:
             assert name not in tp and l.gather_axes == ("fsdp", "tensor") and l.shards == 8, path
         tp_axis = "tensor" if isinstance(l, tp_layout.TensorLayout) else None
@@ -280,7 +393,8 @@ def test_tensor_one_is_the_two_axis_program():
 
 def test_bad_input_and_what_is_not_supported_yet():
     """T must divide the devices, the heads, the KV heads and the sequence; a plan is required, its rules
-    must match; NO_SHARD, float8 and HF import are refused with a reason."""
+    must match; NO_SHARD, float8, HF import and, under a vocabulary-parallel root, a loss that does not
+    reduce over `tensor` (models.loss_fn's log-softmax on V/T logits) are refused with a reason."""
     with pytest.raises(jfsdp.ConfigError, match="needs 24 devices"):
         jfsdp.make_mesh("2x4", tensor=3)
     with pytest.raises(jfsdp.ConfigError, match="KV heads"):
@@ -296,6 +410,10 @@ def test_bad_input_and_what_is_not_supported_yet():
     with pytest.raises(jfsdp.ConfigError, match="float8 is not supported with tensor parallelism"):
         plan_on("2x2", 4, mp_policy=jfsdp.MixedPrecision.parse("fp8"))
     plan = plan_on("2x2", 4)
+    batch = {k: jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32, sharding=plan.batch_sharding) for k in ("inputs", "targets")}
+    params = jfsdp.abstract_state(plan, jfsdp.adamw(ref.LR)).params
+    with pytest.raises(jfsdp.ConfigError, match="the loss must reduce over `tensor`"):   # log_softmax on V/T logits
+        jax.eval_shape(plan.loss(models.loss_fn(CFG)), params, batch)
     from jfsdp.io import hf
     with pytest.raises(jfsdp.ConfigError, match="Hugging Face import is not supported with tensor parallelism"):
         hf.load_params(plan, "unused")

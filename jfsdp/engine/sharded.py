@@ -25,7 +25,7 @@ from jfsdp.engine import accumulate, expert_parallel, float8, moe as moe_engine
 from jfsdp.engine.fsdp import Comm, any_unreduced, checkpoint_policy, scan_stage, unshard, unshard_tree
 from jfsdp.engine.layout import is_layout, tree_shapes
 from jfsdp.engine.params import ParamLayout
-from jfsdp.engine.parallel import layout as tp_layout, support, tensor as tp
+from jfsdp.engine.parallel import layout as tp_layout, support, tensor as tp, vocab
 from jfsdp.engine.pipeline import StagePasses, pipelined_stage
 
 
@@ -43,6 +43,7 @@ class FSDP(ParamLayout):
         if self.tensor > 1:   # Megatron-SP around the units' tensor-parallel matmuls (parallel/tensor.py)
             self.tp_intercept = tp.interceptor(tp_layout.tp_modules(self.split(self.layouts)[1]),
                                                tensor_plan.sequence_dim, mp_policy.reduce_dtype)
+            vocab.setup(self, self.split(self.layouts)[0], tensor_plan.sequence_dim)   # parallel/vocab.py
         # MoE stages (jfsdp/engine/moe.py): per stage None (dense, or gathered like any unit) or its mode
         self.moe, self.moe_stages = moe, moe_engine.resolve(self, moe)
         self.unit_layouts = self.float8_layouts()
@@ -131,7 +132,7 @@ class FSDP(ParamLayout):
         of jax.tree.leaves(root layouts); read from the traced methods."""
         m = self.model
         layouts, treedef = jax.tree.flatten(self.split(self.layouts)[0], is_leaf=is_layout)
-        abstract = [jax.ShapeDtypeStruct(l.shape, l.dtype) for l in layouts]
+        abstract = [jax.ShapeDtypeStruct(l.full_shape, l.dtype) for l in layouts]
 
         def reads(method, arg):
             f = lambda leaves, a: m.root.apply({"params": jax.tree.unflatten(treedef, leaves)}, a, method=method)
@@ -168,7 +169,8 @@ class FSDP(ParamLayout):
         embed_reads, head_reads = self.root_use
         gathered = {}
         root = lambda reads: self.root_tree(shards, reads, gathered)
-        h = m.root.apply({"params": root(embed_reads)}, inputs, method=m.embed_method)
+        with vocab.scope(self):
+            h = m.root.apply({"params": root(embed_reads)}, inputs, method=m.embed_method)
         for j, (shards_j, layouts_j) in enumerate(zip(stage_p, stage_l)):
             h = self._stage(j, h, shards_j, layouts_j)
         late = sorted(head_reads - set(gathered))
@@ -181,7 +183,9 @@ class FSDP(ParamLayout):
 
     def head(self, root, h):
         """The root's head method on h, its outputs cast by the precision policy (`cast_output`)."""
-        return self.mp.cast_output(self.model.root.apply({"params": root}, h, method=self.model.head_method))
+        with vocab.scope(self):   # vocabulary-parallel: on the whole sequence (parallel/vocab.py)
+            h = self.model.root.apply({"params": root}, vocab.gather_h(self, h), method=self.model.head_method)
+        return self.mp.cast_output(h)
 
     def step_batch(self, batch, step):
         """The batch a train step feeds to `loss_and_grad` at `step` (a model given as it is adds the rows
@@ -224,7 +228,7 @@ class FSDP(ParamLayout):
 
     def batch_loss(self, loss_fn, params, batch):
         """One device's mean loss on its rows of `batch` (inside shard_map): the loss contract's scalar."""
-        return self.scalar_loss(loss_fn(self.forward(params, batch["inputs"]), batch))
+        return self.scalar_loss(vocab.loss(self, loss_fn, self.forward(params, batch["inputs"]), batch))
 
     @staticmethod
     def scalar_loss(loss):
@@ -290,5 +294,6 @@ class FSDP(ParamLayout):
     def apply(self, params, inputs):
         """Model outputs for a batch of inputs split over all devices (call under jit)."""
         self._check_rows(inputs)
-        return self.shard_map(self.forward, (self.param_specs, self.batch_spec), self.batch_spec)(params, inputs)
+        out = self.shard_map(self.forward, (self.param_specs, self.batch_spec), vocab.out_spec(self))(params, inputs)
+        return vocab.unpad(self, out)
 

@@ -12,7 +12,8 @@ import math
 import re
 from collections import Counter
 
-from jfsdp.planning.hlo_text import Instr, array_bytes, array_types, group_size, parse, tuple_elements, walk
+from jfsdp.planning.hlo_text import (Instr, array_bytes, array_types, group_axes, group_size, parse, tuple_elements,
+                                     walk)
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
@@ -50,6 +51,7 @@ class Collective:
     computation: str = ""  # the computation it is in
     operands: int = 1      # collectives combined into this op
     is_async: bool = False  # a -start/-done pair
+    axes: tuple = ()       # the mesh axes its replica groups span (when the reader was given the mesh)
 
     @property
     def wire_bytes(self) -> float:
@@ -70,19 +72,20 @@ class Collective:
 
 
 
-def _collective(ins: Instr, comp: str, loops: tuple, n_devices: int | None) -> Collective | None:
+def _collective(ins: Instr, comp: str, loops: tuple, n_devices: int | None, mesh_axes=None) -> Collective | None:
     """The collective that instruction `ins` (of computation `comp`, inside `loops`) starts; None for
-    any other instruction."""
+    any other instruction. `mesh_axes` (((name, size), ...)): also which axes its groups span."""
     kind, start = _collective_kind(ins.opcode)
     if kind is None:
         return None
     res = _result_type(kind, start, ins.shape)
     arrays = array_types(res)
     return Collective(kind, array_bytes(res), group_size(ins.line, n_devices), loops,
-                      tuple(sorted({a[0] for a in arrays})), ins.name, comp, max(1, len(arrays)), start)
+                      tuple(sorted({a[0] for a in arrays})), ins.name, comp, max(1, len(arrays)), start,
+                      group_axes(ins.line, mesh_axes) if mesh_axes else ())
 
 
-def collectives(hlo_text: str, n_devices: int | None = None) -> list[Collective]:
+def collectives(hlo_text: str, n_devices: int | None = None, mesh_axes=None) -> list[Collective]:
     """Every collective of an optimized HLO module (`compiled.as_text()`), with the while loops it is in.
     Async pairs (`*-start`/`*-done`) count once, at the start; a combined op (several operands in one
     collective, as XLA:GPU emits them) counts once with the bytes of all its results."""
@@ -90,7 +93,7 @@ def collectives(hlo_text: str, n_devices: int | None = None) -> list[Collective]
     found: list[Collective] = []
     for name, loops in walk(mod):
         for ins in mod.comps[name]:
-            c = _collective(ins, name, loops, n_devices)
+            c = _collective(ins, name, loops, n_devices, mesh_axes)
             if c is not None:
                 found.append(c)
     return found
@@ -148,6 +151,20 @@ def per_step(hlo_text: str, n_devices: int | None = None) -> dict:
         s["wire_bytes"] += times * c.wire_bytes
     if unknown:
         out["unknown_loops"] = sorted(unknown)
+    return out
+
+
+def per_axes(hlo_text: str, mesh_axes) -> dict:
+    """{(kind, axes): {'count', 'wire_bytes'}} per executed step, each collective classified by the mesh
+    axes its replica groups span (`group_axes`): ('fsdp',), ('tensor',), ('fsdp', 'tensor'), ...
+    `mesh_axes`: ((name, size), ...) in the mesh's order, e.g. tuple(mesh.shape.items())."""
+    trips = trip_counts(hlo_text)
+    out = {}
+    for c in collectives(hlo_text, math.prod(k for _, k in mesh_axes), tuple(mesh_axes)):
+        times = math.prod(trips.get(body, 1) for body in c.loops)
+        s = out.setdefault((c.kind, c.axes), {"count": 0, "wire_bytes": 0.0})
+        s["count"] += times
+        s["wire_bytes"] += times * c.wire_bytes
     return out
 
 

@@ -83,6 +83,58 @@ def array_bytes(type_text: str) -> int:
     return total
 
 
+def first_group(line: str) -> list | None:
+    """The device ids of a collective's first replica group, in the explicit ({{0,1},{2,3}}) or iota
+    ([G,S]<=[dims]T(perm)) form; None for the mesh form or a line that names no groups."""
+    m = re.search(r"replica_groups=\{\{([\d,]*)\}", line)
+    if m:
+        return [int(x) for x in m.group(1).split(",") if x]
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
+    if m:
+        dims = [int(x) for x in m.group(3).split(",")]
+        ids = list(range(math.prod(dims)))
+        if m.group(4):   # the iota's dims transposed by perm, then read row-major
+            perm = [int(x) for x in m.group(4).split(",")]
+            strides = [math.prod(dims[i + 1:]) for i in range(len(dims))]
+            shape = [dims[p] for p in perm]
+            ids = [sum(c * strides[perm[k]] for k, c in enumerate(_unravel(i, shape))) for i in range(len(ids))]
+        return ids[: int(m.group(2))]
+    return None
+
+
+def _unravel(i: int, shape) -> list:
+    out = []
+    for n in reversed(shape):
+        out.append(i % n)
+        i //= n
+    return out[::-1]
+
+
+def group_axes(line: str, mesh_axes) -> tuple:
+    """The mesh axes (of `mesh_axes`, ((name, size), ...) in the mesh's order, devices numbered row-major)
+    that a collective's replica groups span: by which devices a group holds, not by its size, so that
+    an `fsdp` group and a `tensor` group of the same size are told apart."""
+    names = [n for n, _ in mesh_axes]
+    sizes = [k for _, k in mesh_axes]
+    ids = first_group(line)
+    if ids is not None:
+        coords = [_unravel(i, sizes) for i in ids]
+        return tuple(n for j, n in enumerate(names) if len({c[j] for c in coords}) > 1)
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+    if m:   # XLA's mesh: each of its axes a run of ours (their sizes' product), in order
+        xla = re.findall(r"'([^']+)'=(\d+)", m.group(1))
+        spanned, ours, k = set(re.findall(r"'([^']+)'", m.group(2))), {}, 0
+        for name, size in xla:
+            run, prod = [], 1
+            while k < len(names) and (prod < int(size) or (sizes[k] == 1 and prod == int(size))):
+                run.append(names[k])
+                prod *= sizes[k]
+                k += 1
+            ours[name] = run
+        return tuple(n for n in names if any(n in ours.get(a, []) for a in spanned) and sizes[names.index(n)] > 1)
+    return tuple(n for n, k in mesh_axes if k > 1)
+
+
 def group_size(line: str, n_devices: int | None) -> int:
     """Devices in one replica group of a collective's line (all `n_devices` where the line names none)."""
     m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", line)

@@ -19,6 +19,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jfsdp.engine.parallel import vocab
+from jfsdp.train import loss_parallel
+
 
 def _chunks(n: int, chunk: int) -> int:
     return -(-n // chunk)
@@ -150,6 +153,30 @@ def lm_loss(*, vocab_major: bool, chunk: int = 256):
     logits of the batch never exist. `vocab_major`: the weight is (V, d), a tied embedding table."""
     def loss_fn(outputs, batch):
         h, w = outputs
+        shard = vocab.current()
+        if shard is not None:   # w holds this tensor rank's share of the vocabulary (engine/parallel/vocab.py)
+            targets = batch["targets"]
+            c = min(chunk, max(targets.size, 1))
+            hc, tc, wc, n = _prepare(h, targets, None, c)
+            total = loss_parallel.linear_cross_entropy(hc.reshape(-1, h.shape[-1]), w, (tc.reshape(-1), wc.reshape(-1)),
+                                                       c, vocab_major, shard)
+            return total / jnp.float32(n)
         return linear_cross_entropy(h, w, batch["targets"], chunk=chunk, vocab_major=vocab_major)
     loss_fn.chunk, loss_fn.vocab_major = chunk, vocab_major   # for the planner's estimate (jfsdp.planning.estimate)
+    loss_fn.vocab_parallel = True   # reduces over `tensor` under a vocabulary-parallel root
+    return loss_fn
+
+
+def logits_loss():
+    """A `loss_fn(logits, batch)` for a head that returns logits: the mean next-token cross-entropy against
+    `batch["targets"]` (log-softmax in fp32). Under a vocabulary-parallel root (the logits hold 1/T of the
+    vocabulary) it reduces over `tensor` (train/loss_parallel.py); otherwise it is the plain computation."""
+    def loss_fn(logits, batch):
+        shard = vocab.current()
+        if shard is not None:
+            return jnp.mean(loss_parallel.cross_entropy(logits, batch["targets"], shard))
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        nll = -jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]
+        return jnp.mean(nll)
+    loss_fn.vocab_parallel = True
     return loss_fn

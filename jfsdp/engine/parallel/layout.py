@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from jfsdp.config.errors import ConfigError
 from jfsdp.config.mesh import DATA_AXIS, FSDP_AXIS, TENSOR_AXIS
 from jfsdp.engine.layout import Layout, is_layout
-from jfsdp.engine.parallel.plan import COLWISE, REPLICATE, ROWWISE
+from jfsdp.engine.parallel.plan import COLWISE, ROWWISE
 
 MODEL_AXES = (FSDP_AXIS, TENSOR_AXIS)   # every mesh axis but `data`, each covered exactly once
 
@@ -53,11 +53,13 @@ class TensorLayout(Layout):
     tensor: int = 1
     dim: int = 0
     tp: str = COLWISE
+    full: int = 0   # the whole parameter's size on `dim` when T does not divide it (a vocabulary): the
+                    # last slice is padded with zero rows (the head masks their logits); 0: shape[dim] x T
 
     @property
     def full_shape(self) -> tuple:
         s = list(self.shape)
-        s[self.dim] *= self.tensor
+        s[self.dim] = self.full or s[self.dim] * self.tensor
         return tuple(s)
 
     @property
@@ -65,12 +67,16 @@ class TensorLayout(Layout):
         return (self.tensor * self.padded_rows, *self.row_shape)
 
     def pad_full(self, x, xp=jnp):
+        if self.full:
+            widths = [(0, self.shape[self.dim] * self.tensor - self.full if i == self.dim else 0) for i in range(x.ndim)]
+            x = xp.pad(x, widths)
         return xp.concatenate([self.pad(p, xp) for p in xp.split(x, self.tensor, axis=self.dim)], axis=0)
 
     def unpad_full(self, x):
         parts = x.reshape(self.tensor, self.padded_rows, *self.row_shape)
         xp = np if isinstance(x, np.ndarray) else jnp
-        return xp.concatenate([self.unpad(p) for p in parts], axis=self.dim)
+        x = xp.concatenate([self.unpad(p) for p in parts], axis=self.dim)
+        return x[(slice(None),) * self.dim + (slice(0, self.full or None),)]
 
 
 def spec_axes(layout) -> tuple:
@@ -78,8 +84,10 @@ def spec_axes(layout) -> tuple:
     return (TENSOR_AXIS, FSDP_AXIS) if isinstance(layout, TensorLayout) else layout.gather_axes
 
 
-def leaf_layout(path: str, shape, dtype, kind: str, shards: int, tensor: int):
-    """One parameter's layout under the placement rule (`placement`), for S = `shards`, T = `tensor`."""
+def leaf_layout(path: str, shape, dtype, kind: str, shards: int, tensor: int, pad: bool = False):
+    """One parameter's layout under the placement rule (`placement`), for S = `shards`, T = `tensor`.
+    `pad`: a root parameter (a vocabulary-parallel embedding or head) whose TP dimension T does not
+    divide is padded to a multiple of T (`TensorLayout.full`) instead of refused."""
     tp_axis, fsdp_axes = placement(kind)
     check_placement(tp_axis, fsdp_axes)
     if tp_axis is None:
@@ -88,10 +96,11 @@ def leaf_layout(path: str, shape, dtype, kind: str, shards: int, tensor: int):
         raise ConfigError(f"{path} is named {kind} but has shape {tuple(shape)}: tensor parallelism splits Dense "
                           "kernels (in, out), colwise on out, rowwise on in")
     dim = 1 if kind == COLWISE else 0
-    if shape[dim] % tensor:
+    if shape[dim] % tensor and not pad:
         raise ConfigError(f"tensor {tensor} does not divide dimension {dim} ({shape[dim]}) of {path} ({kind})")
-    local = tuple(n // tensor if i == dim else n for i, n in enumerate(shape))
-    return TensorLayout(local, jnp.dtype(dtype), shards, tensor=tensor, dim=dim, tp=kind)
+    local = tuple(-(-n // tensor) if i == dim else n for i, n in enumerate(shape))
+    full = shape[dim] if shape[dim] % tensor else 0
+    return TensorLayout(local, jnp.dtype(dtype), shards, tensor=tensor, dim=dim, tp=kind, full=full)
 
 
 def path_text(path) -> str:
@@ -110,10 +119,7 @@ def lay_out(plan, root, stages, stage_names, shards: int, tensor: int):
             name = f"{prefix}/{path_text(p)}"
             seen.append(name)
             kind = plan.kind(name)
-            if kind != REPLICATE and not stacked:
-                raise ConfigError(f"{name} is named {kind}: tensor-parallel root parameters (a vocabulary-parallel "
-                                  "embedding or head) are not supported yet; the root is replicated over `tensor`")
-            return leaf_layout(name, x.shape[1:] if stacked else x.shape, x.dtype, kind, shards, tensor)
+            return leaf_layout(name, x.shape[1:] if stacked else x.shape, x.dtype, kind, shards, tensor, not stacked)
         return jax.tree_util.tree_map_with_path(one, tree)
     root_l = layouts(root, "root", False)
     stage_l = [layouts(s, name, True) for s, name in zip(stages, stage_names)]

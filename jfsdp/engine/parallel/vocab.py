@@ -1,0 +1,183 @@
+"""The vocabulary-parallel root (docs/tensor-parallel.md, "The root"): with a TP plan that names the root's
+embedding `rowwise` and its output head `colwise` (torchtitan's spelling), each tensor rank holds 1/T of
+the vocabulary, and the logits are never whole on one device.
+
+- The embedding lookup (`nn.Embed.__call__`): the token ids of the TP group's whole sequence are
+  all-gathered over `tensor` (4 bytes a token), each rank looks up the ids in its share (zeros
+  elsewhere), and the rows are reduce-scattered over `tensor` onto the sequence: the residual stream
+  leaves the root sequence-parallel, as between units. Backward: an all-gather of dh.
+- The head: the engine all-gathers h over `tensor` on the sequence before the root's head method
+  (`gather_h`), which then runs on the TP group's whole sequence against this rank's share of the
+  vocabulary (`nn.Embed.attend` for a tied embedding, `nn.Dense` for an untied head): logits
+  (tokens, V/T). Backward: a reduce-scatter of dh. Why the sequence and not the vocabulary moves:
+  docs/tensor-parallel.md, "The root".
+- The loss runs under `loss_parallel(shard)`: jfsdp's losses (jfsdp/train/losses.py) reduce the max
+  and the log-sum-exp over `tensor` and pick each target's logit on the rank that holds it. The batch
+  is all-gathered on the sequence first, so that the loss sees the rows and tokens the logits cover.
+  Every tensor rank then computes the same loss over the TP group's tokens; the engine's sum over
+  all devices divided by their count stays the global mean, and jax's transpose of `psum` (a psum)
+  sums the T ranks' gradients as that sum asks.
+When T does not divide the vocabulary, the last share is padded with zero rows whose logits are -inf
+(`VocabShard.mask`): they add nothing to the softmax, and their gradient is zero."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from jfsdp.config.errors import ConfigError
+from jfsdp.config.mesh import AXES, TENSOR_AXIS
+from jfsdp.engine.layout import is_layout
+from jfsdp.engine.parallel.layout import TensorLayout, path_text
+from jfsdp.engine.parallel.plan import COLWISE, ROWWISE
+from jfsdp.engine.parallel.tensor import dense, gather_sequence, scatter_sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class VocabShard:
+    """Each tensor rank's share of a vocabulary of `vocab` entries: `local` of them, from `offset()`;
+    the last share is padded when T does not divide `vocab`."""
+    vocab: int
+    local: int
+    tensor: int
+    axis: str = TENSOR_AXIS
+
+    def offset(self):
+        return lax.axis_index(self.axis) * self.local
+
+    def mask(self, logits):
+        """The padded columns of the last share set to -inf (nothing to do when T divides the vocabulary)."""
+        if self.local * self.tensor == self.vocab:
+            return logits
+        cols = self.offset() + jnp.arange(self.local)
+        return jnp.where(cols < self.vocab, logits, jnp.array(-jnp.inf, logits.dtype))
+
+    def local_ids(self, ids):
+        """(ids - offset clipped into the share, whether each id lies in this rank's share)."""
+        local = ids - self.offset()
+        return jnp.clip(local, 0, self.local - 1), (local >= 0) & (local < self.local)
+
+
+_ACTIVE: list = []
+
+
+@contextlib.contextmanager
+def loss_parallel(shard: VocabShard):
+    """While tracing a loss: the outputs' last axis is `shard`'s share of the vocabulary (`current()`)."""
+    _ACTIVE.append(shard)
+    try:
+        yield shard
+    finally:
+        _ACTIVE.pop()
+
+
+def current():
+    """The VocabShard of the loss being traced, or None (the logits hold the whole vocabulary)."""
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
+def root_modules(root_layouts) -> tuple:
+    """({module path in the root: (leaf name, TensorLayout)}, the VocabShard or None) of the root's
+    tensor-parallel leaves; ConfigError for two vocabulary sizes."""
+    modules, shard = {}, None
+    for path, l in jax.tree_util.tree_flatten_with_path(root_layouts, is_leaf=is_layout)[0]:
+        if not isinstance(l, TensorLayout):
+            continue
+        names = tuple(path_text([k]) for k in path)
+        modules[names[:-1]] = (names[-1], l)
+        s = VocabShard(l.full_shape[l.dim], l.shape[l.dim], l.tensor)
+        if shard is not None and s != shard:
+            raise ConfigError(f"the root's tensor-parallel leaves split two vocabularies ({shard.vocab}, {s.vocab}): "
+                              "a vocabulary-parallel embedding and head must share one vocabulary")
+        shard = s
+    return modules, shard
+
+
+def lookup(mod, ids, shard: VocabShard, dim: int):
+    """The vocabulary-parallel embedding lookup of sequence-parallel `ids` -> rows, sequence-parallel."""
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise ValueError("Input type must be an integer or unsigned integer.")
+    ids = gather_sequence(ids, dim)
+    (table,) = mod.promote_dtype(mod.embedding, dtype=mod.dtype, inexact=False)
+    local, ok = shard.local_ids(ids)
+    rows = jnp.where(ok[..., None], jnp.take(table, local, axis=0), jnp.zeros((), table.dtype))
+    return scatter_sequence(rows, dim)
+
+
+def root_interceptor(modules: dict, shard: VocabShard, dim: int):
+    """A Linen method interceptor for the root: an `nn.Embed` named rowwise holds its share of the table
+    (set in its setup, which would refuse the shape) and looks up / attends with it; an `nn.Dense`
+    named colwise multiplies by its share of the head's columns."""
+    def intercept(next_fun, args, kwargs, context):
+        mod, method = context.module, context.method_name
+        entry = modules.get(tuple(mod.path))
+        if entry is None:
+            return next_fun(*args, **kwargs)
+        name, layout = entry
+        if isinstance(mod, nn.Embed) and layout.tp == ROWWISE and name == "embedding":
+            if method == "setup":
+                mod.embedding = nn.meta.unbox(mod.get_variable("params", "embedding"))
+                return None
+            if method == "__call__":
+                return lookup(mod, args[0], shard, dim)
+            if method == "attend":
+                q, table = mod.promote_dtype(args[0], mod.embedding, dtype=mod.dtype)
+                return shard.mask(jnp.dot(q, table.T))
+            return next_fun(*args, **kwargs)
+        if isinstance(mod, nn.Dense) and layout.tp == COLWISE and name == "kernel":
+            if method != "__call__":
+                return next_fun(*args, **kwargs)
+            return shard.mask(dense(mod, args[0])[0])
+        raise ConfigError(f"root layer {'/'.join(mod.path)} ({type(mod).__name__}) is {layout.tp}: only an nn.Embed "
+                          "named rowwise (its rows, the vocabulary) or an nn.Dense head named colwise can be "
+                          "vocabulary-parallel")
+    return intercept
+
+
+def setup(plan, root_layouts, sequence_dim: int):
+    """Sets `plan.vocab_shard` (the VocabShard, or None: the root is replicated over `tensor`) and its root
+    interceptor."""
+    modules, plan.vocab_shard = root_modules(root_layouts)
+    plan.root_intercept = root_interceptor(modules, plan.vocab_shard, sequence_dim) if plan.vocab_shard else None
+
+
+def scope(plan):
+    """The context the root's methods run in: the root interceptor when the root is vocabulary-parallel."""
+    intercept = getattr(plan, "root_intercept", None)
+    return nn.intercept_methods(intercept) if intercept else contextlib.nullcontext()
+
+
+def gather_h(plan, h):
+    """The head's input: the whole sequence of the TP group when the root is vocabulary-parallel."""
+    return gather_sequence(h, plan.tensor_plan.sequence_dim) if getattr(plan, "vocab_shard", None) else h
+
+
+def loss(plan, loss_fn, outputs, batch):
+    """loss_fn(outputs, batch); with a vocabulary-parallel root, on the whole sequence's batch under
+    `loss_parallel` (ConfigError for a loss_fn that does not say it reduces over the vocabulary's shares)."""
+    shard = getattr(plan, "vocab_shard", None)
+    if shard is None:
+        return loss_fn(outputs, batch)
+    if not getattr(loss_fn, "vocab_parallel", False):
+        raise ConfigError("with a vocabulary-parallel root the head's outputs hold 1/T of the vocabulary: the loss must "
+                          "reduce over `tensor` (jfsdp.lm_loss, jfsdp.logits_loss; a loss_fn with .vocab_parallel = True)")
+    batch = jax.tree.map(lambda x: gather_sequence(x, plan.tensor_plan.sequence_dim), batch)
+    with loss_parallel(shard):
+        return loss_fn(outputs, batch)
+
+
+def out_spec(plan):
+    """The outputs' PartitionSpec for `apply`: a vocabulary-parallel head's logits are (rows, the whole
+    sequence, the vocabulary split over `tensor`)."""
+    return P(AXES, None, TENSOR_AXIS) if getattr(plan, "vocab_shard", None) else plan.batch_spec
+
+
+def unpad(plan, logits):
+    """`apply`'s logits without the padded columns of the last share."""
+    shard = getattr(plan, "vocab_shard", None)
+    return logits if shard is None or shard.local * shard.tensor == shard.vocab else logits[..., :shard.vocab]
