@@ -39,19 +39,19 @@ MUTANTS = {
         ["tests/test_equivalence.py::test_gradients_match"],
         "on a 2D mesh the gradient is reduce-scattered over fsdp but not summed over the data axis"),
     "fp32-compute-under-bf16": (
-        "jfsdp/engine/fsdp.py", "        x = lax.all_gather(x, FSDP_AXIS, axis=0, tiled=True)\n    return layout.unpad(x)\n",
-        "        x = lax.all_gather(x, FSDP_AXIS, axis=0, tiled=True)\n    return layout.unpad(x).astype('float32')\n",
+        "jfsdp/engine/fsdp.py", "        x = lax.all_gather(x, layout.gather_axes, axis=0, tiled=True)\n    return layout.unpad(x)\n",
+        "        x = lax.all_gather(x, layout.gather_axes, axis=0, tiled=True)\n    return layout.unpad(x).astype('float32')\n",
         ["tests/test_collectives.py", "tests/test_equivalence.py::test_bf16_policy_matches_single_device_bf16"],
         "the unit gathered in bf16 as the policy says, then computed in fp32"),
     "fp32-compute-under-bf16-numerics": (
-        "jfsdp/engine/fsdp.py", "        x = lax.all_gather(x, FSDP_AXIS, axis=0, tiled=True)\n    return layout.unpad(x)\n",
-        "        x = lax.all_gather(x, FSDP_AXIS, axis=0, tiled=True)\n    return layout.unpad(x).astype('float32')\n",
+        "jfsdp/engine/fsdp.py", "        x = lax.all_gather(x, layout.gather_axes, axis=0, tiled=True)\n    return layout.unpad(x)\n",
+        "        x = lax.all_gather(x, layout.gather_axes, axis=0, tiled=True)\n    return layout.unpad(x).astype('float32')\n",
         ["tests/test_equivalence.py::test_bf16_policy_matches_single_device_bf16"],
         "the same, against the numerical guard alone: outputs nearer the fp32 reference than the bf16 one"),
     "skip-a-unit-gradient": (
-        "jfsdp/engine/sharded.py", "            return lax.psum(loss, AXES) / self.n_devices, grads\n",
+        "jfsdp/engine/sharded.py", "            return lax.psum(loss, self.loss_axes) / self.n_devices, grads\n",
         "            grads = {**grads, 'units': jax.tree.map(lambda g: g.at[0].set(0), grads['units'])}\n"
-        "            return lax.psum(loss, AXES) / self.n_devices, grads\n",
+        "            return lax.psum(loss, self.loss_axes) / self.n_devices, grads\n",
         ["tests/test_equivalence.py::test_gradients_match"],
         "the first unit's gradient dropped (set to zero) before the optimizer"),
     "swap-float8-recipes": (
