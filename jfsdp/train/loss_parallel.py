@@ -67,11 +67,10 @@ def _bwd(chunk, vocab_major, shard, res, g):
     h, w, (targets, weights), lse = res
     n, d = h.shape
     scale = (weights * lax.psum(g, shard.axis))[:, None]
-    vb = max(1, min(shard.local, (chunk * shard.local) // max(n, 1)))
+    vb = vocab_block(chunk, n, shard.local)
     axis = 0 if vocab_major else 1
 
     def body(carry, j):
-        dh, dw = carry
         start = jnp.minimum(j * vb, shard.local - vb)
         wj = lax.dynamic_slice_in_dim(w, start, vb, axis)
         cols = start + jnp.arange(vb)
@@ -81,22 +80,40 @@ def _bwd(chunk, vocab_major, shard, res, g):
             logits = jnp.where(shard.offset() + cols < shard.vocab, logits, -jnp.inf)
         hit = targets[:, None] == shard.offset() + cols[None, :]
         dl = ((jnp.exp(logits - lse[:, None]) - hit) * scale).astype(h.dtype)
-        if vocab_major:
-            dwj = lax.dot_general(dl, h, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-            w_dims = (((1,), (0,)), ((), ()))
-        else:
-            dwj = lax.dot_general(h, dl, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-            w_dims = (((1,), (1,)), ((), ()))
-        dw = lax.dynamic_update_slice_in_dim(dw, dwj.astype(dw.dtype), start, axis)
-        fresh = jnp.where((cols >= j * vb)[None, :], dl, jnp.zeros((), dl.dtype))
-        dh = dh + lax.dot_general(fresh, wj, w_dims, preferred_element_type=jnp.float32)
-        return (dh, dw), None
+        return add_block(carry, dl, h, wj, start, cols, j * vb, axis, vocab_major), None
 
     init = (jnp.zeros((n, d), jnp.float32), jnp.zeros(w.shape, w.dtype))
     (dh, dw), _ = lax.scan(body, init, jnp.arange(-(-shard.local // vb)))
-    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jax.dtypes.float0) if jnp.issubdtype(x.dtype, jnp.integer)
-                         else jnp.zeros_like(x), (targets, weights))
-    return dh.astype(h.dtype), dw, zeros
+    return dh.astype(h.dtype), dw, no_cotangents((targets, weights))
+
+
+def vocab_block(chunk: int, tokens: int, vocab: int) -> int:
+    """Vocabulary entries per block of the fused loss's backward (here and in losses.py): as many logits
+    (tokens x block) as a forward chunk holds (chunk x vocab)."""
+    return max(1, min(vocab, (chunk * vocab) // max(tokens, 1)))
+
+
+def add_block(carry, dl, h, wj, start, cols, first, axis, vocab_major):
+    """One vocabulary block of the fused loss's backward (here and in losses.py): `dl` (tokens, block) is
+    softmax - onehot times the cotangent, `wj` the block's slice of the head weight, `cols` its columns
+    from `start`. Writes the block's rows of the weight gradient into dw, and adds to dh the columns from
+    `first` on (those before were the block before's, when the last block is shifted back)."""
+    dh, dw = carry
+    if vocab_major:   # wj (vb, d): dw_j = dl^T @ h, dh += dl @ wj
+        dwj = lax.dot_general(dl, h, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        w_dims = (((1,), (0,)), ((), ()))
+    else:             # wj (d, vb): dw_j = h^T @ dl, dh += dl @ wj^T
+        dwj = lax.dot_general(h, dl, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        w_dims = (((1,), (1,)), ((), ()))
+    dw = lax.dynamic_update_slice_in_dim(dw, dwj.astype(dw.dtype), start, axis)
+    fresh = jnp.where((cols >= first)[None, :], dl, jnp.zeros((), dl.dtype))
+    return dh + lax.dot_general(fresh, wj, w_dims, preferred_element_type=jnp.float32), dw
+
+
+def no_cotangents(tree):
+    """Zero cotangents for the targets and weights: float0 for integer leaves."""
+    return jax.tree.map(lambda x: jnp.zeros(x.shape, jax.dtypes.float0) if jnp.issubdtype(x.dtype, jnp.integer)
+                        else jnp.zeros_like(x), tree)
 
 
 linear_cross_entropy.defvjp(_fwd, _bwd)

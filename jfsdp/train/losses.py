@@ -68,12 +68,6 @@ def _lce_fwd(h, w, targets_weights, chunk, vocab_major):
     return total, (h, w, targets_weights, lse)
 
 
-def _vocab_block(chunk: int, tokens: int, vocab: int) -> int:
-    """Vocabulary entries per block of the backward pass: as many logits (tokens x block) as a
-    forward chunk holds (chunk x vocab)."""
-    return max(1, min(vocab, (chunk * vocab) // max(tokens, 1)))
-
-
 def _lce_bwd(chunk, vocab_major, res, g):
     """The backward pass walks over blocks of the vocabulary, not chunks of tokens: block j's
     logits for all tokens (recomputed, then turned into softmax - onehot with the saved lse) give
@@ -92,32 +86,20 @@ def _lce_bwd(chunk, vocab_major, res, g):
     scale = (wt * g)[:, None]
     lse = lse.reshape(-1)[:n, None]
     vocab = w.shape[0] if vocab_major else w.shape[1]
-    vb = _vocab_block(chunk, n, vocab)
+    vb = loss_parallel.vocab_block(chunk, n, vocab)
     axis = 0 if vocab_major else 1
 
     def body(carry, j):
-        dh, dw = carry
         start = jnp.minimum(j * vb, vocab - vb)
         wj = lax.dynamic_slice_in_dim(w, start, vb, axis)
         cols = start + jnp.arange(vb)
         logits = _logits(hf, wj, vocab_major)                       # (n, vb) fp32
         dl = ((jnp.exp(logits - lse) - (t[:, None] == cols[None, :])) * scale).astype(h.dtype)
-        if vocab_major:   # wj (vb, d): dw_j = dl^T @ h, dh += dl @ wj
-            dwj = lax.dot_general(dl, hf, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-            w_dims = (((1,), (0,)), ((), ()))
-        else:             # wj (d, vb): dw_j = h^T @ dl, dh += dl @ wj^T
-            dwj = lax.dot_general(hf, dl, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-            w_dims = (((1,), (1,)), ((), ()))
-        dw = lax.dynamic_update_slice_in_dim(dw, dwj.astype(dw.dtype), start, axis)
-        fresh = jnp.where((cols >= j * vb)[None, :], dl, jnp.zeros((), dl.dtype))
-        dh = dh + lax.dot_general(fresh, wj, w_dims, preferred_element_type=jnp.float32)
-        return (dh, dw), None
+        return loss_parallel.add_block(carry, dl, hf, wj, start, cols, j * vb, axis, vocab_major), None
 
     init = (jnp.zeros((n, d), jnp.float32), jnp.zeros(w.shape, w.dtype))
     (dh, dw), _ = lax.scan(body, init, jnp.arange(-(-vocab // vb)))
-    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jax.dtypes.float0) if jnp.issubdtype(x.dtype, jnp.integer)
-                         else jnp.zeros_like(x), (targets, weights))
-    return dh.astype(h.dtype).reshape(h.shape), dw, zeros
+    return dh.astype(h.dtype).reshape(h.shape), dw, loss_parallel.no_cotangents((targets, weights))
 
 
 _lce.defvjp(_lce_fwd, _lce_bwd)
