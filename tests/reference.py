@@ -227,6 +227,18 @@ def param_atol(steps, lr=LR):
 PARAM_ATOL = param_atol(3)   # the 3-step tests
 
 
+def assert_params_close(got, want, before, rtol=PARAM_RTOL):
+    """Per leaf: max |got - want| <= rtol * max |want| + PARAM_ATOL (the Adam-amplified part of the noise
+    floor after 3 steps); and the steps moved the parameters (so the comparison is not between two
+    untouched initializations)."""
+    moved = 0.0
+    for path, w, g, b in paired(want, got, before):   # the same leaves in all three, or an error
+        err = np.max(np.abs(np.asarray(g, np.float64) - w))
+        assert err <= rtol * np.max(np.abs(w)) + PARAM_ATOL, f"{path}: max error {err:.3g}"
+        moved = max(moved, np.max(np.abs(w - b)))
+    assert moved > 1e-3, "reference parameters did not move; the comparison would prove nothing"
+
+
 # ---- float8 (docs/float8.md's recipe: tensorwise dynamic scaling, e4m3 forward, e5m2 gradients), written
 # without jfsdp: a matmul whose operands are rounded to float8 with their own amax scale and computed in fp32
 

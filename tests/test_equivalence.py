@@ -94,18 +94,6 @@ def run_jfsdp(case, mesh_spec, strategy, remat="none", mp=None, grad_accum=1):
     return plan, state, losses
 
 
-def assert_params_close(got, want, before, rtol):
-    """Per leaf: max |got - want| <= rtol * max |want| + ref.PARAM_ATOL (the Adam-amplified part of
-    the noise floor after STEPS steps, tests/reference.py); and the step moved the leaf (so the
-    comparison is not between two untouched initializations)."""
-    moved = 0.0
-    for path, w, g, b in ref.paired(want, got, before):   # the same leaves in all three, or an error
-        err = np.max(np.abs(np.asarray(g, np.float64) - w))
-        assert err <= rtol * np.max(np.abs(w)) + ref.PARAM_ATOL, f"{path}: max error {err:.3g}"
-        moved = max(moved, np.max(np.abs(w - b)))
-    assert moved > 1e-3, "reference parameters did not move; the comparison would prove nothing"
-
-
 # Llama on every mesh with every strategy; the residual MLP (the second family: other shapes and
 # paddings, biases) on every mesh once, with the strategies in turn (so every strategy and every
 # remat at least once): the mesh x strategy grid is the Llama's.
@@ -119,7 +107,7 @@ def test_matches_single_device_fp32(family, mesh_spec, strategy):
     remat = REMATS[(MESHES.index(mesh_spec) + STRATEGIES.index(strategy)) % len(REMATS)]
     plan, state, losses = run_jfsdp(case, mesh_spec, strategy, remat)
     np.testing.assert_allclose(losses, case["ref_losses"], rtol=1e-5)
-    assert_params_close(plan.gather(state.params), case["ref_final"], case["init"], rtol=1e-4)
+    ref.assert_params_close(plan.gather(state.params), case["ref_final"], case["init"], rtol=1e-4)
 
 
 def test_hybrid_names_are_the_same_programs():
@@ -164,7 +152,7 @@ def test_gradient_accumulation_matches(case, mesh_spec, strategy):
     """Two micro-batches per device (8 devices, 2 sequences each) give the gradient of the whole batch."""
     plan, state, losses = run_jfsdp(case, mesh_spec, strategy, "full", grad_accum=2)
     np.testing.assert_allclose(losses, case["ref_losses"], rtol=1e-5)
-    assert_params_close(plan.gather(state.params), case["ref_final"], case["init"], rtol=1e-4)
+    ref.assert_params_close(plan.gather(state.params), case["ref_final"], case["init"], rtol=1e-4)
 
 
 # bf16 parameters and compute, fp32 reduction and loss. Both sides round the same fp32 parameters to
