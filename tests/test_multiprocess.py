@@ -6,6 +6,7 @@ The reference is an independent run: the same command in one process. Every proc
 subprocess; the test session's own 16 devices are not used."""
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -74,33 +75,25 @@ def assert_same_losses(ours, ref):
         assert abs(a - b) <= 1e-6 * abs(b), (step, kind, a, b)
 
 
-def test_two_processes_equal_one(tmp_path_factory, tmp_path):
-    """The launcher's 2 processes on 2x4 (hybrid sharding: fsdp inside a process, data across them)
-    give the one-process losses; only process 0 reports and writes the metrics."""
-    p = launch("2x4", tmp_path / "m.jsonl", "--gen-tokens", "4")
-    assert "fsdp axis: 4 devices per group, 2 groups, inside one process" in p.stdout, p.stdout
-    assert p.stdout.count("== summary") == 1 and p.stdout.count("== sample") == 1   # process 0 only
-    assert_same_losses(losses(records(tmp_path / "m.jsonl")), losses(single("2x4", tmp_path_factory)))
-
-
-def test_two_processes_save_and_resume(tmp_path_factory, tmp_path):
-    """1x8 over 2 processes (fsdp across both): 4 steps, stop, --resume on both processes for the
-    rest; every process writes and reads only its shards; the losses are those of one process
-    running straight through."""
+def test_two_processes_equal_one_through_a_resume(tmp_path_factory, tmp_path):
+    """The launcher's 2 processes on 2x4 (hybrid sharding: fsdp inside a process, data across them):
+    4 steps, stop, then --resume on both processes for the rest; only process 0 reports, saves' lines
+    and writes the metrics; the losses are those of one process running straight through.
+    (test_dead_peer_stops_the_others runs fsdp across the two processes, 1x8.)"""
     out, ckpt = tmp_path / "m.jsonl", tmp_path / "ckpt"
-    p = launch("1x8", out, "--ckpt-dir", str(ckpt), "--save-every", "4", "--stop-after", "4")
-    assert "fsdp axis: 8 devices per group, 1 groups, across 2 processes" in p.stdout, p.stdout
+    p = launch("2x4", out, "--ckpt-dir", str(ckpt), "--save-every", "4", "--stop-after", "4")
+    assert "fsdp axis: 4 devices per group, 2 groups, inside one process" in p.stdout, p.stdout
     assert p.stderr.count("checkpoint saved to") == 1, p.stderr                   # said once, by process 0
-    p = launch("1x8", out, "--ckpt-dir", str(ckpt), "--save-every", "4", "--resume")
+    p = launch("2x4", out, "--ckpt-dir", str(ckpt), "--save-every", "4", "--resume", "--gen-tokens", "4")
     assert p.stderr.count("resumed from") == 1, p.stderr
-    recs = records(out)
+    assert p.stdout.count("== summary") == 1 and p.stdout.count("== sample") == 1   # process 0 only
     # the resumed run evaluates again at its first step: drop that repeat, then compare
     seen, unique = set(), []
-    for r in losses(recs):
+    for r in losses(records(out)):
         if r[:2] not in seen:
             seen.add(r[:2])
             unique.append(r)
-    assert_same_losses(unique, losses(single("1x8", tmp_path_factory)))
+    assert_same_losses(unique, losses(single("2x4", tmp_path_factory)))
 
 
 def test_coordinator_faults_are_errors_within_the_timeout():
@@ -132,7 +125,8 @@ def test_coordinator_faults_are_errors_within_the_timeout():
 
 
 def test_dead_peer_stops_the_others(tmp_path):
-    """kill -9 of process 1 mid-run: process 0 stops by itself (no launcher watching) because the
+    """fsdp across the two processes (1x8): kill -9 of process 1 mid-run: process 0 stops by itself (no
+    launcher watching) because the
     coordination service saw process 1's heartbeats stop (its error output says so), instead of
     hanging in a collective; then --resume on both processes continues from the last complete
     checkpoint."""
@@ -140,7 +134,7 @@ def test_dead_peer_stops_the_others(tmp_path):
     port = free_port()
     ckpt = tmp_path / "ckpt"
     flags = [*RUN, "--steps", "1000", "--eval-every", "0", "--ckpt-dir", str(ckpt), "--save-every", "2"]
-    args = [sys.executable, "train.py", "--mesh", "2x4", *flags, "--metrics-out", str(out),
+    args = [sys.executable, "train.py", "--mesh", "1x8", *flags, "--metrics-out", str(out),
             "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--heartbeat-timeout", "5"]
     err0 = tmp_path / "process0.err"
     with open(err0, "w") as log:
@@ -159,14 +153,17 @@ def test_dead_peer_stops_the_others(tmp_path):
         for q in procs:
             if q.poll() is None:
                 q.kill()
-    # jaxlib's coordination service ends it (a fatal log, SIGABRT) naming the missed heartbeats of task 1
+    # jaxlib's coordination service ends it (a fatal log, SIGABRT) naming the missed heartbeats of task 1,
+    # in one of its two wordings (jaxlib 0.10.2: which one depends on which of its threads sees it first)
     text = err0.read_text()
-    assert code == -signal.SIGABRT and "Task 1 heartbeat timeout" in text, (code, text[-2000:])
+    missed = re.search(r"Task 1 heartbeat timeout|unhealthy \(stopped sending heartbeats\):\s*1\b", text)
+    assert code == -signal.SIGABRT and missed, (code, text[-2000:])
     # both processes resume from the last complete checkpoint and go on
-    p = subprocess.run([sys.executable, "-m", "jfsdp.launch", "-n", "2", "train.py", "--mesh", "2x4", *flags,
+    p = subprocess.run([sys.executable, "-m", "jfsdp.launch", "-n", "2", "train.py", "--mesh", "1x8", *flags,
                         "--metrics-out", str(out), "--resume", "--stop-after", "2"], cwd=ROOT, env=env(),
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
+    assert "fsdp axis: 8 devices per group, 1 groups, across 2 processes" in p.stdout, p.stdout
     step = int(p.stderr.split("resumed from")[1].split("(step ")[1].split(",")[0])
     assert step >= 2 and step % 2 == 0, p.stderr   # the last save that completed before the kill
     assert records(out)[-1]["step"] == step + 2
