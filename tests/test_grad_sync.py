@@ -23,6 +23,7 @@ from jfsdp.config.xla_flags import cpu_xla_flags
 from jfsdp.engine.layout import stored_bytes
 from jfsdp.planning import hlo, memory
 from tests import reference as ref
+from tests.compile_flags import FAST
 
 REPO = Path(__file__).resolve().parents[1]
 K, BATCH, SEQ, STEPS, LR = 4, 32, 16, 2, 0.5
@@ -144,28 +145,29 @@ def memory_case(mesh_spec, strategy) -> dict:
     return out
 
 
-def _memory_case_with_train_py_flags(mesh_spec, strategy) -> dict:
-    """`memory_case` compiled in a fresh process under train.py's XLA:CPU flags (CPU_FLAGS: the
-    memory-minimizing scheduler, which XLA reads from XLA_FLAGS only, at start-up; the planner's
-    estimate assumes it)."""
-    r, s = jfsdp.parse_mesh(mesh_spec)
+@pytest.fixture(scope="module")
+def memory_cases() -> dict:
+    """`memory_case` of every mesh in MESHES, compiled in one fresh process under train.py's XLA:CPU
+    flags (CPU_FLAGS: the memory-minimizing scheduler, which XLA reads from XLA_FLAGS only, at start-up;
+    the planner's estimate assumes it) and the suite's faster LLVM level and emitters (FAST: the same
+    scheduler; temporaries a few hundred bytes apart, tests/compile_flags.py)."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": cpu_xla_flags(f"--xla_force_host_platform_device_count={r * s}")}
-    code = ("import json, sys; from tests.test_grad_sync import memory_case; "
-            f"print(json.dumps(memory_case({mesh_spec!r}, {strategy!r})))")
+           "XLA_FLAGS": cpu_xla_flags(f"--xla_force_host_platform_device_count=8 {FAST}")}
+    code = ("import json; from tests.test_grad_sync import MESHES, memory_case; "
+            "print(json.dumps([memory_case(m, s) for m, s in MESHES]))")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
     assert p.returncode == 0, p.stderr
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    return dict(zip(MESHES, json.loads(p.stdout.strip().splitlines()[-1])))
 
 
 @pytest.mark.parametrize("mesh_spec,strategy", MESHES)
-def test_memory_is_what_the_planner_says(mesh_spec, strategy):
+def test_memory_is_what_the_planner_says(memory_cases, mesh_spec, strategy):
     """Compiled peak of 'once' = the planner's estimate within its 10%, and above 'every' by one
     unsharded gradient at most (not two: each unit's is added to the running sum in place), as the
     planner says within its 10%. Compiled in a process of its own under train.py's XLA:CPU
     flags: under XLA:CPU's default scheduler (this test process's) buffers are made as early as they
     can be, and the peak is not the step train.py runs (docs/training.md)."""
-    m = _memory_case_with_train_py_flags(mesh_spec, strategy)
+    m = memory_cases[(mesh_spec, strategy)]
     for sync in ("once", "every"):
         est, measured = m[sync]
         assert est == pytest.approx(measured, rel=0.10), (sync, m)
