@@ -48,11 +48,14 @@ def test_sweep_matches_one_device_under_train_py_flags(monkeypatch):
     flags = train_py_flags(monkeypatch, 8) + " --xla_backend_optimization_level=0"
     r, recs = sweep(flags)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert [tuple(x["config"]) for x in recs] == schedule_sweep.REFERENCE + schedule_sweep.SWEEP, r.stderr[-3000:]
+    assert [tuple(x["config"]) for x in recs] == schedule_sweep.SWEEP, r.stderr[-3000:]
     errors = [x for x in recs if "error" in x]
     assert not errors, errors
-    ref = {x["config"][3]: x["losses"] for x in recs[:len(schedule_sweep.REFERENCE)]}
-    for x in recs[len(schedule_sweep.REFERENCE):]:
+    # the references: one device (no collectives), in this process (the suite's flags: compiled faster,
+    # fp32 reassociation apart, far below RTOL)
+    ref = {c[3]: schedule_sweep.losses(*c) for c in schedule_sweep.REFERENCE}
+    assert sorted(ref) == sorted({c[3] for c in schedule_sweep.SWEEP})
+    for x in recs:
         got, want = np.array(x["losses"]), np.array(ref[x["config"][3]])
         assert np.all(np.isfinite(got)), x
         np.testing.assert_allclose(got, want, rtol=RTOL, err_msg=str(x["config"]))
