@@ -143,6 +143,14 @@ def test_largest_batch_and_bytes_parsing():
     assert largest_batch(lambda b: b <= 37) == 37
     assert largest_batch(lambda b: b <= 1) == 1
     assert largest_batch(lambda b: False) == 0
+    # from a guess (the planner's line through 1 and 2 sequences): the same answer from any guess,
+    # within the limit, and in two calls when the guess is right
+    for answer in (0, 1, 37, 100):
+        for guess in (-3, 1, 36, 37, 38, 500):
+            calls = []
+            got = largest_batch(lambda b: calls.append(b) or b <= answer, limit=64, guess=guess)
+            assert got == min(answer, 64), (answer, guess, got, calls)
+            assert guess != answer or len(calls) == 2, calls
     assert parse_bytes("80GiB") == 80 * 2**30 and parse_bytes("40GB") == 40 * 10**9 and parse_bytes("512") == 512
 
 

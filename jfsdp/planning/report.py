@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
 
 from jfsdp.config.errors import ConfigError
@@ -54,8 +55,11 @@ def build(model_name, mesh_spec, strategy, precision, remat, batch_size, seq_len
     return cfg, plan, jfsdp.adamw(1e-4), loss_fn, {"inputs": x, "targets": x}
 
 
-def largest_batch(fits, start: int = 1, limit: int = 1 << 20) -> int:
-    """Largest b >= 1 with fits(b) (fits monotone decreasing in b), 0 if none: doubling then bisection."""
+def largest_batch(fits, start: int = 1, limit: int = 1 << 20, guess: int | None = None) -> int:
+    """Largest b >= 1 with fits(b) (fits monotone decreasing in b), 0 if none: doubling then bisection,
+    or, given a `guess`, galloping from it (a good guess costs two calls of `fits`)."""
+    if guess is not None:
+        return _gallop(fits, start, limit, min(max(guess, start), limit))
     if not fits(start):
         return 0
     lo, hi = start, start * 2
@@ -63,10 +67,31 @@ def largest_batch(fits, start: int = 1, limit: int = 1 << 20) -> int:
         lo, hi = hi, hi * 2
     if hi > limit:
         return lo
+    return _bisect(fits, lo, hi)
+
+
+def _bisect(fits, lo: int, hi: int) -> int:
+    """The largest b in [lo, hi) with fits(b), given fits(lo) and not fits(hi)."""
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo
+
+
+def _gallop(fits, start: int, limit: int, guess: int) -> int:
+    """largest_batch by steps of 1, 2, 4, ... away from `guess` (start <= guess <= limit), then bisection."""
+    ok = lambda b: start <= b <= limit and fits(b)
+    step = 1
+    if ok(guess):
+        lo = guess
+        while ok(lo + step):
+            lo, step = lo + step, step * 2
+        return _bisect(ok, lo, min(lo + step, limit + 1))
+    hi = guess
+    while hi - step >= start and not ok(hi - step):
+        hi, step = hi - step, step * 2
+    lo = max(hi - step, start)
+    return _bisect(ok, lo, hi) if ok(lo) else 0
 
 
 def xla_option(text: str) -> tuple:
@@ -224,9 +249,15 @@ def _largest_global_batch(a, case: _Case, budget: int) -> int:
 
     n = case.plan.n_devices * a.grad_accum
 
-    def fits(per_device):
+    @functools.cache
+    def total(per_device):
         shape = jax.ShapeDtypeStruct((per_device * n, a.seq_len), jnp.int32)
         b = {"inputs": shape, "targets": shape}
-        return _estimate(a, case, b, case.backend, a.prefetch or case.gpu).total <= budget
+        return _estimate(a, case, b, case.backend, a.prefetch or case.gpu).total
 
-    return largest_batch(fits) * n
+    # Each estimate traces the model (about a second for a small one); it grows about linearly in the
+    # batch, so the line through 1 and 2 sequences per device guesses the answer, and the search
+    # starts there (4 estimates instead of about 28 for llama-small under 80 GiB; the same answer).
+    slope = total(2) - total(1)
+    guess = 1 + int((budget - total(1)) // slope) if slope > 0 else None
+    return largest_batch(lambda b: total(b) <= budget, guess=guess) * n
