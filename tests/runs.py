@@ -42,7 +42,7 @@ def bf16_rest_run(case, loss_fn, ref_forward, devices, mp):
     batch = case["batches"][0]
 
     def loss(p, b):
-        return rows_of(devices, lambda r: loss_fn(ref_forward(case["root"], case["unit"], p, r["inputs"], jnp.bfloat16), r), b)
+        return rows_of_each(devices, lambda r: loss_fn(ref_forward(case["root"], case["unit"], p, r["inputs"], jnp.bfloat16), r), b)
     with jax.default_device(jax.devices()[0]):
         want_loss, want = ref.run_exact(jax.value_and_grad(loss), case["init"], batch)
     plan = stacked_plan(case, f"1x{devices}", "full_shard", "none", mp)
@@ -52,9 +52,18 @@ def bf16_rest_run(case, loss_fn, ref_forward, devices, mp):
 
 
 def rows_of(devices, loss, b):
-    """The mean of `loss(rows)` over `devices` devices' rows, each computed alone: an activation's (and
-    a gradient's) scale is its own device's amax, as in torchtitan's tensorwise recipe (no cross-device
-    amax but the weights')."""
+    """The mean of `loss(rows)` over `devices` devices' rows, each computed alone (vmapped over the
+    devices: one copy of the model in the program): an activation's (and a gradient's) scale is its
+    own device's amax, as in torchtitan's tensorwise recipe (no cross-device amax but the weights').
+    For a model in fp32: with parameters cast to bf16 inside `loss`, vmap sums the devices' parameter
+    cotangents in bf16 (`rows_of_each` does not)."""
+    split = jax.tree.map(lambda x: x.reshape(devices, x.shape[0] // devices, *x.shape[1:]), b)
+    return jnp.mean(jax.vmap(loss)(split))
+
+
+def rows_of_each(devices, loss, b):
+    """`rows_of` with one copy of the model per device (their parameter cotangents summed in fp32 after
+    each device's bf16 cast is transposed, as the engine does): the bf16-rest references."""
     per = jax.tree.leaves(b)[0].shape[0] // devices
     return sum(loss(jax.tree.map(lambda x: x[i * per:(i + 1) * per], b)) for i in range(devices)) / devices
 
