@@ -14,7 +14,7 @@ from models.llama import Llama, LlamaBlock
 
 CFG = dataclasses.replace(models.get_config("llama-test"), attention="xla", dim=64, ffn_dim=128, n_heads=4, n_kv_heads=2)
 BATCH, SEQ = 8, 64
-DEEP = 10   # layers of the deep program; the shallow one has 4
+DEEP = 7   # layers of the deep program; the shallow one has 4
 
 
 def compiled(n_layers, as_is, strategy="full_shard"):
