@@ -20,6 +20,7 @@ import jfsdp
 import jfsdp.train.step
 import models
 from jfsdp.planning import hlo
+from jfsdp import plan as plan_cli
 from jfsdp.plan import parse_bytes
 from jfsdp.planning import memory
 from jfsdp.planning.report import largest_batch
@@ -161,15 +162,28 @@ def _plan(*args, env_extra=None):
                           timeout=300)
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--model", "nope", "--mesh", "1x4"], "unknown model"),
-    (["--model", "llama-test", "--mesh", "1x4", "--device-memory", "lots"], "does not parse"),
-    (["--model", "llama-test", "--mesh", "2y2"], "malformed"),
+def _plan_here(monkeypatch, capsys, *args):
+    """`jfsdp.plan`'s main in this process (its devices are this session's 16: a mesh must use them all)
+    -> (exit status, stderr)."""
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))   # main adds its CPU flags: undone after
+    code = plan_cli.main(list(args))
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args,needle,process", [
+    (["--model", "nope", "--mesh", "1x4"], "unknown model", True),
+    (["--model", "llama-test", "--mesh", "1x4", "--device-memory", "lots"], "does not parse", False),
+    (["--model", "llama-test", "--mesh", "2y2"], "malformed", False),
 ])
-def test_plan_bad_input_is_one_line_and_status_2(args, needle):
-    p = _plan(*args)
-    assert p.returncode == 2 and needle in p.stderr
-    lines = [l for l in p.stderr.splitlines() if l.strip() and "Warning" not in l]
+def test_plan_bad_input_is_one_line_and_status_2(monkeypatch, capsys, args, needle, process):
+    """One case as the command (its process's exit status), the others through its main."""
+    if process:
+        p = _plan(*args)
+        code, err = p.returncode, p.stderr
+    else:
+        code, err = _plan_here(monkeypatch, capsys, *args)
+    assert code == 2 and needle in err
+    lines = [l for l in err.splitlines() if l.strip() and "Warning" not in l]
     assert len(lines) == 1 and lines[0].startswith("error: ")
 
 
@@ -240,14 +254,16 @@ def test_plan_freeze_against_the_compiled_step(tmp_path):
     assert full["estimate"]["total"] - r["estimate"]["total"] >= frozen_bytes * 3 / 8
 
 
-def test_plan_freeze_matching_nothing_is_an_error():
-    p = _plan("--model", "llama-test", "--mesh", "1x4", "--freeze", "no_such_param", "--no-compile")
-    lines = [l for l in p.stderr.splitlines() if l.strip() and "Warning" not in l]
-    assert p.returncode == 2 and len(lines) == 1, p.stderr
+def test_plan_freeze_matching_nothing_is_an_error(monkeypatch, capsys):
+    code, err = _plan_here(monkeypatch, capsys, "--model", "llama-test", "--mesh", "1x16", "--freeze", "no_such_param",
+                           "--no-compile")
+    lines = [l for l in err.splitlines() if l.strip() and "Warning" not in l]
+    assert code == 2 and len(lines) == 1, err
     assert lines[0].startswith("error: --freeze 'no_such_param' matches no parameter; the paths are: ")
     assert "root/tok_embeddings/embedding" in lines[0] and "units/attention/wq/kernel" in lines[0]
-    p = _plan("--model", "llama-test", "--mesh", "1x4", "--freeze", "(unclosed", "--no-compile")
-    assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].startswith("error: --freeze '(unclosed' is not")
+    code, err = _plan_here(monkeypatch, capsys, "--model", "llama-test", "--mesh", "1x16", "--freeze", "(unclosed",
+                           "--no-compile")
+    assert code == 2 and err.strip().splitlines()[-1].startswith("error: --freeze '(unclosed' is not")
 
 
 def test_update_holds_one_gradient_tree():
