@@ -21,10 +21,10 @@ DEFAULT_MEMORY = 80 * 2**30   # per device, where neither --device-memory nor a 
 
 
 def build(model_name, mesh_spec, strategy, precision, remat, batch_size, seq_len, devices=None, attention=None,
-          loss="fused", moe="auto", moe_chunks="auto", backend=None, prefetch=None):
+          loss="fused", moe="auto", moe_chunks="auto", backend=None, prefetch=None, tensor=1):
     """(cfg, plan, optimizer, loss_fn, batch shapes) for a named model; nothing allocated.
     `devices`: the mesh's devices (default: all local ones); `attention`: override the config's;
-    `prefetch`: fully_shard's."""
+    `prefetch`: fully_shard's; `tensor`: T, with the model's tensor plan (models/factory.py) when T > 1."""
     import jax
     import jax.numpy as jnp
 
@@ -40,7 +40,7 @@ def build(model_name, mesh_spec, strategy, precision, remat, batch_size, seq_len
                           "configs")
     if attention:
         cfg = dataclasses.replace(cfg, attention=attention)
-    mesh = jfsdp.make_mesh(mesh_spec, devices)
+    mesh = jfsdp.make_mesh(mesh_spec, devices, tensor=tensor)
     n = mesh.size
     batch_size = n if batch_size is None else batch_size
     if batch_size < 1 or seq_len < 1:
@@ -49,8 +49,9 @@ def build(model_name, mesh_spec, strategy, precision, remat, batch_size, seq_len
     if batch_size % n:
         raise ConfigError(f"batch size {batch_size} does not divide over the {n} devices of the mesh")
     model, moe_opt, loss_fn = models.factory.language_model(cfg, loss, moe, moe_chunks, backend)
+    tensor_plan = models.factory.tensor_plan(cfg) if tensor > 1 else None
     plan = jfsdp.fully_shard(model, mesh, x, strategy=strategy, mp_policy=jfsdp.MixedPrecision.parse(precision),
-                             remat=remat, moe=moe_opt, prefetch=prefetch)
+                             remat=remat, moe=moe_opt, prefetch=prefetch, tensor_plan=tensor_plan)
     return cfg, plan, jfsdp.adamw(1e-4), loss_fn, {"inputs": x, "targets": x}
 
 
