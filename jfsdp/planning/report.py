@@ -14,7 +14,7 @@ import time
 
 from jfsdp.config.errors import ConfigError
 from jfsdp.config.policy import schedule
-from jfsdp.planning import hlo, memory, sizes, targets
+from jfsdp.planning import hlo, memory, sizes, targets, tensor_comm
 from jfsdp.train import frozen
 
 DEFAULT_MEMORY = 80 * 2**30   # per device, where neither --device-memory nor a named GPU says
@@ -109,11 +109,13 @@ def report(a, budget: int | None = None) -> dict:
         raise ConfigError("--xla-option applies to a named GPU target (--target h100, ...)")
     # a named GPU: its devices, and cuDNN's fused attention where it applies (bf16 compute, head_dim a
     # multiple of 8 up to 128)
-    devices, attention = (targets.devices(a.target, a.mesh), "cudnn") if gpu else (None, None)
+    tensor = getattr(a, "tensor", 1)
+    devices, attention = (targets.devices(a.target, a.mesh, tensor), "cudnn") if gpu else (None, None)
     backend = "gpu" if gpu else a.target
     with targets.tracing_for(a.target) if gpu else contextlib.nullcontext():
         cfg, plan, opt, loss_fn, batch = build(a.model, a.mesh, a.strategy, a.precision, a.remat, a.batch_size,
-                                               a.seq_len, devices, attention, a.loss, a.moe, a.moe_chunks, backend)
+                                               a.seq_len, devices, attention, a.loss, a.moe, a.moe_chunks, backend,
+                                               tensor=tensor)
         trainable, hit = frozen.freeze(plan, getattr(a, "freeze", None))
         case = _Case(plan, opt, loss_fn, batch, gpu, backend, a.target if gpu else jax.default_backend(),
                      trainable, tuple(hit))
@@ -164,7 +166,7 @@ def _estimates(a, cfg, case: _Case, budget: int) -> dict:
 
     plan, here = case.plan, case.here
     est = _estimate(a, case, case.batch, case.backend, a.prefetch or case.gpu)
-    rep = {"model": a.model, "params": cfg.num_params(), "mesh": a.mesh, "devices": plan.n_devices,
+    rep = {"model": a.model, "params": cfg.num_params(), "mesh": a.mesh, "tensor": plan.tensor, "devices": plan.n_devices,
            "strategy": plan.strategy.value, "precision": a.precision, "remat": a.remat,
            "update_in_backward": a.update_in_backward, "grad_accum": a.grad_accum, "grad_sync": a.grad_sync,
            "batch_size": case.batch["inputs"].shape[0], "seq_len": a.seq_len, "device_memory": budget,
@@ -181,8 +183,7 @@ def _estimates(a, cfg, case: _Case, budget: int) -> dict:
         rep["schedule"] = schedule(plan.strategy, plan.remat, plan.shards, plan.prefetch)
     if here != a.target:
         rep[f"estimate_{here}"] = _estimate(a, case, case.batch, here, a.prefetch).as_dict()
-    rep["comm_formula"] = memory.comm_formula(plan, backend=case.backend, grad_accum=a.grad_accum,
-                                              grad_sync=a.grad_sync, trainable=case.trainable)
+    rep.update(_formula(a, case, case.backend))
     if any(plan.moe_stages):
         rep["moe"] = moe.describe(plan)
     rep["layouts"] = sizes.leaf_layouts(plan)
@@ -205,9 +206,11 @@ def _compiled(a, case: _Case) -> dict:
                                        trainable=case.trainable)
     rep = {"compile_s": round(time.time() - t, 1), "compiled": {"backend": here, **memory.measure(compiled)},
            "comm_compiled": {"backend": here, **memory.comm_measured(compiled, plan.n_devices)}}
+    if plan.tensor > 1:   # by mesh axes, beside the formula's (tensor_comm)
+        axes = hlo.per_axes(compiled.as_text(), tuple(plan.mesh.shape.items()))
+        rep["comm_compiled_axes"] = tensor_comm.axes_table({k: v["wire_bytes"] for k, v in axes.items()})
     if here != a.target:
-        rep[f"comm_formula_{here}"] = memory.comm_formula(plan, backend=here, grad_accum=a.grad_accum,
-                                                          grad_sync=a.grad_sync, trainable=case.trainable)
+        rep.update({f"{k}_{here}": v for k, v in _formula(a, case, here).items()})
     if case.gpu:
         text = compiled.as_text()
         ov = hlo.overlap(text, plan.n_devices)
@@ -216,6 +219,17 @@ def _compiled(a, case: _Case) -> dict:
         rep["collective_dtypes"] = sorted({(c.kind, d) for c in hlo.collectives(text, plan.n_devices)
                                            for d in c.dtypes})
     return rep
+
+
+def _formula(a, case: _Case, backend: str) -> dict:
+    """{'comm_formula': {kind: bytes, 'total', 'contract'}} for `backend`; with T > 1 also
+    'comm_formula_axes': {'kind over axes': bytes} (jfsdp.planning.tensor_comm)."""
+    kw = dict(grad_accum=a.grad_accum, grad_sync=a.grad_sync, trainable=case.trainable)
+    if case.plan.tensor == 1:
+        return {"comm_formula": memory.comm_formula(case.plan, backend=backend, **kw)}
+    axes = tensor_comm.tensor_comm(case.plan, case.batch["inputs"].shape[0], a.seq_len, a.loss == "fused",
+                                   backend=backend, **kw)
+    return {"comm_formula": tensor_comm.by_kind(axes), "comm_formula_axes": tensor_comm.axes_table(axes)}
 
 
 def _largest_global_batch(a, case: _Case, budget: int) -> int:
