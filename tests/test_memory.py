@@ -157,6 +157,7 @@ def _plan(*args, env_extra=None):
     (["--model", "nope", "--mesh", "1x4"], "unknown model"),
     (["--model", "llama-test", "--mesh", "1x4", "--device-memory", "lots"], "does not parse"),
     (["--model", "llama-test", "--mesh", "2y2"], "malformed"),
+    (["--model", "llama-test", "--mesh", "1x4", "--tensor", "3", "--seq-len", "64"], "does not divide --seq-len 64"),
 ])
 def test_plan_bad_input_is_one_line_and_status_2(args, needle):
     p = _plan(*args)

@@ -22,7 +22,11 @@ compute dtype, the rowwise reduce-scatters of the forward (and its recomputation
 The vocabulary-parallel root adds 2 of each in the compute dtype (the embedding, the head), the token
 ids' and targets' all-gathers (4 bytes a token) and the loss's all-reduces of fp32 per token: 4 for the
 plain loss (max, sum, target logit forward; the sum's transpose backward), 3 for the fused loss, whose
-backward all-reduces one scalar (the cotangent) per micro-batch."""
+backward all-reduces one scalar (the cotangent; one per step, whatever the micro-batches).
+With k micro-batches the units are gathered k times, and so are the root's leaves that only the head
+reads (gathered after the units, behind an optimization barrier); those the embedding reads once (XLA
+hoists their gather out of the micro-batches' loop). The gradients are reduced k times
+(`grad_sync='every'`) or once."""
 from __future__ import annotations
 
 import math
@@ -56,7 +60,9 @@ def _fsdp(plan, out: dict, pb: int, rb: int, gathers_k: int, reduce_k: int, mask
     gathers = 2 if plan.strategy.reshard_after_forward else 1
     flat = lambda tree: jax.tree.leaves(tree, is_leaf=is_layout)
     flags = lambda m, tree: jax.tree.leaves(m) if m is not None else [True] * len(flat(tree))
-    leaves = [(l, 1, 1, t) for l, t in zip(flat(root_l), flags(root_m, root_l))]
+    embed_reads = plan.root_use[0]   # gathered once per step; a leaf only the head reads, in every micro-batch
+    leaves = [(l, 1 / gathers_k if i in embed_reads else 1, 1, t)
+              for i, (l, t) in enumerate(zip(flat(root_l), flags(root_m, root_l)))]
     for ls, n, m in zip(stage_l, plan.stage_sizes, stage_m):
         for l, t in zip(flat(ls), flags(m, ls)):
             once = gathers == 2 and plan.remat == "none" and len(l.shape) == 1
@@ -101,7 +107,7 @@ def tensor_comm(plan, rows: int, seq_len: int, fused: bool, backend: str | None 
     add(out, "reduce-scatter", (TENSOR_AXIS,), (rowwise * rb + (units * 2 + root) * cb) * n * d * f)
     if vocab:
         add(out, "all-gather", (TENSOR_AXIS,), 2 * n * 4 * f)
-        add(out, "all-reduce", (TENSOR_AXIS,), ((3 * n + grad_accum) if fused else 4 * n) * 4 * 2 * f)
+        add(out, "all-reduce", (TENSOR_AXIS,), ((3 * n + 1) if fused else 4 * n) * 4 * 2 * f)
     return out
 
 
