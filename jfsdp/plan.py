@@ -137,7 +137,7 @@ def render(r: dict) -> str:
             continue
         lines.append(f"  {k:26}{_gib(f[k]):>20}" + (f"{mid(fh[k])}{_gib(m[k]):>20}" if m else ""))
     if tp:
-        lines.append(f"  FSDP part (all but `tensor`){_gib(f['contract']):>24}")
+        lines.append(f"  {'FSDP part (not `tensor`)':26}{_gib(f['contract']):>20}")
         lines += _axes_rows(r, here, same)
     else:
         lines.append(f"  contract (3Ψ·b·(S−1)/S or 2Ψ·b·(N−1)/N){_gib(f['contract']):>14}")
@@ -167,9 +167,9 @@ def _axes_rows(r: dict, here, same: bool) -> list:
     f = r["comm_formula_axes"]
     fh = r.get(f"comm_formula_axes_{here}", f)
     m = r.get("comm_compiled_axes")
-    lines = ["  by mesh axes:"]
+    lines = ["  by mesh axes" + (" (formula, compiled HLO)" if m else " (formula)")]
     for k in sorted(set(f) | set(m or {})):
-        lines.append(f"    {k:38}{_gib(f.get(k, 0.0)):>12}" + ("" if same or not m else f"{_gib(fh.get(k, 0.0)):>20}")
+        lines.append(f"    {k:34}{_gib(f.get(k, 0.0)):>14}" + ("" if same or not m else f"{_gib(fh.get(k, 0.0)):>20}")
                      + (f"{_gib(m.get(k, 0.0)):>20}" if m else ""))
     return lines
 
