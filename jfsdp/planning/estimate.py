@@ -125,7 +125,9 @@ def estimate(plan: FSDP, optimizer, loss_fn: Callable, batch, *, prefetch: bool 
     micro-batch's, which the backward pass writes before it is added: `_accumulation_points`).
     `trainable` (as make_train_step's: a tree of booleans or a predicate on parameter paths;
     `optimizer` is the unmasked one): frozen leaves are still held and gathered, but have no gradient
-    shard, unsharded gradient or optimizer state (`_Grads`)."""
+    shard, unsharded gradient or optimizer state (`_Grads`).
+    Tensor parallelism (T > 1): the state and gradient shards per leaf over its own group, and the
+    activations traced as one tensor rank runs them (`jfsdp.planning.tensor_memory`)."""
     if getattr(plan, "as_is", False):
         raise ConfigError("the analytic estimate describes jfsdp.Stacked / Staged models; for a model given as it is, "
                           "compile its step (jfsdp.planning.memory.compile_step) and read memory.measure")
@@ -243,8 +245,8 @@ def _activations(plan: FSDP, loss_fn: Callable, local, backend: str, mask=None) 
     recomputation, the head's activations) per device for the local batch `local`; `mask`: the
     trainable leaves (frozen ones are not differentiated). T > 1: traced per tensor rank (tensor_memory)."""
     st = stages(plan)
-    activation_estimate_ = tensor_memory.activation_estimate if plan.tensor > 1 else activation_estimate
-    act = activation_estimate_(plan, loss_fn, local, backend, trainable=mask)
+    trace = tensor_memory.activation_estimate if plan.tensor > 1 else activation_estimate
+    act = trace(plan, loss_fn, local, backend, trainable=mask)
     recompute = max(s["unit_working"] - s["per_unit"] for s in act["stages"])
     saved = sum(n * s["per_unit"] for s, (_, n) in zip(act["stages"], st))
     # Until the backward scan starts, the saved activations are held in the dtype the forward wrote:
@@ -253,7 +255,7 @@ def _activations(plan: FSDP, loss_fn: Callable, local, backend: str, mask=None) 
     saved_fwd = saved
     pdt = plan.mp.param_dtype or jnp.float32
     if wire_dtype(pdt, backend) != jnp.dtype(pdt):
-        act_fwd = activation_estimate_(plan, loss_fn, local, backend, widen=False, trainable=mask)
+        act_fwd = trace(plan, loss_fn, local, backend, widen=False, trainable=mask)
         saved_fwd = sum(n * s["per_unit"] for s, (_, n) in zip(act_fwd["stages"], st))
     return saved, saved_fwd, recompute, act["head"]
 
