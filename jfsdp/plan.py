@@ -41,7 +41,8 @@ def _args(argv):
     p.add_argument("--model", required=True, help="a name from models.CONFIGS, e.g. llama-8b, llama-70b")
     p.add_argument("--mesh", required=True, help="RxS: R replicas (data) x S shards (fsdp)")
     p.add_argument("--tensor", type=int, default=1, metavar="T",
-                   help="tensor-parallel size (train.py's --tensor); the planner plans T = 1 only so far")
+                   help="tensor-parallel size (train.py's --tensor): mesh RxS x T devices, Megatron TP with sequence "
+                   "parallelism over the innermost T (docs/tensor-parallel.md)")
     p.add_argument("--strategy", default="full_shard")
     p.add_argument("--precision", default="bf16", help="fp32, bf16 (fp32 master, bf16 compute, fp32 reduce) or fp8 "
                    "(bf16 plus float8 unit matmuls and unit gathers at 1 byte per parameter) or fp8-rowwise (float8 "
@@ -102,7 +103,8 @@ def render(r: dict) -> str:
     e, tgt = r["estimate"], r["target"]
     here = r.get("compiled", {}).get("backend")
     e_here = r.get(f"estimate_{here}", e if here == tgt else None) if here else None
-    lines = [f"{r['model']} ({r['params'] / 1e9:.2f}B parameters) on mesh {r['mesh']} ({r['devices']} devices), "
+    tp = f" --tensor {r['tensor']}" if r.get("tensor", 1) > 1 else ""
+    lines = [f"{r['model']} ({r['params'] / 1e9:.2f}B parameters) on mesh {r['mesh']}{tp} ({r['devices']} devices), "
              f"{r['strategy']}, {r['precision']}, remat {r['remat']}, batch {r['batch_size']} x {r['seq_len']} tokens"
              + (", optimizer inside the backward pass" if r.get("update_in_backward") else "")
              + (f", {len(r['frozen'])} parameters frozen (--freeze '{r['freeze']}')" if r.get("frozen") else "")
@@ -134,7 +136,11 @@ def render(r: dict) -> str:
         if k == "all-to-all" and not f.get(k) and not (m or {}).get(k):
             continue
         lines.append(f"  {k:26}{_gib(f[k]):>20}" + (f"{mid(fh[k])}{_gib(m[k]):>20}" if m else ""))
-    lines.append(f"  contract (3Ψ·b·(S−1)/S or 2Ψ·b·(N−1)/N){_gib(f['contract']):>14}")
+    if tp:
+        lines.append(f"  {'FSDP part (not `tensor`)':26}{_gib(f['contract']):>20}")
+        lines += _axes_rows(r, here, same)
+    else:
+        lines.append(f"  contract (3Ψ·b·(S−1)/S or 2Ψ·b·(N−1)/N){_gib(f['contract']):>14}")
     if r.get("layouts"):
         lines += ["", "parameter layout (jfsdp/engine/layout.py; every leaf per unit, in --json): "
                   + r["layouts"]["summary"]]
@@ -155,6 +161,19 @@ def render(r: dict) -> str:
     return "\n".join(lines)
 
 
+def _axes_rows(r: dict, here, same: bool) -> list:
+    """The communication by mesh axes under tensor parallelism: the formula (jfsdp.planning.tensor_comm)
+    and the compiled HLO's (hlo.per_axes); collectives the formula leaves out (scalars) show as 0."""
+    f = r["comm_formula_axes"]
+    fh = r.get(f"comm_formula_axes_{here}", f)
+    m = r.get("comm_compiled_axes")
+    lines = ["  by mesh axes" + (" (formula, compiled HLO)" if m else " (formula)")]
+    for k in sorted(set(f) | set(m or {})):
+        lines.append(f"    {k:34}{_gib(f.get(k, 0.0)):>14}" + ("" if same or not m else f"{_gib(fh.get(k, 0.0)):>20}")
+                     + (f"{_gib(m.get(k, 0.0)):>20}" if m else ""))
+    return lines
+
+
 def main(argv=None) -> int:
     a = _args(argv)
     try:
@@ -173,8 +192,9 @@ def main(argv=None) -> int:
 def _plan(a) -> dict:
     """Check what needs no jax, set up the devices, then start jax and make the report."""
     n = mesh_spec(a.mesh, a.tensor).devices
-    if a.tensor != 1:
-        raise ConfigError(f"--tensor {a.tensor}: the planner does not plan tensor parallelism yet (docs/tensor-parallel.md)")
+    if a.tensor > 1 and a.seq_len % a.tensor:
+        raise ConfigError(f"--tensor {a.tensor} does not divide --seq-len {a.seq_len} (sequence parallelism splits "
+                          "the sequence)")
     budget = parse_bytes(a.device_memory) if a.device_memory else None
     set_fake_cpu_devices(n)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")

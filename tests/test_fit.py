@@ -68,13 +68,19 @@ def _cli(args, monkeypatch, capsys):
     return code, out.out, out.err
 
 
-def test_command_refuses_with_one_line(monkeypatch, capsys):
+@pytest.mark.parametrize("tensor", [1, 2])
+def test_command_refuses_with_one_line(monkeypatch, capsys, tensor):
+    """Refused before the state or the step exist, at T = 1 and with tensor parallelism (2x2 --tensor 2: the
+    planner's T > 1 estimate), with the nearest configuration that fits."""
     monkeypatch.setenv(fit.BUDGET_ENV, "20MiB")
-    code, out, err = _cli(TINY, monkeypatch, capsys)
+    mesh = [] if tensor == 1 else ["--mesh", "2x2", "--tensor", "2"]
+    code, out, err = _cli([*TINY, *mesh], monkeypatch, capsys)
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert code == 2 and len(errors) == 1 and "Traceback" not in err, err
     assert "does not fit" in errors[0] and "budget is 20.0 MiB per device (JFSDP_MEMORY_BUDGET=20MiB)" in errors[0]
-    assert "compiled the train step" not in out   # refused before the state or the step exist
+    assert "compiled the train step" not in out
+    if tensor > 1:
+        assert "nearest that fit: --batch-size 8" in errors[0], err
 
 
 def test_no_fit_check_runs_anyway(monkeypatch, capsys):

@@ -15,18 +15,33 @@ from jfsdp.engine.sharded import FSDP
 from jfsdp.planning.sizes import as_shapes, nbytes, tree_bytes
 
 
-def residual_bytes(f, *args, skip_args=True) -> int:
+def residual_bytes(f, *args, skip_args=True, axis_env=None) -> int:
     """Bytes of the values JAX saves from f's forward for its backward (its checkpoint policy
-    applied). Arguments are skipped: the caller accounts for them."""
-    from jax._src.ad_checkpoint import saved_residuals  # public only as print_saved_residuals
+    applied). Arguments are skipped: the caller accounts for them. `axis_env`: [(axis name, size)]
+    that f's collectives run over (traced as one device runs them, as inside shard_map)."""
     total = 0
-    for aval, where in saved_residuals(f, *args):
+    for aval, where in saved_residuals(f, args, axis_env):
         if skip_args and where.startswith("from the argument"):
             continue
         if skip_args and where.startswith("output of stop_gradient") and __file__ in where:
-            continue   # a frozen parameter (_stop_frozen): an argument too
+            continue   # a frozen parameter (stop_frozen): an argument too
         total += int(math.prod(aval.shape)) * jnp.dtype(aval.dtype).itemsize
     return total
+
+
+def saved_residuals(f, args, axis_env=None) -> list:
+    """[(aval, where it comes from)] of what JAX saves from f(*args)'s forward for its backward, as
+    jax's `saved_residuals` (public only as print_saved_residuals), traced under `axis_env`."""
+    from jax._src import ad_checkpoint
+    if not axis_env:
+        return ad_checkpoint.saved_residuals(f, *args)
+    leaves, tree = jax.tree.flatten(args)
+    flat = lambda *xs: f(*jax.tree.unflatten(tree, xs))
+    closed, (_, vjp_fn) = jax.make_jaxpr(lambda *xs: jax.vjp(flat, *xs), return_shape=True,
+                                         axis_env=axis_env)(*leaves)
+    n_res = len(jax.tree.leaves(vjp_fn))
+    jaxpr = closed.jaxpr.replace(outvars=closed.jaxpr.outvars[len(closed.jaxpr.outvars) - n_res:])
+    return ad_checkpoint._saved_residuals(jaxpr, [f"args[{i}]" for i in range(len(leaves))])
 
 
 def activation_estimate(plan: FSDP, loss_fn: Callable, local_batch, backend: str | None = None,
@@ -55,7 +70,7 @@ def activation_estimate(plan: FSDP, loss_fn: Callable, local_batch, backend: str
     return {**stages[0], "head": head, "stages": stages}
 
 
-def _stop_frozen(params, trainable):
+def stop_frozen(params, trainable):
     """`params` with `lax.stop_gradient` on the leaves that `trainable` (booleans, or None) freezes."""
     if trainable is None:
         return params
@@ -69,7 +84,7 @@ def _unit_activations(plan: FSDP, stage_layouts, pdt, h, stage_trainable):
     stages = []
     for st, layouts, t in zip(plan.model.stages, stage_layouts, stage_trainable):
         unit_p = as_shapes(layouts, pdt)
-        unit_fn = lambda x, p, unit=st.unit, t=t: unit.apply({"params": _stop_frozen(p, t)}, x)
+        unit_fn = lambda x, p, unit=st.unit, t=t: unit.apply({"params": stop_frozen(p, t)}, x)
         stages.append({"per_unit": residual_bytes(jax.checkpoint(unit_fn, policy=policy), h, unit_p) + tree_bytes(h),
                        "unit_working": residual_bytes(unit_fn, h, unit_p) + tree_bytes(h)})
         h = jax.eval_shape(unit_fn, h, unit_p)
@@ -82,20 +97,25 @@ def _head_activations(plan: FSDP, loss_fn: Callable, local_batch, root_p, h, roo
     m = plan.model
 
     def head(x, r):
-        return m.root.apply({"params": _stop_frozen(r, root_trainable)}, x, method=m.head_method)
+        return m.root.apply({"params": stop_frozen(r, root_trainable)}, x, method=m.head_method)
 
     out = jax.eval_shape(head, h, root_p)
     total = residual_bytes(lambda x, r, batch: loss_fn(plan.mp.cast_output(head(x, r)), batch), h, root_p, local_batch)
     if isinstance(out, jax.ShapeDtypeStruct):   # logits: + the output's cotangent in fp32
         return total + 2 * nbytes(out)
-    # a fused head + loss (hidden, weight): the weight's gradient (one buffer of its dtype, written
-    # block by block), and the hidden states' fp32 gradient accumulator and the product added into it
+    return total + fused_head_buffers(plan, loss_fn, out, math.prod(local_batch["inputs"].shape), root_trainable)
+
+
+def fused_head_buffers(plan: FSDP, loss_fn: Callable, out, tokens: int, root_trainable=None) -> int:
+    """The buffers a fused head + loss's backward makes, for its outputs `out` (hidden, weight) on
+    `tokens` tokens: the weight's gradient (one buffer of its dtype, written block by block), and the
+    hidden states' fp32 gradient accumulator and the product added into it; with jfsdp's lm_loss, a
+    few (chunk, vocabulary) fp32 buffers at a time."""
     *hs, w = jax.tree.leaves(out)
-    total += (0 if _frozen_weight(plan, w, root_trainable) else nbytes(w)) + 2 * sum(math.prod(x.shape) * 4 for x in hs)
+    total = (0 if _frozen_weight(plan, w, root_trainable) else nbytes(w)) + 2 * sum(math.prod(x.shape) * 4 for x in hs)
     chunk = getattr(loss_fn, "chunk", None)
-    if chunk:   # jfsdp.train.losses.lm_loss: a few (chunk, vocabulary) fp32 buffers at a time
+    if chunk:   # jfsdp.train.losses.lm_loss
         vocab = w.shape[0] if getattr(loss_fn, "vocab_major", False) else w.shape[-1]
-        tokens = math.prod(local_batch["inputs"].shape)
         total += 2 * min(chunk, tokens) * vocab * 4
     return total
 

@@ -15,6 +15,7 @@ from jfsdp.config.errors import ConfigError
 from jfsdp.config.policy import wire_dtype
 from jfsdp.engine.layout import is_layout
 from jfsdp.engine.sharded import FSDP
+from jfsdp.planning import tensor_memory
 from jfsdp.planning.activations import activation_estimate
 from jfsdp.engine.layout import stored_bytes
 from jfsdp.planning.sizes import elements, stages, tree_bytes
@@ -124,7 +125,9 @@ def estimate(plan: FSDP, optimizer, loss_fn: Callable, batch, *, prefetch: bool 
     micro-batch's, which the backward pass writes before it is added: `_accumulation_points`).
     `trainable` (as make_train_step's: a tree of booleans or a predicate on parameter paths;
     `optimizer` is the unmasked one): frozen leaves are still held and gathered, but have no gradient
-    shard, unsharded gradient or optimizer state (`_Grads`)."""
+    shard, unsharded gradient or optimizer state (`_Grads`).
+    Tensor parallelism (T > 1): the state and gradient shards per leaf over its own group, and the
+    activations traced as one tensor rank runs them (`jfsdp.planning.tensor_memory`)."""
     if getattr(plan, "as_is", False):
         raise ConfigError("the analytic estimate describes jfsdp.Stacked / Staged models; for a model given as it is, "
                           "compile its step (jfsdp.planning.memory.compile_step) and read memory.measure")
@@ -136,8 +139,9 @@ def estimate(plan: FSDP, optimizer, loss_fn: Callable, batch, *, prefetch: bool 
     local = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // N, *a.shape[1:]), a.dtype), batch)
     micro = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // grad_accum, *a.shape[1:]), a.dtype), local)
     saved, saved_fwd, recompute, head = _activations(plan, loss_fn, micro, backend, g.mask)
+    grad_shards = tensor_memory.real_grad_shards(g) if plan.tensor > 1 else g.real_bytes // plan.shards
     step = _Step(params, pad_grads, gathered, units_gathered, one_unit, grad_buffers, saved, saved_fwd, recompute,
-                 head, g.real_bytes // plan.shards, _unit_grad(plan, g))
+                 head, grad_shards, _unit_grad(plan, g))
     points = _peak_points(plan, backend, step, g)
     if update_in_backward:
         points.update(_update_in_backward_points(plan, step, points["embed"], g))
@@ -160,6 +164,8 @@ def _state(plan: FSDP, optimizer, g: _Grads) -> tuple[int, int, int, int]:
     # the state of the optimizer as the step runs it: on the trainable leaves only (frozen.optimizer)
     opt = frozen.optimizer(optimizer, g.mask)
     opt_total = tree_bytes(jax.eval_shape(opt.init, plan.abstract_params()))
+    if plan.tensor > 1:   # each leaf over its own group: S for a tensor-parallel leaf, S·T for the rest
+        return tensor_memory.state(plan, opt_total, g)
     opt_per_byte = opt_total / (g.real_bytes + g.pad_elements * master)  # AdamW: 2.0 (two fp32 moments)
     optimizer_b = int(round(g.real_bytes * opt_per_byte)) // S
     pad_state = int(round((pad * master + g.pad_elements * master * opt_per_byte) / S))
@@ -237,9 +243,10 @@ def _unit_grad(plan: FSDP, g: _Grads) -> int:
 def _activations(plan: FSDP, loss_fn: Callable, local, backend: str, mask=None) -> tuple[int, int, int, int]:
     """(saved unit activations in the backward pass, the same in the forward pass, one unit's
     recomputation, the head's activations) per device for the local batch `local`; `mask`: the
-    trainable leaves (frozen ones are not differentiated)."""
+    trainable leaves (frozen ones are not differentiated). T > 1: traced per tensor rank (tensor_memory)."""
     st = stages(plan)
-    act = activation_estimate(plan, loss_fn, local, backend, trainable=mask)
+    trace = tensor_memory.activation_estimate if plan.tensor > 1 else activation_estimate
+    act = trace(plan, loss_fn, local, backend, trainable=mask)
     recompute = max(s["unit_working"] - s["per_unit"] for s in act["stages"])
     saved = sum(n * s["per_unit"] for s, (_, n) in zip(act["stages"], st))
     # Until the backward scan starts, the saved activations are held in the dtype the forward wrote:
@@ -248,7 +255,7 @@ def _activations(plan: FSDP, loss_fn: Callable, local, backend: str, mask=None) 
     saved_fwd = saved
     pdt = plan.mp.param_dtype or jnp.float32
     if wire_dtype(pdt, backend) != jnp.dtype(pdt):
-        act_fwd = activation_estimate(plan, loss_fn, local, backend, widen=False, trainable=mask)
+        act_fwd = trace(plan, loss_fn, local, backend, widen=False, trainable=mask)
         saved_fwd = sum(n * s["per_unit"] for s, (_, n) in zip(act_fwd["stages"], st))
     return saved, saved_fwd, recompute, act["head"]
 
@@ -279,7 +286,8 @@ def _peak_points(plan: FSDP, backend: str, s: _Step, g: _Grads) -> dict:
     pdt = plan.mp.param_dtype or jnp.float32
     rdt = plan.mp.reduce_dtype or pdt
     gdt = wire_dtype(pdt, backend)
-    unit_grads = sum(n * stored_bytes(l) for l, n in g.stages) // plan.shards
+    unit_grads = (tensor_memory.grad_shards(g.stages) if plan.tensor > 1
+                  else sum(n * stored_bytes(l) for l, n in g.stages) // plan.shards)
     leaves = g.root
     embed_reads, head_reads = plan.root_use
     shared = [leaves[i] for i in sorted(embed_reads & head_reads) if leaves[i] is not None]
@@ -309,7 +317,7 @@ def _accumulation_points(plan: FSDP, points: dict, grad_sync: str, g: _Grads, un
     backward writes remains."""
     S = plan.shards
     layouts = [(g.root_tree, 1)] + g.stages
-    shards = sum(n * stored_bytes(l) for l, n in layouts) // S
+    shards = tensor_memory.grad_shards(layouts) if plan.tensor > 1 else sum(n * stored_bytes(l) for l, n in layouts) // S
     if grad_sync != "once":
         return {k: (g + (shards if k != "update" else 0), *rest) for k, (g, *rest) in points.items()}
     rdt = plan.mp.reduce_dtype or plan.mp.param_dtype or jnp.float32

@@ -82,6 +82,9 @@ def comm_formula(plan: FSDP, backend: str | None = None, grad_accum: int = 1, gr
     if getattr(plan, "as_is", False):
         raise ConfigError("the communication formula is written for jfsdp.Stacked / Staged models; for a model "
                           "given as it is, read the compiled step's collectives (comm_measured)")
+    if plan.tensor > 1:
+        raise ConfigError("with tensor parallelism the formula depends on the batch and the loss: "
+                          "jfsdp.planning.tensor_comm.tensor_comm (by_kind for this function's form)")
     S, R, N = plan.shards, plan.replicas, plan.n_devices
     backend = backend or jax.default_backend()
     pdt = wire_dtype(plan.mp.param_dtype or jnp.float32, backend)

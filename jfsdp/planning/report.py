@@ -15,17 +15,17 @@ import time
 
 from jfsdp.config.errors import ConfigError
 from jfsdp.config.policy import schedule
-from jfsdp.planning import hlo, memory, sizes, targets
+from jfsdp.planning import hlo, memory, sizes, targets, tensor_comm
 from jfsdp.train import frozen
 
 DEFAULT_MEMORY = 80 * 2**30   # per device, where neither --device-memory nor a named GPU says
 
 
 def build(model_name, mesh_spec, strategy, precision, remat, batch_size, seq_len, devices=None, attention=None,
-          loss="fused", moe="auto", moe_chunks="auto", backend=None, prefetch=None):
+          loss="fused", moe="auto", moe_chunks="auto", backend=None, prefetch=None, tensor=1):
     """(cfg, plan, optimizer, loss_fn, batch shapes) for a named model; nothing allocated.
     `devices`: the mesh's devices (default: all local ones); `attention`: override the config's;
-    `prefetch`: fully_shard's."""
+    `prefetch`: fully_shard's; `tensor`: T, with the model's tensor plan (models/factory.py) when T > 1."""
     import jax
     import jax.numpy as jnp
 
@@ -41,7 +41,7 @@ def build(model_name, mesh_spec, strategy, precision, remat, batch_size, seq_len
                           "configs")
     if attention:
         cfg = dataclasses.replace(cfg, attention=attention)
-    mesh = jfsdp.make_mesh(mesh_spec, devices)
+    mesh = jfsdp.make_mesh(mesh_spec, devices, tensor=tensor)
     n = mesh.size
     batch_size = n if batch_size is None else batch_size
     if batch_size < 1 or seq_len < 1:
@@ -50,8 +50,9 @@ def build(model_name, mesh_spec, strategy, precision, remat, batch_size, seq_len
     if batch_size % n:
         raise ConfigError(f"batch size {batch_size} does not divide over the {n} devices of the mesh")
     model, moe_opt, loss_fn = models.factory.language_model(cfg, loss, moe, moe_chunks, backend)
+    tensor_plan = models.factory.tensor_plan(cfg) if tensor > 1 else None
     plan = jfsdp.fully_shard(model, mesh, x, strategy=strategy, mp_policy=jfsdp.MixedPrecision.parse(precision),
-                             remat=remat, moe=moe_opt, prefetch=prefetch)
+                             remat=remat, moe=moe_opt, prefetch=prefetch, tensor_plan=tensor_plan)
     return cfg, plan, jfsdp.adamw(1e-4), loss_fn, {"inputs": x, "targets": x}
 
 
@@ -133,11 +134,13 @@ def report(a, budget: int | None = None) -> dict:
         raise ConfigError("--xla-option applies to a named GPU target (--target h100, ...)")
     # a named GPU: its devices, and cuDNN's fused attention where it applies (bf16 compute, head_dim a
     # multiple of 8 up to 128)
-    devices, attention = (targets.devices(a.target, a.mesh), "cudnn") if gpu else (None, None)
+    tensor = getattr(a, "tensor", 1)
+    devices, attention = (targets.devices(a.target, a.mesh, tensor), "cudnn") if gpu else (None, None)
     backend = "gpu" if gpu else a.target
     with targets.tracing_for(a.target) if gpu else contextlib.nullcontext():
         cfg, plan, opt, loss_fn, batch = build(a.model, a.mesh, a.strategy, a.precision, a.remat, a.batch_size,
-                                               a.seq_len, devices, attention, a.loss, a.moe, a.moe_chunks, backend)
+                                               a.seq_len, devices, attention, a.loss, a.moe, a.moe_chunks, backend,
+                                               tensor=tensor)
         trainable, hit = frozen.freeze(plan, getattr(a, "freeze", None))
         case = _Case(plan, opt, loss_fn, batch, gpu, backend, a.target if gpu else jax.default_backend(),
                      trainable, tuple(hit))
@@ -188,7 +191,7 @@ def _estimates(a, cfg, case: _Case, budget: int) -> dict:
 
     plan, here = case.plan, case.here
     est = _estimate(a, case, case.batch, case.backend, a.prefetch or case.gpu)
-    rep = {"model": a.model, "params": cfg.num_params(), "mesh": a.mesh, "devices": plan.n_devices,
+    rep = {"model": a.model, "params": cfg.num_params(), "mesh": a.mesh, "tensor": plan.tensor, "devices": plan.n_devices,
            "strategy": plan.strategy.value, "precision": a.precision, "remat": a.remat,
            "update_in_backward": a.update_in_backward, "grad_accum": a.grad_accum, "grad_sync": a.grad_sync,
            "batch_size": case.batch["inputs"].shape[0], "seq_len": a.seq_len, "device_memory": budget,
@@ -205,8 +208,7 @@ def _estimates(a, cfg, case: _Case, budget: int) -> dict:
         rep["schedule"] = schedule(plan.strategy, plan.remat, plan.shards, plan.prefetch)
     if here != a.target:
         rep[f"estimate_{here}"] = _estimate(a, case, case.batch, here, a.prefetch).as_dict()
-    rep["comm_formula"] = memory.comm_formula(plan, backend=case.backend, grad_accum=a.grad_accum,
-                                              grad_sync=a.grad_sync, trainable=case.trainable)
+    rep.update(_formula(a, case, case.backend))
     if any(plan.moe_stages):
         rep["moe"] = moe.describe(plan)
     rep["layouts"] = sizes.leaf_layouts(plan)
@@ -229,9 +231,11 @@ def _compiled(a, case: _Case) -> dict:
                                        trainable=case.trainable)
     rep = {"compile_s": round(time.time() - t, 1), "compiled": {"backend": here, **memory.measure(compiled)},
            "comm_compiled": {"backend": here, **memory.comm_measured(compiled, plan.n_devices)}}
+    if plan.tensor > 1:   # by mesh axes, beside the formula's (tensor_comm)
+        axes = hlo.per_axes(compiled.as_text(), tuple(plan.mesh.shape.items()))
+        rep["comm_compiled_axes"] = tensor_comm.axes_table({k: v["wire_bytes"] for k, v in axes.items()})
     if here != a.target:
-        rep[f"comm_formula_{here}"] = memory.comm_formula(plan, backend=here, grad_accum=a.grad_accum,
-                                                          grad_sync=a.grad_sync, trainable=case.trainable)
+        rep.update({f"{k}_{here}": v for k, v in _formula(a, case, here).items()})
     if case.gpu:
         text = compiled.as_text()
         ov = hlo.overlap(text, plan.n_devices)
@@ -240,6 +244,17 @@ def _compiled(a, case: _Case) -> dict:
         rep["collective_dtypes"] = sorted({(c.kind, d) for c in hlo.collectives(text, plan.n_devices)
                                            for d in c.dtypes})
     return rep
+
+
+def _formula(a, case: _Case, backend: str) -> dict:
+    """{'comm_formula': {kind: bytes, 'total', 'contract'}} for `backend`; with T > 1 also
+    'comm_formula_axes': {'kind over axes': bytes} (jfsdp.planning.tensor_comm)."""
+    kw = dict(grad_accum=a.grad_accum, grad_sync=a.grad_sync, trainable=case.trainable)
+    if case.plan.tensor == 1:
+        return {"comm_formula": memory.comm_formula(case.plan, backend=backend, **kw)}
+    axes = tensor_comm.tensor_comm(case.plan, case.batch["inputs"].shape[0], a.seq_len, a.loss == "fused",
+                                   backend=backend, **kw)
+    return {"comm_formula": tensor_comm.by_kind(axes), "comm_formula_axes": tensor_comm.axes_table(axes)}
 
 
 def _largest_global_batch(a, case: _Case, budget: int) -> int:

@@ -65,5 +65,6 @@ def leaf_layouts(plan) -> dict:
             kinds[l.kind] += mult
             pad += mult * l.padding
     out["summary"] = (f"{kinds['dim0']} leaves split on dimension 0, {kinds['flat']} flattened; "
-                      f"{pad} elements of padding in all (fewer than S = {plan.shards} per leaf)")
+                      f"{pad} elements of padding in all (fewer than S = {plan.shards} per leaf"
+                      + (f", S·T = {plan.shards * plan.tensor} for a leaf not tensor-parallel)" if plan.tensor > 1 else ")"))
     return out

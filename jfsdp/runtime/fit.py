@@ -155,8 +155,9 @@ def more_devices(case: Case, budget: int, plan) -> str | None:
         s2 *= 2
     if s2 > 1 << 16:
         return None
-    return (f"{plan.replicas * s2} devices (--mesh {plan.replicas}x{s2}, the same batch per device: "
-            f"about {_gib(rest + state * s / s2)})")
+    t = plan.tensor
+    return (f"{plan.replicas * s2 * t} devices (--mesh {plan.replicas}x{s2}" + (f" --tensor {t}" if t > 1 else "")
+            + f", the same batch per device: about {_gib(rest + state * s / s2)})")
 
 
 def floor(case: Case) -> int:

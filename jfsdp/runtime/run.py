@@ -101,9 +101,6 @@ class Run:
         """Before anything is allocated: the planner's estimate against the devices' memory
         (jfsdp.runtime.fit); does not fit: one `error:` line with what would, exit status 2."""
         c = self.c
-        if c.tensor > 1:
-            note("the fit check does not plan tensor parallelism yet (docs/tensor-parallel.md): skipped")
-            return
         case = fit.Case(self.sharded, self.loss_fn, build.make_optimizer(c, self.sharded)[1], c.batch_size,
                         c.seq_len, c.grad_accum, c.update_in_backward, self.platform, c.grad_sync, self.trainable)
 
