@@ -34,15 +34,15 @@ CASES = [("1x4", 2, "full_shard", "full", "fp32", "fused"), ("1x2", 4, "full_sha
          ("2x2", 2, "shard_grad_op", "dots", "fp32", "fused")]
 
 
-def _case(spec, tensor, strategy, remat, precision, loss):
+def _case(spec, tensor, strategy, remat, precision, loss, cfg=CFG):
     """(plan, optimizer, loss_fn, batch, compiled step): jfsdp's Llama as train.py and the planner build it
     (models/factory.py, its tensor plan), compiled in this process from abstract inputs."""
-    model, _, loss_fn = factory.language_model(CFG, loss)
+    model, _, loss_fn = factory.language_model(cfg, loss)
     r, s = jfsdp.parse_mesh(spec)
     mesh = jfsdp.make_mesh(spec, jax.devices()[: r * s * tensor], tensor=tensor)
     x = jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32)
     plan = jfsdp.fully_shard(model, mesh, x, strategy=strategy, remat=remat,
-                             mp_policy=jfsdp.MixedPrecision.parse(precision), tensor_plan=factory.tensor_plan(CFG))
+                             mp_policy=jfsdp.MixedPrecision.parse(precision), tensor_plan=factory.tensor_plan(cfg))
     opt, batch = jfsdp.adamw(1e-3, mask=plan.decay_mask()), {"inputs": x, "targets": x}
     return plan, opt, loss_fn, batch, memory.compile_step(plan, opt, loss_fn, batch)
 
@@ -98,3 +98,25 @@ def test_plan_command_line_tensor_2_for_an_h100(tmp_path):
     assert {"all-gather over tensor", "reduce-scatter over tensor", "all-gather over fsdp"} <= set(formula)
     _assert_formula(formula, compiled)
     assert ("reduce-scatter", "bf16") in map(tuple, r["collective_dtypes"])
+
+
+def test_kept_unit_inputs_are_one_over_t_of_the_tp_groups_tokens():
+    """Sequence parallelism, read from XLA:CPU's buffer assignment. Remat full keeps each unit's input for
+    the backward pass, and between units the residual stream is split over `tensor`: a device keeps 1/T of
+    its TP group's tokens, where tensor parallelism without SP would keep all of them. On the same 8
+    devices and global batch (1x8, 1x4 --tensor 2, 1x2 --tensor 4) a TP group's tokens grow with T; what 4
+    more units add to the compiled step's temporaries, per unit, stays the kept input (the group's
+    tokens / T) plus the unit's gradient shard (1/8 of it at every T)."""
+    unit_params = (dataclasses.replace(CFG, n_layers=8).num_params() - CFG.num_params()) // 4
+    grad_shard = unit_params * 4 // 8
+    growth = {}
+    for spec, t in (("1x8", 1), ("1x4", 2), ("1x2", 4)):
+        temps = [memory.measure(_case(spec, t, "full_shard", "full", "fp32", "fused",
+                                      dataclasses.replace(CFG, n_layers=n))[-1])["temp"] for n in (4, 8)]
+        growth[t] = (temps[1] - temps[0]) / 4
+        group_tokens = BATCH // (8 // t) * SEQ          # the rows of one fsdp rank, the whole sequence
+        kept = group_tokens // t * CFG.dim * 4
+        # measured equal to the byte (2026-11-26, jax 0.10.2): 493,824 B per unit at T = 1, 2 and 4
+        assert growth[t] == pytest.approx(kept + grad_shard, rel=0.01), (t, growth, kept, grad_shard)
+        if t > 1:   # TP without SP would keep the group's whole sequence: (T - 1) x kept more
+            assert growth[t] < t * kept + grad_shard - (t - 1) * kept / 2, (t, growth, kept)
