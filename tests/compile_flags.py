@@ -17,7 +17,7 @@ import glob
 import mmap
 import os
 
-_NAME = "xla_cpu_use_fusion_emitters"
+NAME = "xla_cpu_use_fusion_emitters"
 
 
 def _known(name: str) -> bool:
@@ -35,7 +35,6 @@ def _known(name: str) -> bool:
     return False
 
 
-NAME = _NAME
 DEFAULT_EMITTERS_ENV = "JFSDP_TESTS_DEFAULT_EMITTERS"
-LEGACY_EMITTERS = not os.environ.get(DEFAULT_EMITTERS_ENV) and _known(_NAME)
-FAST = "--xla_backend_optimization_level=0" + (f" --{_NAME}=false" if LEGACY_EMITTERS else "")
+LEGACY_EMITTERS = not os.environ.get(DEFAULT_EMITTERS_ENV) and _known(NAME)
+FAST = "--xla_backend_optimization_level=0" + (f" --{NAME}=false" if LEGACY_EMITTERS else "")

@@ -47,9 +47,9 @@ def _case(spec, tensor, strategy, remat, precision, loss, cfg=CFG):
     return plan, opt, loss_fn, batch, memory.compile_step(plan, opt, loss_fn, batch)
 
 
-def _assert_formula(formula: dict, compiled: dict):
+def assert_formula_equal(formula: dict, compiled: dict):
     """The formula's bytes by (kind, axes) equal the compiled step's; what it leaves out is scalars (the
-    loss, the gradient norm: under 1 KiB)."""
+    loss, the gradient norm: under 1 KiB). Also tests/test_tensor_parallel.py's check."""
     for key, want in formula.items():
         assert compiled.get(key, 0.0) == pytest.approx(want, rel=1e-9), (key, compiled.get(key), want)
     assert all(v < 1024 for k, v in compiled.items() if k not in formula), compiled
@@ -71,7 +71,7 @@ def test_estimate_and_formula_against_the_compiled_step(spec, tensor, strategy, 
     assert est.persistent == pytest.approx(got["argument"] - 2 * BATCH * SEQ * 4 // (r * s * tensor), rel=1e-4)
     assert est.persistent == pytest.approx(12 * CFG.num_params() / (s * tensor), rel=0.01)
     axes = hlo.per_axes(compiled.as_text(), tuple(plan.mesh.shape.items()))
-    _assert_formula(tensor_comm.tensor_comm(plan, BATCH, SEQ, loss == "fused", backend="cpu"),
+    assert_formula_equal(tensor_comm.tensor_comm(plan, BATCH, SEQ, loss == "fused", backend="cpu"),
                     {k: v["wire_bytes"] for k, v in axes.items()})
 
 
@@ -96,7 +96,7 @@ def test_plan_command_line_tensor_2_for_an_h100(tmp_path):
     assert r["estimate"]["persistent"] == pytest.approx(r["compiled"]["argument"] - 2 * 8 * 128 * 4 // 8, rel=1e-4)
     formula, compiled = r["comm_formula_axes"], r["comm_compiled_axes"]
     assert {"all-gather over tensor", "reduce-scatter over tensor", "all-gather over fsdp"} <= set(formula)
-    _assert_formula(formula, compiled)
+    assert_formula_equal(formula, compiled)
     assert ("reduce-scatter", "bf16") in map(tuple, r["collective_dtypes"])
 
 

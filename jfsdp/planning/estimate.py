@@ -260,6 +260,14 @@ def _activations(plan: FSDP, loss_fn: Callable, local, backend: str, mask=None) 
     return saved, saved_fwd, recompute, act["head"]
 
 
+def _grad_shards(plan: FSDP, layouts_and_units) -> int:
+    """Bytes per device of the gradient shards of [(layouts, units)] (stored, padded): over S, or at T > 1
+    each leaf over its own group (tensor_memory.grad_shards)."""
+    if plan.tensor > 1:
+        return tensor_memory.grad_shards(layouts_and_units)
+    return sum(n * stored_bytes(l) for l, n in layouts_and_units) // plan.shards
+
+
 def _peak_points(plan: FSDP, backend: str, s: _Step, g: _Grads) -> dict:
     """The four candidates for the peak, each (gradient shards, gathered, unsharded gradients,
     activations, padding of the gradients); the largest is the estimate.
@@ -286,8 +294,7 @@ def _peak_points(plan: FSDP, backend: str, s: _Step, g: _Grads) -> dict:
     pdt = plan.mp.param_dtype or jnp.float32
     rdt = plan.mp.reduce_dtype or pdt
     gdt = wire_dtype(pdt, backend)
-    unit_grads = (tensor_memory.grad_shards(g.stages) if plan.tensor > 1
-                  else sum(n * stored_bytes(l) for l, n in g.stages) // plan.shards)
+    unit_grads = _grad_shards(plan, g.stages)
     leaves = g.root
     embed_reads, head_reads = plan.root_use
     shared = [leaves[i] for i in sorted(embed_reads & head_reads) if leaves[i] is not None]
@@ -315,9 +322,8 @@ def _accumulation_points(plan: FSDP, points: dict, grad_sync: str, g: _Grads, un
     shards (a point of its own). Trainable leaves only (`g`). With one shard, 'once' runs no
     all-reduce per unit: of its two unit gradients (`unit_grad` each, `_peak_points`) only the one the
     backward writes remains."""
-    S = plan.shards
     layouts = [(g.root_tree, 1)] + g.stages
-    shards = tensor_memory.grad_shards(layouts) if plan.tensor > 1 else sum(n * stored_bytes(l) for l, n in layouts) // S
+    shards = _grad_shards(plan, layouts)
     if grad_sync != "once":
         return {k: (g + (shards if k != "update" else 0), *rest) for k, (g, *rest) in points.items()}
     rdt = plan.mp.reduce_dtype or plan.mp.param_dtype or jnp.float32
