@@ -57,6 +57,9 @@ def model_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
     g.add_argument("--tensor", type=int, default=d.tensor, metavar="T",
                    help="tensor-parallel size: a third mesh axis of T consecutive devices (R*S*T devices in all), "
                    "Megatron tensor and sequence parallelism inside each unit (docs/tensor-parallel.md)")
+    g.add_argument("--async-tp", default=d.async_tp, choices=("auto", "on", "off"),
+                   help="with --tensor T > 1: run each TP all-gather and reduce-scatter as a ring of T-1 transfers, "
+                   "each overlapping a block's matmul (a collective matmul; auto: on GPUs)")
     g.add_argument("--strategy", default=d.strategy, help="full_shard (ZeRO-3), shard_grad_op (ZeRO-2), no_shard "
                    "(DDP), hybrid_shard, hybrid_shard_zero2")
     g.add_argument("--model", default=d.model, help="named model config from models/__init__.py: llama-test, "
@@ -192,6 +195,8 @@ def check_flags(c: TrainConfig) -> int | None:
         fail(f"{'--resume' if c.resume else '--save-every'} needs --ckpt-dir")
     if c.tensor != 1:
         check_tensor_flags(c)
+    elif c.async_tp == "on":
+        fail("--async-tp on needs --tensor T > 1: it overlaps the tensor-parallel collectives")
     try:
         n = mesh_spec(c.mesh, c.tensor).devices
     except ConfigError:

@@ -64,6 +64,9 @@ def _args(argv):
                    "choose per stage (auto; see jfsdp/engine/moe.py)")
     p.add_argument("--moe-chunks", default="auto", help="MoE expert-parallel stages: chunks k (or auto)")
     p.add_argument("--prefetch", action="store_true", help="count two gathered units (prefetching the next)")
+    p.add_argument("--async-tp", default="auto", choices=("auto", "on", "off"),
+                   help="train.py's --async-tp: the TP collectives as rings of transfers that overlap the matmuls "
+                   "(auto: on GPUs, the named GPU targets included)")
     p.add_argument("--update-in-backward", action="store_true",
                    help="plan train.py --update-in-backward: the optimizer applied to each unit inside the backward "
                         "pass (no whole gradient held; needs --grad-accum 1)")
@@ -107,6 +110,7 @@ def render(r: dict) -> str:
     lines = [f"{r['model']} ({r['params'] / 1e9:.2f}B parameters) on mesh {r['mesh']}{tp} ({r['devices']} devices), "
              f"{r['strategy']}, {r['precision']}, remat {r['remat']}, batch {r['batch_size']} x {r['seq_len']} tokens"
              + (", optimizer inside the backward pass" if r.get("update_in_backward") else "")
+             + (", async TP (collective matmuls)" if r.get("async_tp") else "")
              + (f", {len(r['frozen'])} parameters frozen (--freeze '{r['freeze']}')" if r.get("frozen") else "")
              + (f", {r['grad_accum']} micro-batches, gradients reduced "
                 + ("once per step" if r.get("grad_sync") == "once" else "in every micro-batch")
@@ -132,10 +136,10 @@ def render(r: dict) -> str:
     lines += ["", f"communication per step, bytes sent per device ({tgt} formula"
               + ((" and compiled HLO" if same else f"; {here} formula and compiled HLO") if c else "") + ")"]
     f, fh, m = r["comm_formula"], r.get(f"comm_formula_{here}", r["comm_formula"]), r.get("comm_compiled")
-    for k in ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "total"):
-        if k == "all-to-all" and not f.get(k) and not (m or {}).get(k):
+    for k in ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute", "total"):
+        if k in ("all-to-all", "collective-permute") and not f.get(k) and not (m or {}).get(k):
             continue
-        lines.append(f"  {k:26}{_gib(f[k]):>20}" + (f"{mid(fh[k])}{_gib(m[k]):>20}" if m else ""))
+        lines.append(f"  {k:26}{_gib(f.get(k, 0.0)):>20}" + (f"{mid(fh.get(k, 0.0))}{_gib(m.get(k, 0.0)):>20}" if m else ""))
     if tp:
         lines.append(f"  {'FSDP part (not `tensor`)':26}{_gib(f['contract']):>20}")
         lines += _axes_rows(r, here, same)
@@ -152,6 +156,9 @@ def render(r: dict) -> str:
                   "it is in flight)", f"  units run by {r['schedule']}", r["overlap_table"]]
         for k, o in r["overlap"].items():
             lines.append(f"  {k:26}hidden {_gib(o['hidden_bytes'])}   exposed {_gib(o['exposed_bytes'])}")
+        for k, o in sorted(r.get("overlap_axes", {}).items()):
+            if o["hidden_bytes"] + o["exposed_bytes"] >= 2**20:
+                lines.append(f"  {k:38}hidden {_gib(o['hidden_bytes'])}   exposed {_gib(o['exposed_bytes'])}")
         lines.append("  dtypes on the wire: " + ", ".join(f"{k} {d}" for k, d in r["collective_dtypes"]))
         lines.append("  XLA options: " + " ".join(f"{k}={v}" for k, v in r["xla_options"].items()))
     verdict = "fits" if r["fits"] else "does NOT fit"
@@ -195,6 +202,8 @@ def _plan(a) -> dict:
     if a.tensor > 1 and a.seq_len % a.tensor:
         raise ConfigError(f"--tensor {a.tensor} does not divide --seq-len {a.seq_len} (sequence parallelism splits "
                           "the sequence)")
+    if a.tensor == 1 and a.async_tp == "on":
+        raise ConfigError("--async-tp on needs --tensor T > 1: it overlaps the tensor-parallel collectives")
     budget = parse_bytes(a.device_memory) if a.device_memory else None
     set_fake_cpu_devices(n)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")

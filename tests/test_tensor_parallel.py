@@ -187,6 +187,22 @@ def check_comm_formula(plan, step, loss, base=None):
         assert ratio == pytest.approx(plan.tensor, rel=0.01), ratio
 
 
+def test_async_tp_matches_single_device_and_formula():
+    """Async TP (parallel/tensor.py: every TP all-gather and reduce-scatter of the units as a ring of
+    T - 1 collective-permutes, one block's matmul per hop) on 1x2x4 with the GPU defaults (remat full,
+    the prefetch pipeline): the single-device reference's losses and parameters, and the compiled
+    collectives equal to the formula by kind and mesh axes. The formula then has no all-gather or
+    reduce-scatter over `tensor` in the units, only the root's, and the rings' collective-permutes
+    over the tensor groups carry the same bytes as the collectives they replace."""
+    r = reference()
+    plan = plan_on("1x2", 4, remat="full", prefetch=True, async_tp=True)
+    step, opt = compiled_step(plan)
+    assert plan.async_tp and ("collective-permute", ("tensor",)) in hlo.per_axes(
+        step.as_text(), tuple(plan.mesh.shape.items()))
+    check_comm_formula(plan, step, "plain")
+    run_and_check(plan, r, step, opt)
+
+
 # Frozen: the tied embedding (vocabulary-parallel: rowwise, 259 rows padded to 4 x 65) and every FFN kernel (colwise w1, w3 and rowwise
 # w2): only attention and the norms train.
 FROZEN = ("tok_embeddings", "feed_forward")
@@ -393,6 +409,8 @@ def test_bad_input_and_what_is_not_supported_yet():
         plan_on("2x2", 4, tensor_plan=jfsdp.TensorPlan({r"mlp/up/kernel": "colwise"}))
     with pytest.raises(jfsdp.ConfigError, match="no_shard is not supported with tensor parallelism"):
         plan_on("2x2", 4, strategy="no_shard")
+    with pytest.raises(jfsdp.ConfigError, match="async_tp=True needs a mesh with a tensor axis"):
+        plan_on("2x4", 1, tensor_plan=None, async_tp=True)
     with pytest.raises(jfsdp.ConfigError, match="float8 is not supported with tensor parallelism"):
         plan_on("2x2", 4, mp_policy=jfsdp.MixedPrecision.parse("fp8"))
     plan = plan_on("2x2", 4)
@@ -411,6 +429,7 @@ def test_bad_input_and_what_is_not_supported_yet():
 @pytest.mark.parametrize("argv,why", [
     (["train.py", "--mesh", "2x4", "--tensor", "2", "--update-in-backward"], "--update-in-backward is not supported with tensor"),
     (["train.py", "--mesh", "2x4", "--tensor", "3", "--seq-len", "64"], "--tensor 3 does not divide --seq-len 64"),
+    (["train.py", "--mesh", "2x4", "--async-tp", "on"], "--async-tp on needs --tensor T > 1"),
     (["-m", "jfsdp.plan", "--mesh", "1x4", "--tensor", "4", "--model", "llama-test", "--no-compile"],
      "tensor 4 does not divide the KV heads (2)"),
 ])

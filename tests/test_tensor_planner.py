@@ -95,7 +95,11 @@ def test_plan_command_line_tensor_2_for_an_h100(tmp_path):
     assert r["fits"] and r["largest_global_batch"] >= 8 and r["largest_global_batch"] % 8 == 0
     assert r["estimate"]["persistent"] == pytest.approx(r["compiled"]["argument"] - 2 * 8 * 128 * 4 // 8, rel=1e-4)
     formula, compiled = r["comm_formula_axes"], r["comm_compiled_axes"]
-    assert {"all-gather over tensor", "reduce-scatter over tensor", "all-gather over fsdp"} <= set(formula)
+    # async TP, the GPU default: the units' TP collectives are rings of collective-permutes
+    assert r["async_tp"] and "async TP (collective matmuls)" in p.stdout
+    assert {"all-gather over tensor", "reduce-scatter over tensor", "all-gather over fsdp",
+            "collective-permute over tensor"} <= set(formula)
+    assert "collective-permute over tensor" in r["overlap_axes"]
     assert_formula_equal(formula, compiled)
     assert ("reduce-scatter", "bf16") in map(tuple, r["collective_dtypes"])
 

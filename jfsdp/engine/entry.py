@@ -36,7 +36,7 @@ def resolve_strategy(strategy, reshard_after_forward) -> Strategy:
 
 def fully_shard(model, mesh, example_inputs, *, units=None, call: Callable | None = None, strategy="full_shard",
                 mp_policy=None, remat="none", reshard_after_forward=None, prefetch=None, moe=None, seed: int = 0,
-                rng_streams=("dropout",), init: Callable | None = None, tensor_plan=None):
+                rng_streams=("dropout",), init: Callable | None = None, tensor_plan=None, async_tp=None):
     """Apply FSDP to a model from outside.
 
     A Flax model as it is (docs/any-model.md): `model` is an unbound Linen module or an NNX module
@@ -58,7 +58,8 @@ def fully_shard(model, mesh, example_inputs, *, units=None, call: Callable | Non
 
     Tensor parallelism: on a mesh with a `tensor` axis (`make_mesh(spec, tensor=T)`), a `Stacked` model
     takes `tensor_plan=jfsdp.TensorPlan({regex: 'colwise' | 'rowwise' | 'replicate'})`; Megatron-SP runs
-    inside the units (docs/tensor-parallel.md)."""
+    inside the units (docs/tensor-parallel.md). `async_tp` decomposes its collectives into rings of
+    matmuls that overlap their transfers (None: on GPUs)."""
     strategy = resolve_strategy(strategy, reshard_after_forward)
     mp_policy = mp_policy or MixedPrecision()
     if not isinstance(model, (Stacked, Staged)):
@@ -86,4 +87,6 @@ def fully_shard(model, mesh, example_inputs, *, units=None, call: Callable | Non
     if not hasattr(example_inputs, "shape") or not hasattr(example_inputs, "dtype"):
         raise ConfigError("example_inputs must be an array or jax.ShapeDtypeStruct of the inputs (batch['inputs']), "
                           f"got {type(example_inputs).__name__}")
-    return FSDP(model, mesh, example_inputs, strategy, mp_policy, remat, prefetch, moe, tensor_plan)
+    if async_tp and tensor_size(mesh) == 1:
+        raise ConfigError("async_tp=True needs a mesh with a tensor axis of size > 1 (make_mesh(spec, tensor=T))")
+    return FSDP(model, mesh, example_inputs, strategy, mp_policy, remat, prefetch, moe, tensor_plan, async_tp)

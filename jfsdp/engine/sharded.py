@@ -34,18 +34,18 @@ class FSDP(ParamLayout):
     (`init`, `shard`, `gather`, `layouts`, `from_layers`, ...) is `ParamLayout`'s."""
 
     def __init__(self, model, mesh, example_inputs, strategy, mp_policy, remat, prefetch=None, moe=None,
-                 tensor_plan=None):
+                 tensor_plan=None, async_tp=None):
         prefetch = support.check(model, mesh, strategy, mp_policy, prefetch, moe, tensor_plan)
         super().__init__(model, mesh, example_inputs, shards=mesh_shape(mesh)[1] if strategy.sharded else 1,
                          sharded=strategy.sharded, tensor_plan=tensor_plan)
         self.set_strategy(strategy, mp_policy, remat)
         self.prefetch = resolve_prefetch(prefetch, strategy, remat, self.shards, on_gpu=platform(mesh) == "gpu")
         if self.tensor > 1:   # Megatron-SP around the units' tensor-parallel matmuls (parallel/tensor.py)
-            self.tp_intercept = tp.interceptor(tp_layout.tp_modules(self.split(self.layouts)[1]),
-                                               tensor_plan.sequence_dim, mp_policy.reduce_dtype)
+            self.async_tp = platform(mesh) == "gpu" if async_tp is None else bool(async_tp)
+            self.tp_intercept = tp.interceptor(tp_layout.tp_modules(self.split(self.layouts)[1]), tensor_plan.sequence_dim,
+                                               mp_policy.reduce_dtype, self.tensor, self.async_tp)
             vocab.setup(self, self.split(self.layouts)[0], tensor_plan.sequence_dim)   # parallel/vocab.py
-        # MoE stages (jfsdp/engine/moe.py): per stage None (dense, or gathered like any unit) or its mode
-        self.moe, self.moe_stages = moe, moe_engine.resolve(self, moe)
+        self.moe, self.moe_stages = moe, moe_engine.resolve(self, moe)   # per stage None (dense, or gathered) or its mode
         self.unit_layouts = self.float8_layouts()
 
     def set_strategy(self, strategy, mp_policy, remat):
@@ -183,8 +183,8 @@ class FSDP(ParamLayout):
 
     def head(self, root, h):
         """The root's head method on h, its outputs cast by the precision policy (`cast_output`)."""
-        with vocab.scope(self):   # vocabulary-parallel: on the whole sequence (parallel/vocab.py)
-            h = self.model.root.apply({"params": root}, vocab.gather_h(self, h), method=self.model.head_method)
+        with vocab.scope(self):   # vocabulary-parallel: the projection on the whole sequence (parallel/vocab.py)
+            h = vocab.gather_features(self, self.model.root.apply({"params": root}, h, method=self.model.head_method))
         return self.mp.cast_output(h)
 
     def step_batch(self, batch, step):

@@ -230,11 +230,12 @@ class Overlap:
         return self.collective.wire_bytes * self.per_step
 
 
-def overlap(hlo_text: str, n_devices: int | None = None) -> list[Overlap]:
+def overlap(hlo_text: str, n_devices: int | None = None, mesh_axes=None) -> list[Overlap]:
     """For every async collective (`X-start` ... `X-done`) of a scheduled module (`compiled.as_text()`
     of XLA:GPU, whose computations list instructions in their schedule order), the compute that is
     scheduled between its start and its done. Synchronous collectives (XLA:CPU) are reported with
-    nothing between: they are exposed by construction."""
+    nothing between: they are exposed by construction. `mesh_axes` (((name, size), ...)): each
+    collective also says which mesh axes its groups span (`overlap_summary(..., by_axes=True)`)."""
     mod = parse(hlo_text)
     trips = trip_counts(hlo_text)
     out = []
@@ -248,7 +249,7 @@ def overlap(hlo_text: str, n_devices: int | None = None) -> list[Overlap]:
                 if m:
                     done_at[m.group(1)] = i
         for i, ins in enumerate(instrs):
-            c = _collective(ins, name, loops, n_devices)
+            c = _collective(ins, name, loops, n_devices, mesh_axes)
             if c is None:
                 continue
             between = instrs[i + 1: done_at.get(ins.name, i)] if c.is_async else []
@@ -261,16 +262,18 @@ def overlap(hlo_text: str, n_devices: int | None = None) -> list[Overlap]:
     return out
 
 
-def overlap_summary(overlaps: list[Overlap]) -> dict:
+def overlap_summary(overlaps: list[Overlap], by_axes: bool = False) -> dict:
     """Per step and per kind: wire bytes sent while compute runs (`hidden`) and with none to hide
-    behind (`exposed`), and the ops of each. Scalars (the loss) are counted too; they are bytes."""
+    behind (`exposed`), and the ops of each. Scalars (the loss) are counted too; they are bytes.
+    `by_axes`: per 'kind over axes' (the overlaps read with `mesh_axes`)."""
     out = {}
     for o in overlaps:
-        s = out.setdefault(o.collective.kind, {"hidden_bytes": 0.0, "exposed_bytes": 0.0, "hidden_ops": 0,
-                                               "exposed_ops": 0})
-        key = "hidden" if o.hidden else "exposed"
-        s[f"{key}_bytes"] += o.wire_bytes_per_step
-        s[f"{key}_ops"] += o.per_step
+        c = o.collective
+        key = f"{c.kind} over {' x '.join(c.axes) or 'none'}" if by_axes else c.kind
+        s = out.setdefault(key, {"hidden_bytes": 0.0, "exposed_bytes": 0.0, "hidden_ops": 0, "exposed_ops": 0})
+        how = "hidden" if o.hidden else "exposed"
+        s[f"{how}_bytes"] += o.wire_bytes_per_step
+        s[f"{how}_ops"] += o.per_step
     return out
 
 

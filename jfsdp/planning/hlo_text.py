@@ -83,9 +83,27 @@ def array_bytes(type_text: str) -> int:
     return total
 
 
+def _permute_group(line: str) -> list | None:
+    """The devices that a collective-permute's first cycle joins (source_target_pairs={{0,1},{1,0},...}:
+    those reachable from the first pair's source); None where the line has no pairs."""
+    m = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", line)
+    pairs = [tuple(map(int, p)) for p in re.findall(r"\{(\d+),(\d+)\}", m.group(1))] if m else []
+    if not pairs:
+        return None
+    succ, group = {}, [pairs[0][0]]
+    for a, b in pairs:
+        succ.setdefault(a, b)
+    while succ.get(group[-1]) is not None and succ[group[-1]] not in group:
+        group.append(succ[group[-1]])
+    return sorted(group)
+
+
 def first_group(line: str) -> list | None:
     """The device ids of a collective's first replica group, in the explicit ({{0,1},{2,3}}) or iota
-    ([G,S]<=[dims]T(perm)) form; None for the mesh form or a line that names no groups."""
+    ([G,S]<=[dims]T(perm)) form, or a collective-permute's first cycle; None for the mesh form or a
+    line that names no groups."""
+    if "source_target_pairs=" in line:
+        return _permute_group(line)
     m = re.search(r"replica_groups=\{\{([\d,]*)\}", line)
     if m:
         return [int(x) for x in m.group(1).split(",") if x]
@@ -136,7 +154,10 @@ def group_axes(line: str, mesh_axes) -> tuple:
 
 
 def group_size(line: str, n_devices: int | None) -> int:
-    """Devices in one replica group of a collective's line (all `n_devices` where the line names none)."""
+    """Devices in one replica group of a collective's line (all `n_devices` where the line names none; a
+    collective-permute's: the devices its first cycle joins)."""
+    if "source_target_pairs=" in line:
+        return len(_permute_group(line) or []) or n_devices or 0
     m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", line)
     if m:
         return int(m.group(2))

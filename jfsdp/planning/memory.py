@@ -141,7 +141,8 @@ def comm_measured(compiled, n_devices: int) -> dict:
     """Bytes each device sends per step, by kind, read from the compiled HLO (loops unrolled by
     their trip counts). Scalars (the loss, the gradient norm) are included; they are a few bytes."""
     per = hlo.per_step(compiled.as_text(), n_devices)
-    out = {k: per.get(k, {}).get("wire_bytes", 0.0) for k in ("all-gather", "reduce-scatter", "all-reduce", "all-to-all")}
+    out = {k: per.get(k, {}).get("wire_bytes", 0.0) for k in ("all-gather", "reduce-scatter", "all-reduce", "all-to-all",
+                                                              "collective-permute")}
     out["total"] = sum(v["wire_bytes"] for k, v in per.items() if k != "unknown_loops")
     if per.get("unknown_loops"):   # loops whose trip count XLA does not state: their collectives counted once
         out["unknown_loops"] = per["unknown_loops"]

@@ -22,10 +22,10 @@ DEFAULT_MEMORY = 80 * 2**30   # per device, where neither --device-memory nor a 
 
 
 def build(model_name, mesh_spec, strategy, precision, remat, batch_size, seq_len, devices=None, attention=None,
-          loss="fused", moe="auto", moe_chunks="auto", backend=None, prefetch=None, tensor=1):
+          loss="fused", moe="auto", moe_chunks="auto", backend=None, prefetch=None, tensor=1, async_tp=None):
     """(cfg, plan, optimizer, loss_fn, batch shapes) for a named model; nothing allocated.
     `devices`: the mesh's devices (default: all local ones); `attention`: override the config's;
-    `prefetch`: fully_shard's; `tensor`: T, with the model's tensor plan (models/factory.py) when T > 1."""
+    `prefetch`, `async_tp`: fully_shard's; `tensor`: T, with the model's tensor plan (models/factory.py) when T > 1."""
     import jax
     import jax.numpy as jnp
 
@@ -52,7 +52,8 @@ def build(model_name, mesh_spec, strategy, precision, remat, batch_size, seq_len
     model, moe_opt, loss_fn = models.factory.language_model(cfg, loss, moe, moe_chunks, backend)
     tensor_plan = models.factory.tensor_plan(cfg) if tensor > 1 else None
     plan = jfsdp.fully_shard(model, mesh, x, strategy=strategy, mp_policy=jfsdp.MixedPrecision.parse(precision),
-                             remat=remat, moe=moe_opt, prefetch=prefetch, tensor_plan=tensor_plan)
+                             remat=remat, moe=moe_opt, prefetch=prefetch, tensor_plan=tensor_plan,
+                             async_tp=async_tp if tensor > 1 else None)
     return cfg, plan, jfsdp.adamw(1e-4), loss_fn, {"inputs": x, "targets": x}
 
 
@@ -140,7 +141,8 @@ def report(a, budget: int | None = None) -> dict:
     with targets.tracing_for(a.target) if gpu else contextlib.nullcontext():
         cfg, plan, opt, loss_fn, batch = build(a.model, a.mesh, a.strategy, a.precision, a.remat, a.batch_size,
                                                a.seq_len, devices, attention, a.loss, a.moe, a.moe_chunks, backend,
-                                               tensor=tensor)
+                                               tensor=tensor, async_tp={"on": True, "off": False}.get(
+                                                   getattr(a, "async_tp", "auto")))
         trainable, hit = frozen.freeze(plan, getattr(a, "freeze", None))
         case = _Case(plan, opt, loss_fn, batch, gpu, backend, a.target if gpu else jax.default_backend(),
                      trainable, tuple(hit))
@@ -208,6 +210,8 @@ def _estimates(a, cfg, case: _Case, budget: int) -> dict:
         rep["schedule"] = schedule(plan.strategy, plan.remat, plan.shards, plan.prefetch)
     if here != a.target:
         rep[f"estimate_{here}"] = _estimate(a, case, case.batch, here, a.prefetch).as_dict()
+    if plan.tensor > 1:
+        rep["async_tp"] = plan.async_tp
     rep.update(_formula(a, case, case.backend))
     if any(plan.moe_stages):
         rep["moe"] = moe.describe(plan)
@@ -238,8 +242,10 @@ def _compiled(a, case: _Case) -> dict:
         rep.update({f"{k}_{here}": v for k, v in _formula(a, case, here).items()})
     if case.gpu:
         text = compiled.as_text()
-        ov = hlo.overlap(text, plan.n_devices)
+        ov = hlo.overlap(text, plan.n_devices, tuple(plan.mesh.shape.items()))
         rep["overlap"] = hlo.overlap_summary(ov)
+        if plan.tensor > 1:   # the TP collectives (over `tensor`) apart from FSDP's
+            rep["overlap_axes"] = hlo.overlap_summary(ov, by_axes=True)
         rep["overlap_table"] = hlo.render_overlap(ov)
         rep["collective_dtypes"] = sorted({(c.kind, d) for c in hlo.collectives(text, plan.n_devices)
                                            for d in c.dtypes})

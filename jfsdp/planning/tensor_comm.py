@@ -19,6 +19,9 @@ after w2) forward, as many backward (their transposes). A unit recomputed in the
 backward pass does not need, except in XLA:GPU's plain scan (no prefetch pipeline) under remat 'full'.
 Dtypes (read from the compiled programs): the all-gathers and the backward's reduce-scatters in the
 compute dtype, the rowwise reduce-scatters of the forward (and its recomputation) in the reduce dtype.
+With async TP (`plan.async_tp`, parallel/tensor.py) each of the units' all-gathers and reduce-scatters is
+a ring of T − 1 collective-permutes of n·D·b/T each, the same bytes; the recomputed reduce-scatter after
+w2 is dropped in every program (its ring's result is dead code). The root's stay one-shot collectives.
 The vocabulary-parallel root adds 2 of each in the compute dtype (the embedding, the head), the token
 ids' and targets' all-gathers (4 bytes a token) and the loss's all-reduces of fp32 per token: 4 for the
 plain loss (max, sum, target logit forward; the sum's transpose backward), 3 for the fused loss, whose
@@ -101,10 +104,15 @@ def tensor_comm(plan, rows: int, seq_len: int, fused: bool, backend: str | None 
     units = sum(plan.stage_sizes)
     vocab = getattr(plan, "vocab_shard", None) is not None
     root = 2 if vocab else 0
-    kept = backend == "gpu" and not plan.prefetch and plan.remat == "full"   # the recomputed one after w2
+    ring = getattr(plan, "async_tp", False)   # the units' collectives as rings of collective-permutes
+    kept = backend == "gpu" and not plan.prefetch and plan.remat == "full" and not ring   # recomputed after w2
     rowwise = units * (2 + again * (2 if kept else 1))
-    add(out, "all-gather", (TENSOR_AXIS,), (units * (4 + 2 * again) + root) * n * d * cb * f)
-    add(out, "reduce-scatter", (TENSOR_AXIS,), (rowwise * rb + (units * 2 + root) * cb) * n * d * f)
+    gathers, scatters = units * (4 + 2 * again) * cb, rowwise * rb + units * 2 * cb
+    if ring:
+        add(out, "collective-permute", (TENSOR_AXIS,), (gathers + scatters) * n * d * f)
+        gathers = scatters = 0
+    add(out, "all-gather", (TENSOR_AXIS,), (gathers + root * cb) * n * d * f)
+    add(out, "reduce-scatter", (TENSOR_AXIS,), (scatters + root * cb) * n * d * f)
     if vocab:
         add(out, "all-gather", (TENSOR_AXIS,), 2 * n * 4 * f)
         add(out, "all-reduce", (TENSOR_AXIS,), ((3 * n + 1) if fused else 4 * n) * 4 * 2 * f)
@@ -114,7 +122,7 @@ def tensor_comm(plan, rows: int, seq_len: int, fused: bool, backend: str | None 
 def by_kind(per_axes: dict) -> dict:
     """{(kind, axes): bytes} -> the report's {kind: bytes} with 'total', and 'contract': the FSDP part
     (every collective but those over `tensor` alone), the T = 1 contract's counterpart."""
-    out = {k: 0.0 for k in ("all-gather", "reduce-scatter", "all-reduce", "all-to-all")}
+    out = {k: 0.0 for k in ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")}
     for (kind, _), v in per_axes.items():
         out[kind] = out.get(kind, 0.0) + v
     out["total"] = sum(out.values())

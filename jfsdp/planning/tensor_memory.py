@@ -9,7 +9,7 @@ is where each leaf lies and what a device computes on.
   the whole leaf for the rest: `stored_bytes` already counts what one device holds.
 - Activations: the units, the root and the loss traced as each device runs them, with the tensor
   collectives of Megatron-SP (`FSDP.unit_apply`, the vocabulary-parallel root's `vocab.scope`,
-  `vocab.gather_h`, `vocab.loss`) traced as one device runs them (an axis `tensor` of size T bound): the residual
+  `vocab.gather_features`, `vocab.loss`) traced as one device runs them (an axis `tensor` of size T bound): the residual
   stream between units is 1/T of the sequence (the kept unit inputs shrink by T), inside a unit the
   TP group's whole sequence meets 1/T of the heads and of the FFN width, and the head's logits hold
   1/T of the vocabulary. What JAX saves for the backward pass is then one device's.
@@ -102,15 +102,18 @@ def _out(f, t: int, *args):
     return jax.make_jaxpr(f, axis_env=[(TENSOR_AXIS, t)], return_shape=True)(*args)[1]
 
 
-def transients(h, t: int) -> int:
+def transients(h, t: int, ring: bool = False) -> int:
     """What a unit's backward holds besides the residuals, beyond what T = 1 holds: three arrays of
     the TP group's whole sequence (n x D) where T = 1 has one device's tokens (n/T x D): the incoming
     cotangent all-gathered over `tensor` (the transpose of the rowwise reduce-scatter), the rowwise
     matmul's recomputed partial sums before their reduce-scatter, and the cotangent of the colwise
     layers' gathered input before its reduce-scatter. `h`: one device's residual stream (n/T x D).
     (Fitted by count, not by XLA's buffers: at T = 4 on XLA:CPU the compiled step held 2.3-3.3 n x D
-    more than these residuals, at T = 2 about as much as T = 1's estimate over-counts: docs/planner.md.)"""
-    return 3 * tree_bytes(h) * (t - 1)
+    more than these residuals, at T = 2 about as much as T = 1's estimate over-counts: docs/planner.md.)
+    `ring`: async TP (parallel/tensor.py), whose rings make those arrays one block at a time: one
+    whole-sequence array is left (measured: llama-70b at FSDP 32 x TP 8 on the H100 target compiled
+    3.5 GiB smaller with rings, 1.75 such arrays of 2 GiB; docs/tensor-parallel.md).)"""
+    return (1 if ring else 3) * tree_bytes(h) * (t - 1)
 
 
 def activation_estimate(plan, loss_fn: Callable, micro, backend: str | None = None, widen: bool = True,
@@ -136,7 +139,8 @@ def activation_estimate(plan, loss_fn: Callable, micro, backend: str | None = No
         unit_fn = lambda x, p, apply=apply, tr=tr: apply(stop_frozen(p, tr), x)
         unit_p = as_shapes(layouts, pdt)
         stages.append({"per_unit": _saved(jax.checkpoint(unit_fn, policy=policy), t, h, unit_p) + tree_bytes(h),
-                       "unit_working": _saved(unit_fn, t, h, unit_p) + tree_bytes(h) + transients(h, t)})
+                       "unit_working": _saved(unit_fn, t, h, unit_p) + tree_bytes(h)
+                       + transients(h, t, getattr(plan, "async_tp", False))})
         h = _out(unit_fn, t, h, unit_p)
     head = _head(plan, loss_fn, batch, root_p, h, root_t)
     return {**stages[0], "head": head, "stages": stages}

@@ -86,7 +86,8 @@ class Run:
         c, mcfg = self.c, self.model.config
         print(f"model {self.model.name}: {mcfg.num_params() / 1e6:.2f}M params, {self.n_units} units | mesh "
               f"{MeshSpec(self.r, self.s, self.c.tensor).describe()} on {self.n_dev} {self.platform} devices | "
-              f"{self.strategy.value}, {c.precision}, remat {c.remat}")
+              f"{self.strategy.value}, {c.precision}, remat {c.remat}"
+              + (" | async TP (collective matmuls)" if getattr(self.sharded, "async_tp", False) else ""))
         if jax.process_count() > 1:
             print(f"processes {jax.process_count()}, {len(self.mesh.local_devices)} devices each | "
                   + "\n      ".join(distributed.describe_mesh(self.mesh)))

@@ -11,10 +11,20 @@ the embedding and the head run on 1/T of the tokens. Inside a unit:
 Forward: 2 all-gathers and 2 reduce-scatters over `tensor` per Llama block. Backward: their transposes
 (jax's: the transpose of a tiled all-gather is a reduce-scatter and vice versa), the same count.
 The calls are intercepted (`nn.intercept_methods`); the model's code stays as written, as long as it
-derives the head count of its reshapes from the matmul's output (-1), not from its config."""
+derives the head count of its reshapes from the matmul's output (-1), not from its config.
+
+Async TP (`collective_matmul=True`, the default on GPUs): each of those collectives is decomposed into T
+steps of a ring of `ppermute`s, and each matmul into one matmul per sequence block, so that the transfer
+of one block overlaps the matmul of the one before (a collective matmul). The gather: the T blocks of h
+arrive one hop at a time, and every colwise layer multiplies each block as it arrives. The
+reduce-scatter: each step multiplies one block of the rowwise input and adds it to the partial sum
+that arrived from the previous rank, which is passed on; after T steps a rank holds the sum of its own
+block. The same bytes cross the links as with the one-shot collectives: (T-1) blocks each way. The
+backward pass is the transpose of the ring, again one hop per matmul."""
 from __future__ import annotations
 
 import flax.linen as nn
+import jax.numpy as jnp
 from jax import lax
 
 from jfsdp.config.errors import ConfigError
@@ -45,7 +55,43 @@ def dense(mod, x, out_dtype=None):
     return y, x.dtype
 
 
-def interceptor(modules: dict, sequence_dim: int, reduce_dtype=None):
+def _next_rank(tensor: int) -> list:
+    return [(i, (i + 1) % tensor) for i in range(tensor)]
+
+
+def ring_blocks(x, tensor: int) -> list:
+    """This rank's block of the sequence -> every rank's block, in ring order: block k (k hops away)
+    is the one of rank (t - k) mod T, t this rank."""
+    blocks = [x]
+    for _ in range(tensor - 1):
+        blocks.append(lax.ppermute(blocks[-1], TENSOR_AXIS, _next_rank(tensor)))
+    return blocks
+
+
+def place_blocks(parts: list, dim: int):
+    """`ring_blocks`' order -> the whole sequence: part k goes to block (t - k) mod T of `dim`."""
+    tensor, n, t = len(parts), parts[0].shape[dim], lax.axis_index(TENSOR_AXIS)
+    # every block is overwritten; starting from copies of part 0 rather than zeros keeps the whole
+    # function linear in the parts, so that JAX saves no zero buffer for the backward pass
+    out = jnp.concatenate([parts[0]] * tensor, axis=dim)
+    for k, part in enumerate(parts):
+        out = lax.dynamic_update_slice_in_dim(out, part, ((t - k) % tensor) * n, axis=dim)
+    return out
+
+
+def ring_scatter_dense(mod, x, dim: int, tensor: int, out_dtype=None):
+    """`scatter_sequence(dense(mod, x, out_dtype))` as a collective matmul: at step k this rank multiplies
+    block (t - 1 - k) mod T of the sequence and adds the partial sum its left neighbour passed on, so
+    that at the last step the sum that arrives is its own block's. (The summed block, the compute dtype.)"""
+    n, t = x.shape[dim] // tensor, lax.axis_index(TENSOR_AXIS)
+    acc = dtype = None
+    for k in range(tensor):
+        y, dtype = dense(mod, lax.dynamic_slice_in_dim(x, ((t - 1 - k) % tensor) * n, n, axis=dim), out_dtype)
+        acc = y if acc is None else lax.ppermute(acc, TENSOR_AXIS, _next_rank(tensor)) + y
+    return acc, dtype
+
+
+def interceptor(modules: dict, sequence_dim: int, reduce_dtype=None, tensor: int = 1, collective_matmul=False):
     """A Linen method interceptor for a unit: `modules` is {module path: 'colwise' / 'rowwise'}
     (layout.tp_modules); the parent of every colwise layer gets its input gathered over the sequence.
     A rowwise layer's partial sums leave the matmul in `reduce_dtype` (the precision policy's, fp32 under
@@ -54,6 +100,7 @@ def interceptor(modules: dict, sequence_dim: int, reduce_dtype=None):
     to bf16 first, as Megatron does, put llama-test's outputs 5.2e-3 in L2 from the single-device bf16
     model's, nearly as far as fp32's, 6.1e-3: docs/tensor-parallel.md.)"""
     gathers = {path[:-1] for path, kind in modules.items() if kind != ROWWISE}
+    rings = {}   # collective matmul: {a gathering module's path: (the input it was given, its ring's blocks)}
     if () in gathers:
         raise ConfigError("a colwise layer sits at the unit's top level: its input would be the residual stream "
                           "itself; tensor parallelism gathers the input of the module that holds colwise layers")
@@ -63,15 +110,30 @@ def interceptor(modules: dict, sequence_dim: int, reduce_dtype=None):
         if context.method_name != "__call__":
             return next_fun(*args, **kwargs)
         path = tuple(mod.path)
+        if path in gathers and collective_matmul:
+            blocks = ring_blocks(args[0], tensor)
+            whole = place_blocks(blocks, sequence_dim)   # for any other use of the input; else dead code
+            rings[path] = (whole, blocks)
+            try:
+                return next_fun(whole, *args[1:], **kwargs)
+            finally:
+                del rings[path]
         if path in gathers:
             return next_fun(gather_sequence(args[0], sequence_dim), *args[1:], **kwargs)
         kind = modules.get(path)
         if kind is None:
             return next_fun(*args, **kwargs)
+        ring = rings.get(path[:-1])
+        if kind != ROWWISE and ring is not None and args[0] is ring[0]:
+            return place_blocks([dense(mod, b)[0] for b in ring[1]], sequence_dim)
         if kind != ROWWISE:
             return dense(mod, args[0])[0]
-        y, dtype = dense(mod, args[0], reduce_dtype)
-        y = scatter_sequence(y, sequence_dim).astype(dtype)
+        if collective_matmul:
+            y, dtype = ring_scatter_dense(mod, args[0], sequence_dim, tensor, reduce_dtype)
+        else:
+            y, dtype = dense(mod, args[0], reduce_dtype)
+            y = scatter_sequence(y, sequence_dim)
+        y = y.astype(dtype)
         if mod.use_bias:   # replicated over `tensor`: added once, after the sum
             y = y + nn.meta.unbox(mod.get_variable("params", "bias")).astype(y.dtype)
         return y

@@ -6,10 +6,14 @@ the vocabulary, and the logits are never whole on one device.
   all-gathered over `tensor` (4 bytes a token), each rank looks up the ids in its share (zeros
   elsewhere), and the rows are reduce-scattered over `tensor` onto the sequence: the residual stream
   leaves the root sequence-parallel, as between units. Backward: an all-gather of dh.
-- The head: the engine all-gathers h over `tensor` on the sequence before the root's head method
-  (`gather_h`), which then runs on the TP group's whole sequence against this rank's share of the
-  vocabulary (`nn.Embed.attend` for a tied embedding, `nn.Dense` for an untied head): logits
-  (tokens, V/T). Backward: a reduce-scatter of dh. Why the sequence and not the vocabulary moves:
+- The head: the root's head method runs on this rank's 1/T of the sequence (its final norm too), and
+  the input of its projection is all-gathered over `tensor` on the sequence: the projection runs on
+  the TP group's whole sequence against this rank's share of the vocabulary (`nn.Embed.attend` for a
+  tied embedding, `nn.Dense` for an untied head): logits (tokens, V/T). A fused loss's head method
+  returns (hidden states, weight) without the projection: its hidden states are gathered
+  (`gather_features`). Backward: a reduce-scatter of the projection input's gradient. (Gathering h
+  before the norm ran the norm T times over, and kept its fp32 values for the whole sequence: 8 GiB
+  per device for llama-70b at FSDP 32 x TP 8, 16 x 8192 tokens a TP group.) Why the sequence and not the vocabulary moves:
   docs/tensor-parallel.md, "The root".
 - The loss runs under `loss_parallel(shard)`: jfsdp's losses (jfsdp/train/losses.py) reduce the max
   and the log-sum-exp over `tensor` and pick each target's logit on the rank that holds it. The batch
@@ -126,13 +130,13 @@ def root_interceptor(modules: dict, shard: VocabShard, dim: int):
             if method == "__call__":
                 return lookup(mod, args[0], shard, dim)
             if method == "attend":
-                q, table = mod.promote_dtype(args[0], mod.embedding, dtype=mod.dtype)
+                q, table = mod.promote_dtype(gather_sequence(args[0], dim), mod.embedding, dtype=mod.dtype)
                 return shard.mask(jnp.dot(q, table.T))
             return next_fun(*args, **kwargs)
         if isinstance(mod, nn.Dense) and layout.tp == COLWISE and name == "kernel":
             if method != "__call__":
                 return next_fun(*args, **kwargs)
-            return shard.mask(dense(mod, args[0])[0])
+            return shard.mask(dense(mod, gather_sequence(args[0], dim))[0])
         raise ConfigError(f"root layer {'/'.join(mod.path)} ({type(mod).__name__}) is {layout.tp}: only an nn.Embed "
                           "named rowwise (its rows, the vocabulary) or an nn.Dense head named colwise can be "
                           "vocabulary-parallel")
@@ -152,9 +156,14 @@ def scope(plan):
     return nn.intercept_methods(intercept) if intercept else contextlib.nullcontext()
 
 
-def gather_h(plan, h):
-    """The head's input: the whole sequence of the TP group when the root is vocabulary-parallel."""
-    return gather_sequence(h, plan.tensor_plan.sequence_dim) if getattr(plan, "vocab_shard", None) else h
+def gather_features(plan, outputs):
+    """The head method's outputs. A fused loss's (hidden states..., weight): with a vocabulary-parallel
+    root the hidden states of the TP group's whole sequence (the logits of a plain head come whole on
+    the sequence from its projection, whose input the root interceptor gathers)."""
+    if not getattr(plan, "vocab_shard", None) or not isinstance(outputs, (tuple, list)):
+        return outputs
+    *hidden, weight = outputs
+    return (*(gather_sequence(x, plan.tensor_plan.sequence_dim) for x in hidden), weight)
 
 
 def loss(plan, loss_fn, outputs, batch):
