@@ -119,6 +119,10 @@ def test_gpu_flags_are_overridable(monkeypatch):
     flags = xla_flags.gpu_xla_flags()
     assert flags.startswith("--xla_gpu_enable_pipelined_all_gather=false --foo=1")
     assert "--xla_gpu_enable_pipelined_reduce_scatter=true" in flags and flags.count("pipelined_all_gather") == 1
+    # async TP adds its own (two collectives in flight: a ring's hop beside an FSDP gather)
+    overlap = "--xla_gpu_experimental_parallel_collective_overlap_limit=2"
+    assert overlap in xla_flags.gpu_xla_flags("", async_tp=True) and overlap not in flags
+    assert targets.compiler_options(async_tp=True)["xla_gpu_experimental_parallel_collective_overlap_limit"] == 2
 
 
 def test_throughput_sets_the_flags_train_py_sets(monkeypatch, capsys):

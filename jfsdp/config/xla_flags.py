@@ -108,13 +108,26 @@ PREFETCH_GPU_FLAGS = {
 }
 
 
-def flags_for(prefetch: bool = False) -> dict:
-    """The XLA:GPU flags jfsdp wants for a plan with (True) or without its prefetch pipeline."""
-    return PREFETCH_GPU_FLAGS if prefetch else GPU_FLAGS
+# For a plan with async TP (`fully_shard(async_tp=...)`, on by default on GPUs at T > 1), whose rings
+# of collective-permutes run beside the FSDP gathers and reduce-scatters:
+ASYNC_TP_GPU_FLAGS = {
+    # Two collectives in flight at a time instead of one. With one, each ring's hop takes the slot
+    # that an FSDP gather needs while the matmuls run, and the gathers go exposed: llama-8b on
+    # 1x4 --tensor 2 (8 H100s, 8 x 8192, compiled without a GPU) exposed 10.33 of 10.48 GiB of FSDP
+    # all-gathers, 1.04 with two (docs/tensor-parallel.md, "Async TP"). XLA marks the option
+    # experimental.
+    "xla_gpu_experimental_parallel_collective_overlap_limit": 2,
+}
 
 
-def gpu_xla_flags(existing: str | None = None, prefetch: bool = False) -> str:
+def flags_for(prefetch: bool = False, async_tp: bool = False) -> dict:
+    """The XLA:GPU flags jfsdp wants for a plan with (True) or without its prefetch pipeline, and with
+    or without async TP."""
+    return {**(PREFETCH_GPU_FLAGS if prefetch else GPU_FLAGS), **(ASYNC_TP_GPU_FLAGS if async_tp else {})}
+
+
+def gpu_xla_flags(existing: str | None = None, prefetch: bool = False, async_tp: bool = False) -> str:
     """XLA_FLAGS with jfsdp's GPU flags added (those already present win): for a process that runs
-    on real GPUs (train.py), to be set before jax initializes its backend. `prefetch`: whether the
-    plan will run jfsdp's prefetch pipeline (`flags_for`)."""
-    return _added(existing, flags_for(prefetch))
+    on real GPUs (train.py), to be set before jax initializes its backend. `prefetch`, `async_tp`:
+    whether the plan will run jfsdp's prefetch pipeline and async TP (`flags_for`)."""
+    return _added(existing, flags_for(prefetch, async_tp))

@@ -205,7 +205,7 @@ def _estimates(a, cfg, case: _Case, budget: int) -> dict:
         rep["attention"] = models.llama.attention_impl(cfg.llama() if hasattr(cfg, "llama") else cfg,
                                                        plan.mp.param_dtype or jnp.float32, a.seq_len)
         rep["xla_options"] = targets.compiler_options(dict(xla_option(o) for o in a.xla_option),
-                                                      plan.prefetch or a.update_in_backward)
+                                                      plan.prefetch or a.update_in_backward, getattr(plan, "async_tp", False))
         rep["prefetch"] = plan.prefetch
         rep["schedule"] = schedule(plan.strategy, plan.remat, plan.shards, plan.prefetch)
     if here != a.target:
