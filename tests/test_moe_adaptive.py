@@ -22,6 +22,10 @@ from tests import moe_reference as mref
 from tests import reference as ref
 
 CFG = dataclasses.replace(models.get_config("moe-test"), n_dense_layers=0)
+# experts of width 10: the cost model sends the tokens (ep) at capacity 9 and gathers the experts at 12
+# (2 sequences per device: all-to-all 4 x 8 x 2 x c x 72 x 4 B = 165.9 KB x c / 9 against the experts'
+# 3 x 8 x 72 x 10 x (2 x 4 + 4) B = 207.4 KB per unit, both x (S-1)/S)
+MIXED = dataclasses.replace(CFG, expert_dim=10)
 
 
 def batches(n_rows, seq, seeds):
@@ -44,12 +48,12 @@ def plan_for(mesh_spec, rows, seq, cfg=CFG, **moe_kw):
                              jax.ShapeDtypeStruct((rows, seq), jnp.int32), moe=jfsdp.MoE(**moe_kw))
 
 
-def init_params(batch):
+def init_params(batch, cfg=CFG):
     """moe-test's initial parameters with the token embeddings scaled up 10x: the router then sees the
     token more than what attention mixes in, so a batch of random tokens spreads its load (at most 8 or 9
     of a sequence's 24 choices on one expert, seeds 0 and 1) and a repeated token piles it up (12): the
     batch drives the skew."""
-    root, stages = moe.parts(CFG)
+    root, stages = moe.parts(cfg)
     with jax.default_device(jax.devices()[0]):
         params = jax.device_get(ref.init_staged(root, stages, batch["inputs"]))
     emb = params["root"]["lm"]["tok_embeddings"]
@@ -57,24 +61,28 @@ def init_params(batch):
     return params
 
 
-@pytest.mark.parametrize("mesh_spec,run", [("1x8", "gather"), ("2x4", "ep")])
+@pytest.mark.parametrize("mesh_spec,run", [("1x8", "auto"), ("2x4", "ep")])
 def test_adaptive_training_matches_plain_moe(mesh_spec, run):
-    """3 AdamW steps (random, one-token-per-row, random batches: the load and with it the bucket change):
-    losses within 1e-5 relative at every step, first-step gradients within 1e-5 of each leaf's largest,
-    of the single-device MoE that drops nothing. The state's shardings equal those of the static
-    gather and ep plans: every variant reads the one layout."""
+    """3 AdamW steps (random, one-token-per-row, random batches: the load and with it the bucket change,
+    9, 12, 9 as test_capacity_follows_the_load shows): losses within 1e-5 relative at every step,
+    first-step gradients within 1e-5 of each leaf's largest, of the single-device MoE that drops nothing.
+    1x8 'auto': the cost model mixes the modes (ep at 9, gather at 12), so the mode switches with the
+    bucket. The state's shardings equal those of the static gather and ep plans: every variant reads
+    the one layout."""
+    cfg = MIXED if run == "auto" else CFG
     data = batches(16, 12, [0, None, 1])
-    params = init_params(data[0])
-    want_losses, _, want_grads = mref.train(CFG, params, data)
-    plan = plan_for(mesh_spec, 16, 12, mode="adaptive", run=run, buckets=(9, 12))
-    assert [(v.capacity, v.mode) for v in plan.moe_stages[0].variants] == [(9, run), (12, run)]
+    params = init_params(data[0], cfg)
+    want_losses, _, want_grads = mref.train(cfg, params, data)
+    plan = plan_for(mesh_spec, 16, 12, cfg, mode="adaptive", run=run, buckets=(9, 12))
+    modes = ["ep", "gather"] if run == "auto" else [run] * 2
+    assert [(v.capacity, v.mode) for v in plan.moe_stages[0].variants] == list(zip((9, 12), modes))
     adamw = jfsdp.adamw(ref.LR, b1=ref.B1, b2=ref.B2, eps=ref.EPS, weight_decay=ref.WD, clip_norm=ref.CLIP)
     opt = optax.chain(ref.keep_gradients(), adamw)
     if run == "ep":
         for static in ("gather", "ep"):
-            other = plan_for(mesh_spec, 16, 12, mode=static, chunks=1)
+            other = plan_for(mesh_spec, 16, 12, cfg, mode=static, chunks=1)
             assert state_shardings(other, opt) == state_shardings(plan, opt), static
-    step = jfsdp.make_train_step(plan, opt, moe.loss(lm_loss, CFG.aux_coef))
+    step = jfsdp.make_train_step(plan, opt, moe.loss(lm_loss, cfg.aux_coef))
     state = jfsdp.init_state(plan, opt, params=params)
     losses = []
     for b in data:
@@ -85,14 +93,14 @@ def test_adaptive_training_matches_plain_moe(mesh_spec, run):
 
 
 def test_capacity_follows_the_load_without_recompiling():
-    """2x4, run='auto': one compiled forward picks a smaller capacity for random batches than for a
+    """2x4, run='gather' (every variant gathers the experts): one compiled forward picks a smaller capacity for random batches than for a
     batch whose rows repeat one token (there: T, every choice kept, where the static capacity factor
     1.25 drops a measured share); every loss equals the plain MoE's (when nothing is dropped the
     result does not depend on the capacity); no compile after the first call."""
     rows, seq = 16, 12
     data = batches(rows, seq, [0, None, 1])
     params = init_params(data[0])
-    plan = plan_for("2x4", rows, seq, mode="adaptive", buckets=(6, 9, 12))
+    plan = plan_for("2x4", rows, seq, mode="adaptive", run="gather", buckets=(6, 9, 12))
     fns = {"capacity": moe.capacity_used, "dropped": moe.dropped_fraction, "loss": moe.loss(lm_loss, CFG.aux_coef)}
     forward = jax.jit(jm.forward_metrics(plan, fns))
     sharded = plan.shard(params)
