@@ -20,9 +20,10 @@ that hold the experts instead of gathering the weights); nothing here knows abou
 
 Auxiliary outputs travel with the hidden state: every unit maps (x, stats) -> (x, stats), stats of
 shape (B, 4) fp32 holding per sequence [sum over MoE layers of the aux loss, dropped choices, routed
-choices, largest capacity (slots per expert) any MoE layer ran with]. The head returns {'out': logits (or head features), 'moe_stats': stats}; `loss(inner, coef)`
-adds coef x the mean aux loss to the language-model loss. Both are per-row means, so the loss stays
-a mean over rows (the loss contract of jfsdp and of any data-parallel trainer).
+choices, largest capacity (slots per expert) any MoE layer ran with]. The head returns {'out': logits
+(or head features), 'moe_stats': stats}; `loss(inner, coef)` adds coef x the mean aux loss to the
+language-model loss. Both are per-row means, so the loss stays a mean over rows (the loss contract of
+jfsdp and of any data-parallel trainer).
 """
 from __future__ import annotations
 
