@@ -133,18 +133,10 @@ def resolve_stage(sharded, option, j, site, layouts, cost, chunks):
                          tuple(variants))
 
 
-def uses_ep(stage) -> bool:
-    return any(v.mode == "ep" for v in stage.variants)
-
-
 def place_params(unshard_fn, shards, layouts, stage: AdaptiveStage, comm):
-    """The unit's parameters: everything gathered but the experts. The experts are passed as cast
-    local shards when every variant is expert-parallel, as raw shards when the variants mix (each
-    branch then gathers or casts them itself), and gathered like the rest when none is."""
-    if not uses_ep(stage):
-        return jax.tree.map(unshard_fn, shards, layouts, is_leaf=is_layout)
-    if all(v.mode == "ep" for v in stage.variants):
-        return expert_parallel.place_params(unshard_fn, shards, layouts, stage, comm)
+    """The unit's parameters: everything gathered but the experts, which stay raw local shards; each
+    variant gathers them (gather) or casts them where they are (ep) inside its own branch, so that the
+    switch's saved inputs hold shards, never gathered experts."""
     site = stage.site
 
     def one(path, l, x):
@@ -158,16 +150,13 @@ def interceptor(stage: AdaptiveStage, selector, shards: int, comm, layouts):
     current = []                 # the variant being traced (innermost last)
     in_experts = []
     capacities = jnp.asarray([v.capacity for v in stage.variants], jnp.int32)
-    mixed = uses_ep(stage) and not all(v.mode == "ep" for v in stage.variants)
     e_layouts = expert_leaves(layouts, stage.site)
 
     def experts(mod, x):
         v = current[-1]
-        params = mod.variables["params"]
-        if mixed:   # raw shards: cast where they are (ep) or gather them in this branch
-            params = (jax.tree.map(lambda p: expert_parallel.local_shard(p, comm, jnp.dtype(p.dtype)), params)
-                      if v.mode == "ep" else jax.tree.map(lambda p, l: unshard(p, l, comm), params, e_layouts,
-                                                          is_leaf=lambda a: is_layout(a)))
+        params = mod.variables["params"]   # raw shards: cast where they are (ep) or gather them here
+        params = (jax.tree.map(lambda p: expert_parallel.local_shard(p, comm, jnp.dtype(p.dtype)), params)
+                  if v.mode == "ep" else jax.tree.map(lambda p, l: unshard(p, l, comm), params, e_layouts))
         n = stage.site.n_experts // shards if v.mode == "ep" else stage.site.n_experts
         clone = mod.clone(parent=None, n_experts=n)
 
@@ -181,13 +170,20 @@ def interceptor(stage: AdaptiveStage, selector, shards: int, comm, layouts):
             return expert_parallel.expert_parallel(x, compute, shards, v.chunks)
         return compute(x)
 
+    def branch(mod, v):
+        def run(params, x):
+            current.append(v)
+            try:
+                return mod.clone(parent=None, capacity=v.capacity).apply({"params": params}, x)
+            finally:
+                current.pop()
+        return run
+
     def hook(next_fun, args, kwargs, context):
         mod = context.module
         if context.method_name != "__call__" or in_experts:
             return next_fun(*args, **kwargs)
         if current and selector.matches(mod):
-            if not mixed and current[-1].mode == "gather":
-                return next_fun(*args, **kwargs)
             return experts(mod, args[0])
         if current or not selector.matches(mod, selector.layer):
             return next_fun(*args, **kwargs)
@@ -195,15 +191,28 @@ def interceptor(stage: AdaptiveStage, selector, shards: int, comm, layouts):
         m = jnp.max(mod.load(x)).astype(jnp.int32)
         m = lax.pmax(m, AXES)
         i = jnp.minimum(jnp.sum(capacities < m), len(stage.variants) - 1)
-        params = mod.variables["params"]
-
-        def branch(v):
-            def run(params, x):
-                current.append(v)
-                try:
-                    return mod.clone(parent=None, capacity=v.capacity).apply({"params": params}, x)
-                finally:
-                    current.pop()
-            return run
-        return lax.switch(i, [branch(v) for v in stage.variants], params, x)
+        return switch([branch(mod, v) for v in stage.variants], hook)(i, mod.variables["params"], x)
     return hook
+
+
+def switch(branches, hook):
+    """(i, params, x) -> lax.switch(i, branches, params, x), differentiated by a custom VJP that saves only
+    (i, params, x) and whose backward pass is a switch over the branches' own VJPs: differentiating
+    lax.switch itself would keep the residuals of every branch (zeros for those not taken) from the
+    forward pass to the backward one. The taken branch runs its forward again in the backward pass."""
+    @jax.custom_vjp
+    def f(i, params, x):
+        return lax.switch(i, branches, params, x)
+
+    def fwd(i, params, x):
+        return f(i, params, x), (i, params, x)
+
+    def bwd(res, g):
+        i, params, x = res
+
+        def back(run):
+            return lambda p, x, g: jax.vjp(run, p, x)[1](g)
+        with nn.intercept_methods(hook):
+            return (None, *lax.switch(i, [back(b) for b in branches], params, x, g))
+    f.defvjp(fwd, bwd)
+    return f
