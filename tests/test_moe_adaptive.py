@@ -22,10 +22,11 @@ from tests import moe_reference as mref
 from tests import reference as ref
 
 CFG = dataclasses.replace(models.get_config("moe-test"), n_dense_layers=0)
-# experts of width 10: the cost model sends the tokens (ep) at capacity 9 and gathers the experts at 12
-# (2 sequences per device: all-to-all 4 x 8 x 2 x c x 72 x 4 B = 165.9 KB x c / 9 against the experts'
-# 3 x 8 x 72 x 10 x (2 x 4 + 4) B = 207.4 KB per unit, both x (S-1)/S)
-MIXED = dataclasses.replace(CFG, expert_dim=10)
+# experts of width 14: the cost model sends the tokens (ep) at capacity 9 and gathers the experts at 12
+# (2 sequences per device: 6 all-to-alls, the backward pass runs the forward's again, of 8 x 2 x c x 72 x 4 B:
+# 248.8 KB at 9, 331.8 KB at 12, against the experts' 3 x 8 x 72 x 14 x (2 x 4 + 4) B = 290.3 KB per unit,
+# all x (S-1)/S)
+MIXED = dataclasses.replace(CFG, expert_dim=14)
 
 
 def batches(n_rows, seq, seeds):

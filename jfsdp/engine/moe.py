@@ -171,10 +171,11 @@ def _per_stage(value, n, name):
     return [value] * n
 
 
-def costs(sharded, site: Site, layouts, n_units: int, backend: str | None = None) -> dict:
+def costs(sharded, site: Site, layouts, n_units: int, backend: str | None = None, recompute: bool = False) -> dict:
     """The cost model (module docstring): bytes each device sends per step for the stage's expert
     parameters in gather mode and for its tokens in expert-parallel mode, with the backend's wire
-    dtypes (XLA:CPU widens bf16 to f32: `memory.wire_dtype`)."""
+    dtypes (XLA:CPU widens bf16 to f32: `memory.wire_dtype`). `recompute`: the backward pass runs the
+    forward's collectives again whatever the remat (an adaptive variant: moe_adaptive.switch)."""
     S = sharded.shards
     f = (S - 1) / S if S > 1 else 0.0
     backend = backend or jax.default_backend()
@@ -182,10 +183,10 @@ def costs(sharded, site: Site, layouts, n_units: int, backend: str | None = None
     r = wire_dtype(sharded.mp.reduce_dtype or sharded.mp.param_dtype or jnp.float32, backend).itemsize
     W = sum(math.prod(l.stored_shape) for l in jax.tree.leaves(expert_leaves(layouts, site),
                                                                  is_leaf=is_layout))
-    g = 2 if (sharded.strategy.reshard_after_forward or S == 1) else 1
+    g = 2 if (sharded.strategy.reshard_after_forward or S == 1 or recompute) else 1
     X = math.prod(site.buckets)
     xb = wire_dtype(sharded.mp.param_dtype or site.dtype, backend).itemsize
-    a = 4 if sharded.remat == "none" else 6
+    a = 4 if sharded.remat == "none" and not recompute else 6
     return {"gather": n_units * W * (g * p + r) * f, "ep": n_units * a * X * xb * f,
             "weights": n_units * W, "tokens": n_units * X, "all_to_alls": a, "gathers": g, "units": n_units,
             "a2a_bytes": X * xb * f}

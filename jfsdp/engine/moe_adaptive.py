@@ -13,13 +13,18 @@ layer call becomes
     y     = lax.switch(i, [layer with capacity = bucket b, in b's mode and chunks, for each b], x)
 
 The choice costs one scalar all-reduce per MoE layer call and no host round trip: the device picks its
-branch, nothing is recompiled, the host never waits. The backward pass transposes the same switch (the
-index is a residual, or recomputed under remat, deterministically). What it costs in memory: XLA
-keeps the residuals of every branch (different shapes cannot share a buffer), measured in docs/moe.md.
+branch, nothing is recompiled, the host never waits. The backward pass is a switch on the same index
+over the branches' own VJPs (`switch`, a custom VJP): JAX's own derivative of lax.switch keeps the
+residuals of every branch (zeros for the branches not taken) from the forward pass to the backward
+one, which cost more memory than the largest variant (docs/moe.md). So the switch saves only its
+inputs and the taken branch runs its forward again in the backward pass: the layer's experts once
+more, and its collectives (the gather, or the dispatch and combine all-to-alls) as remat would; the
+cost model counts them (`costs(..., recompute=True)`).
 
 Every variant reads the parameters in the one sharded layout (Shard(0) along experts): switching moves
-no data. A gather variant all-gathers the experts inside its branch (only the branch taken runs its
-collectives); an ep variant uses the local shard and all-to-alls the tokens (expert_parallel.py).
+no data. The experts enter the switch as raw shards: a gather variant all-gathers them inside its
+branch (only the branch taken runs its collectives); an ep variant casts the local shard and
+all-to-alls the tokens (expert_parallel.py).
 
 The contract on the model's MoE layer (found by class name, `MoE.layer`): called on x (groups, T, d)
 (a routing group per row), a field `capacity` (slots per expert per group; the variants are clones
@@ -118,7 +123,7 @@ def resolve_stage(sharded, option, j, site, layouts, cost, chunks):
     variants = []
     for c in buckets_for(option, tokens, k, E):
         vsite = dataclasses.replace(site, buckets=(E, shape[0] * c, site.buckets[2]))   # local groups x capacity
-        vc = costs(sharded, vsite, layouts, st.n_units, option.backend)
+        vc = costs(sharded, vsite, layouts, st.n_units, option.backend, recompute=True)
         mode = option.run if option.run != "auto" else ("ep" if ep_ok and vc["ep"] < vc["gather"] else "gather")
         if mode == "ep":
             n = auto_chunks(sharded, vsite, vc, option.backend) if chunks == "auto" else min(chunks, vsite.buckets[1])
