@@ -77,9 +77,9 @@ class FSDP(ParamLayout):
         stage_l = self.split(self.layouts)[1]
         if self.mp.float8 is None:
             return stage_l
-        if any(m is not None and m.mode == "ep" for m in self.moe_stages):
-            raise ConfigError("float8 with an expert-parallel MoE stage is not supported (its experts are einsums "
-                              "run by expert_parallel, not Dense matmuls); use moe=MoE('gather') or bf16")
+        if any(m is not None and m.mode in ("ep", "adaptive") for m in self.moe_stages):
+            raise ConfigError("float8 with an expert-parallel or adaptive MoE stage is not supported (its experts are "
+                              "einsums run by jfsdp, not Dense matmuls); use moe=MoE('gather') or bf16")
         return float8.mark_stages(self.model, self.h_shapes, stage_l, self.mp.float8, self.mp.param_dtype)
 
     def unit_apply(self, unit):
