@@ -3,6 +3,7 @@ that holds the router's measured load. Against the plain single-device MoE (test
 expert on every token: what any capacity that drops nothing computes): training steps on 1x8 and 2x4
 whose batches drive the load up and down; the chosen capacity follows the batch with no compile after
 the first call; bad options as ConfigErrors."""
+import contextlib
 import dataclasses
 
 import jax
@@ -40,6 +41,18 @@ def batches(n_rows, seq, seeds):
             tok = np.random.default_rng(seed).integers(0, CFG.vocab_size, (n_rows, seq + 1))
         out.append({"inputs": jnp.asarray(tok[:, :-1], jnp.int32), "targets": jnp.asarray(tok[:, 1:], jnp.int32)})
     return out
+
+
+@contextlib.contextmanager
+def compiles_counted():
+    """A list that collects XLA backend compilations (jax.monitoring events) while the block runs."""
+    compiles = []
+    listener = lambda event, *a, **k: compiles.append(event) if "backend_compile" in event else None
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield compiles
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def plan_for(mesh_spec, rows, seq, cfg=CFG, **moe_kw):
@@ -86,9 +99,11 @@ def test_adaptive_training_matches_plain_moe(mesh_spec, run):
     step = jfsdp.make_train_step(plan, opt, moe.loss(lm_loss, cfg.aux_coef))
     state = jfsdp.init_state(plan, opt, params=params)
     losses = []
-    for b in data:
-        state, m = step(state, plan.put_batch(b))
-        losses.append(float(m["loss"]))
+    for i, b in enumerate(data):
+        with compiles_counted() as compiles:
+            state, m = step(state, plan.put_batch(b))
+            losses.append(float(m["loss"]))
+        assert (compiles != []) == (i == 0), compiles   # compiled once; the bucket changes, the program does not
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
     ref.close(plan.gather(state.opt_state[0][0]), want_grads, 1e-5, "grad")
 
@@ -105,14 +120,9 @@ def test_capacity_follows_the_load_without_recompiling():
     fns = {"capacity": moe.capacity_used, "dropped": moe.dropped_fraction, "loss": moe.loss(lm_loss, CFG.aux_coef)}
     forward = jax.jit(jm.forward_metrics(plan, fns))
     sharded = plan.shard(params)
-    compiles = []
-    listener = lambda event, *a, **k: compiles.append(event) if "backend_compile" in event else None
     got = [forward(sharded, plan.put_batch(data[0]))]
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with compiles_counted() as compiles:
         got += [forward(sharded, plan.put_batch(b)) for b in data[1:]]
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     assert compiles == [] and forward._cache_size() == 1
     got = [{k: float(v) for k, v in g.items()} for g in got]
     assert [g["dropped"] for g in got] == [0.0] * 3
