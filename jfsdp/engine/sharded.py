@@ -45,8 +45,7 @@ class FSDP(ParamLayout):
             self.tp_intercept = tp.interceptor(tp_layout.tp_modules(self.split(self.layouts)[1]), tensor_plan.sequence_dim,
                                                mp_policy.reduce_dtype, self.tensor, self.async_tp)
             vocab.setup(self, self.split(self.layouts)[0], tensor_plan.sequence_dim)   # parallel/vocab.py
-        # MoE stages (moe.py, moe_adaptive.py): per stage None (dense, or gathered) or its mode
-        self.moe, self.moe_stages = moe, moe_engine.resolve(self, moe, moe_adaptive.resolve_stage)
+        self.moe, self.moe_stages = moe, moe_engine.resolve(self, moe, moe_adaptive.resolve_stage)   # None or its mode
         self.unit_layouts = self.float8_layouts()
 
     def set_strategy(self, strategy, mp_policy, remat):
