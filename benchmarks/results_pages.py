@@ -17,7 +17,8 @@ from pathlib import Path
 from results_source import ROOT, table
 from results_gspmd import gspmd_page
 from results_tables import (PLANS, checkpoint_page, fsdp2_first_run_page, fsdp2_in_backward_page, fsdp2_memory_page,
-                            gpu_target_page, memory_page, moe_page, plans_page, throughput_page)
+                            gpu_target_page, memory_page, moe_adaptive_page, moe_page, plans_page,
+                            throughput_page)
 
 PAGES = {   # page -> (title for the index, builder, the JSON files it reads)
     "memory.md": ("per-device memory against devices and depth; the largest Llama in 80 GiB", memory_page,
@@ -37,6 +38,8 @@ PAGES = {   # page -> (title for the index, builder, the JSON files it reads)
                        "throughput_update_in_backward_noclip_cpu.json"]),
     "checkpoint.md": ("checkpoint save and restore times, size on disk", checkpoint_page, ["checkpoint.json"]),
     "moe.md": ("MoE: gather against ep on CPU; exposed all-to-all by chunk count on H100", moe_page, ["moe.json"]),
+    "moe-adaptive.md": ("MoE: adaptive capacity against static capacities on CPU (memory, step time, drops)",
+                        moe_adaptive_page, ["moe_adaptive.json"]),
     "gspmd.md": ("jfsdp beside FSDP by sharding annotations alone (GSPMD): memory, collectives, overlap",
                  gspmd_page, ["gspmd_compare.json", "gspmd_compare_fused.json"]),
 }

@@ -75,11 +75,18 @@ def model_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
     g.add_argument("--loss", default=d.loss, choices=("fused", "plain"),
                    help="fused: output head and cross-entropy in chunks of tokens (jfsdp.train.losses."
                    "linear_cross_entropy), the logits of the batch never exist; plain: logits, then log_softmax")
-    g.add_argument("--moe", default=d.moe, choices=("auto", "gather", "ep"),
+    g.add_argument("--moe", default=d.moe, choices=("auto", "gather", "ep", "adaptive"),
                    help="MoE models: gather the experts' weights (FSDP) or send the tokens to them (expert "
-                   "parallel, all-to-all); auto: per stage by jfsdp's cost model (jfsdp/engine/moe.py)")
+                   "parallel, all-to-all); auto: per stage by jfsdp's cost model (jfsdp/engine/moe.py); adaptive: "
+                   "each step runs the smallest compiled capacity that holds the router's load, in the mode the cost "
+                   "model gives it (jfsdp/engine/moe_adaptive.py)")
     g.add_argument("--moe-chunks", default=d.moe_chunks,
                    help="MoE expert-parallel stages: split the tokens into k chunks (an integer, or auto)")
+    g.add_argument("--moe-buckets", default=d.moe_buckets,
+                   help="--moe adaptive: the capacities (slots per expert per sequence) to compile, e.g. 64,128,256 "
+                   "(default: ceil(T*k/E) doubled up to T)")
+    g.add_argument("--moe-capacity-cap", type=float, default=d.moe_capacity_cap,
+                   help="--moe adaptive: no capacity above this factor x T x k / E (tokens beyond it are dropped)")
 
 
 def optimization_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:

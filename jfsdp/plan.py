@@ -59,9 +59,10 @@ def _args(argv):
                    "a100, b200): compiled by XLA:GPU for it, without one")
     p.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
                    help="with a named GPU: override one of jfsdp's XLA:GPU options (VALUE none drops it)")
-    p.add_argument("--moe", default="auto", choices=("auto", "gather", "ep"),
+    p.add_argument("--moe", default="auto", choices=("auto", "gather", "ep", "adaptive"),
                    help="MoE models: gather the experts' weights, send tokens to them (ep), or let the cost model "
-                   "choose per stage (auto; see jfsdp/engine/moe.py)")
+                   "choose per stage (auto; see jfsdp/engine/moe.py); adaptive: list the capacity buckets it compiles with "
+                   "each one's mode and modelled bytes (jfsdp/engine/moe_adaptive.py)")
     p.add_argument("--moe-chunks", default="auto", help="MoE expert-parallel stages: chunks k (or auto)")
     p.add_argument("--prefetch", action="store_true", help="count two gathered units (prefetching the next)")
     p.add_argument("--async-tp", default="auto", choices=("auto", "on", "off"),

@@ -19,10 +19,11 @@ That call is the one place where a sharding library may step in (send the bucket
 that hold the experts instead of gathering the weights); nothing here knows about devices.
 
 Auxiliary outputs travel with the hidden state: every unit maps (x, stats) -> (x, stats), stats of
-shape (B, 3) fp32 holding per sequence [sum over MoE layers of the aux loss, dropped choices, routed
-choices]. The head returns {'out': logits (or head features), 'moe_stats': stats}; `loss(inner, coef)`
-adds coef x the mean aux loss to the language-model loss. Both are per-row means, so the loss stays
-a mean over rows (the loss contract of jfsdp and of any data-parallel trainer).
+shape (B, 4) fp32 holding per sequence [sum over MoE layers of the aux loss, dropped choices, routed
+choices, largest capacity (slots per expert) any MoE layer ran with]. The head returns {'out': logits
+(or head features), 'moe_stats': stats}; `loss(inner, coef)` adds coef x the mean aux loss to the
+language-model loss. Both are per-row means, so the loss stays a mean over rows (the loss contract of
+jfsdp and of any data-parallel trainer).
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ import jax.numpy as jnp
 
 from models.llama import Attention, LlamaBlock, LlamaConfig, LlamaRoot, RMSNorm
 
-AUX, DROPPED, ROUTED = 0, 1, 2
+AUX, DROPPED, ROUTED, CAPACITY = 0, 1, 2, 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,32 +143,56 @@ def route(logits, k: int, capacity: int):
 
 class MoEFeedForward(nn.Module):
     """Router, dispatch into per-expert buckets, `Experts`, combine. x (B, T, d) ->
-    (y (B, T, d), aux (B,), dropped (B,))."""
-    cfg: MoEConfig
+    (y (B, T, d), aux (B,), dropped (B,)).
 
-    @nn.compact
+    `capacity`: slots per expert per sequence; None: the config's capacity factor (`MoEConfig.capacity`).
+    `load(x)`: the router's load before dispatch, (B, E) choices per expert per sequence. Together they
+    let a runner outside the model pick the capacity per call from the measured load (jfsdp's adaptive
+    MoE mode clones this module with another `capacity`); the outputs' shapes do not depend on it."""
+    cfg: MoEConfig
+    capacity: int | None = None
+
+    @property
+    def n_experts(self) -> int:
+        return self.cfg.n_experts
+
+    @property
+    def top_k(self) -> int:
+        return self.cfg.top_k
+
+    def setup(self):
+        c = self.cfg
+        self.router = nn.Dense(c.n_experts, use_bias=False, kernel_init=nn.initializers.normal(c.init_std))
+        self.experts = Experts(c.n_experts, c.dim, c.expert_dim, c.init_std)
+
+    def load(self, x):
+        """(B, E) int32: how many of each sequence's T*k choices picked each expert (before capacity)."""
+        _, idx = jax.lax.top_k(self.router(x).astype(jnp.float32), self.cfg.top_k)
+        return jnp.sum(jax.nn.one_hot(idx, self.cfg.n_experts, dtype=jnp.int32), axis=(1, 2))
+
     def __call__(self, x):
         c = self.cfg
         b, t, d = x.shape
-        e, k, cap = c.n_experts, c.top_k, c.capacity(t)
-        router = nn.Dense(e, use_bias=False, name="router", kernel_init=nn.initializers.normal(c.init_std))
-        logits = router(x).astype(jnp.float32)
+        e, k = c.n_experts, c.top_k
+        cap = c.capacity(t) if self.capacity is None else self.capacity
+        logits = self.router(x).astype(jnp.float32)
         slot, gate, aux, dropped = route(logits, k, cap)
         # dispatch: each kept choice copies its token into its slot; slot E*C collects the dropped
         rows = jnp.arange(b)[:, None]
         xk = jnp.broadcast_to(x[:, :, None, :], (b, t, k, d)).reshape(b, t * k, d)
         buckets = jnp.zeros((b, e * cap + 1, d), x.dtype).at[rows, slot.reshape(b, t * k)].add(xk)
         buckets = buckets[:, : e * cap].reshape(b, e, cap, d).transpose(1, 0, 2, 3).reshape(e, b * cap, d)
-        out = Experts(e, d, c.expert_dim, c.init_std, name="experts")(buckets)
+        out = self.experts(buckets)
         out = out.reshape(e, b, cap, d).transpose(1, 0, 2, 3).reshape(b, e * cap, d)
         out = jnp.concatenate([out, jnp.zeros((b, 1, d), out.dtype)], axis=1)
         picked = out[rows, slot.reshape(b, t * k)].reshape(b, t, k, d)
         y = jnp.sum(picked * gate[..., None].astype(x.dtype), axis=2)
-        return y, aux, dropped
+        return y, aux, dropped, jnp.full((b,), cap, jnp.float32)
 
 
-def _add_stats(stats, aux, dropped, routed):
-    return stats + jnp.stack([aux, dropped, jnp.full_like(aux, routed)], axis=-1)
+def _add_stats(stats, aux, dropped, routed, capacity):
+    new = jnp.stack([aux, dropped, jnp.full_like(aux, routed), jnp.zeros_like(aux)], axis=-1)
+    return (stats + new).at[:, CAPACITY].set(jnp.maximum(stats[:, CAPACITY], capacity))
 
 
 class MoEBlock(nn.Module):
@@ -179,8 +204,8 @@ class MoEBlock(nn.Module):
         x, stats = h
         c, lc = self.cfg, self.cfg.llama()
         x = x + Attention(lc, name="attention")(RMSNorm(c.norm_eps, name="attention_norm")(x))
-        y, aux, dropped = MoEFeedForward(c, name="moe")(RMSNorm(c.norm_eps, name="ffn_norm")(x))
-        return x + y, _add_stats(stats, aux, dropped, x.shape[1] * c.top_k)
+        y, aux, dropped, cap = MoEFeedForward(c, name="moe")(RMSNorm(c.norm_eps, name="ffn_norm")(x))
+        return x + y, _add_stats(stats, aux, dropped, x.shape[1] * c.top_k, cap)
 
 
 class DenseBlock(nn.Module):
@@ -202,7 +227,7 @@ class MoERoot(nn.Module):
         self.lm = LlamaRoot(self.cfg.llama())
 
     def embed(self, tokens):
-        return self.lm.embed(tokens), jnp.zeros((tokens.shape[0], 3), jnp.float32)
+        return self.lm.embed(tokens), jnp.zeros((tokens.shape[0], 4), jnp.float32)
 
     # 'moe_stats' sorts before 'out': the head weight stays the last leaf of the outputs, where a
     # planner looking at a fused head's outputs (jfsdp.planning.estimate) finds it
@@ -235,6 +260,13 @@ def dropped_fraction(outputs, batch):
     mean over devices of this is the global fraction)."""
     s = outputs["moe_stats"]
     return jnp.sum(s[:, DROPPED]) / jnp.maximum(jnp.sum(s[:, ROUTED]), 1.0)
+
+
+def capacity_used(outputs, batch):
+    """Metric: the largest capacity (slots per expert per sequence) an MoE layer ran with. Every row of a
+    step holds the same value when the capacity is chosen for the whole batch (jfsdp's adaptive mode
+    takes the maximum load over all devices), so the mean over devices is that value."""
+    return jnp.max(outputs["moe_stats"][:, CAPACITY])
 
 
 def parts(cfg: MoEConfig):

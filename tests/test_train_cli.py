@@ -54,7 +54,8 @@ def test_tiny_run_end_to_end(tmp_path):
 
 def test_moe_model_trains_and_logs_its_router(tmp_path):
     """train.py --model moe-test in expert-parallel mode: the loss falls, and the metrics carry the
-    load-balancing loss and the dropped fraction (measured by the model's own statistics)."""
+    load-balancing loss and the dropped fraction (measured by the model's own statistics), the capacity
+    (ceil(1.25 x 32 x 2 / 8) = 10 slots), the mode and the chunks."""
     metrics = tmp_path / "metrics.jsonl"
     r = run_train("--mesh", "1x4", "--model", "moe-test", "--moe", "ep", "--batch-size", "8", "--seq-len", "32",
                   "--steps", "8", "--log-every", "4", "--eval-every", "8", "--gen-tokens", "4",
@@ -65,8 +66,9 @@ def test_moe_model_trains_and_logs_its_router(tmp_path):
     for x in train:
         assert np.isfinite(x["moe_aux_loss"]) and x["moe_aux_loss"] > 0
         assert 0.0 <= x["moe_dropped"] <= 1.0
+        assert (x["moe_capacity"], x["moe_mode"], x["moe_chunks"]) == (10, "ep", 1)
     assert train[-1]["loss"] < train[0]["loss"]
-    assert "moe_aux_loss" in r.stdout and "== sample" in r.stdout
+    assert "moe_aux_loss" in r.stdout and "moe_mode ep" in r.stdout and "== sample" in r.stdout
 
 
 BAD = {
@@ -89,6 +91,9 @@ BAD = {
     "freeze-matches-nothing": (["--model", "llama-test", "--freeze", "no_such_param"], "matches no parameter"),
     "freeze-not-a-regex": (["--model", "llama-test", "--freeze", "(unclosed"], "is not a regular expression"),
     "fp8-with-expert-parallel": (["--model", "moe-test", "--precision", "fp8", "--moe", "ep"], "expert-parallel"),
+    "moe-buckets-not-increasing": (["--model", "moe-test", "--moe", "adaptive", "--moe-buckets", "128,64"],
+                                   "strictly increasing"),
+    "moe-buckets-without-adaptive": (["--model", "moe-test", "--moe-buckets", "64,128"], "apply to --moe adaptive"),
 }
 
 

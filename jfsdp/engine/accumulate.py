@@ -43,7 +43,7 @@ def check_grad_sync(grad_sync) -> str:
 
 def unsupported(plan) -> str | None:
     """Why `plan` cannot accumulate unreduced gradients (None: it can)."""
-    if any(m is not None and m.mode == "ep" for m in plan.moe_stages):
+    if any(m is not None and m.mode in ("ep", "adaptive") for m in plan.moe_stages):
         return ("an expert-parallel MoE stage keeps its experts local and reduces their gradients inside its own "
                 "all-to-all step (use jfsdp.MoE('gather'), or grad_sync='every')")
     return None

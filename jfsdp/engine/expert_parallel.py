@@ -15,7 +15,7 @@ from jax import lax
 
 from jfsdp.config.mesh import FSDP_AXIS
 from jfsdp.engine.layout import is_layout
-from jfsdp.engine.moe import MoE, Site, StageMoE, path_keys
+from jfsdp.engine.moe import MoE, StageMoE, path_keys
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
@@ -40,9 +40,11 @@ def _local_bwd(comm, dtype, _, g):
 local_shard.defvjp(_local_fwd, _local_bwd)
 
 
-def place_params(unshard_fn, shards, layouts, site: Site, comm):
+def place_params(unshard_fn, shards, layouts, stage: StageMoE, comm):
     """The unit's parameters for an expert-parallel unit: everything gathered, except the experts'
     leaves, which are the local shards (cast)."""
+    site = stage.site
+
     def one(path, l, x):
         if path_keys(path)[: len(site.path)] == site.path:
             return local_shard(x, comm, jnp.dtype(x.dtype))
@@ -83,7 +85,7 @@ def expert_parallel(buckets, compute, shards: int, chunks: int):
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
 
 
-def interceptor(stage: StageMoE, selector: MoE, shards: int):
+def interceptor(stage: StageMoE, selector: MoE, shards: int, comm=None, layouts=None):
     """The flax method interceptor that runs the experts module expert-parallel."""
     local_n = stage.site.n_experts // shards
     inside = []   # the local experts' own call passes through (it is the same module class)

@@ -57,26 +57,37 @@ from jfsdp.config.errors import ConfigError
 from jfsdp.config.policy import wire_dtype
 from jfsdp.engine.layout import is_layout, stored_bytes
 
-MODES = ("auto", "gather", "ep")
+MODES = ("auto", "gather", "ep", "adaptive")
 
 
 @dataclasses.dataclass(frozen=True)
 class MoE:
     """The `moe=` option of `fully_shard`: how MoE units run.
 
-    mode: 'auto' (the cost model), 'gather' or 'ep', for every MoE stage; or a tuple with one entry per
-      stage (None for stages without experts).
+    mode: 'auto' (the cost model), 'gather', 'ep' or 'adaptive' (moe_adaptive.py: the capacity, and
+      with it the mode and chunks, chosen per call from the router's measured load), for every MoE
+      stage; or a tuple with one entry per stage (None for stages without experts).
     chunks: 'auto' or k >= 1 (expert-parallel stages only), for all stages or one per stage.
     experts: the class name (or class) of the model's experts module.
     backend: whose wire dtypes the cost model counts ('gpu', 'cpu', ...; default: jax's backend here).
-      XLA:CPU widens bf16 collectives to f32, so a plan made on CPU for a GPU should say 'gpu'."""
+      XLA:CPU widens bf16 collectives to f32, so a plan made on CPU for a GPU should say 'gpu'.
+    Adaptive mode only (moe_adaptive.py):
+    buckets: the capacities (slots per expert per routing group) compiled, strictly increasing; None:
+      ceil(T*k/E) doubled up to T.
+    run: the mode of every bucket's variant, 'gather' or 'ep', or 'auto' (the cost model per bucket).
+    capacity_factor: a cap: no bucket above ceil(capacity_factor * T * k / E) (None: no cap).
+    layer: the class name (or class) of the model's MoE layer (its `capacity` field and `load` method)."""
     mode: Any = "auto"
     chunks: Any = "auto"
     experts: Any = "Experts"
     backend: Any = None
+    buckets: Any = None
+    run: Any = "auto"
+    capacity_factor: Any = None
+    layer: Any = "MoEFeedForward"
 
-    def matches(self, module) -> bool:
-        e = self.experts
+    def matches(self, module, name=None) -> bool:
+        e = self.experts if name is None else name
         return type(module) is e if isinstance(e, type) else type(module).__name__ == e
 
 
@@ -104,21 +115,28 @@ def path_keys(path) -> tuple:
     return tuple(getattr(k, "key", getattr(k, "name", k)) for k in path)
 
 
-def find_site(unit, h, local_rows: int, total_rows: int, selector: MoE):
-    """Trace `unit` on h (global shapes) and return the Site of its experts module, or None. Bucket
-    shapes are traced on one device's rows: `local_rows` of the `total_rows` of the batch."""
+def traced_calls(unit, h, local_rows: int, total_rows: int, match) -> list:
+    """Trace `unit` on one device's rows of h (global shapes: `local_rows` of the `total_rows`) and return
+    (module, first argument's shape and dtype) of each `__call__` of a module that `match` accepts."""
     found = []
 
     def spy(next_fun, args, kwargs, context):
-        if context.method_name == "__call__" and selector.matches(context.module):
-            n = getattr(context.module, "n_experts", None)
-            found.append((tuple(context.module.path), n, tuple(args[0].shape), args[0].dtype))
+        if context.method_name == "__call__" and match(context.module):
+            found.append((context.module, tuple(args[0].shape), args[0].dtype))
         return next_fun(*args, **kwargs)
 
     local = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] * local_rows // total_rows, *a.shape[1:]), a.dtype), h)
     with nn.intercept_methods(spy):
         jax.eval_shape(lambda k: unit.init(k, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), local))["params"],
                            jax.random.key(0))
+    return found
+
+
+def find_site(unit, h, local_rows: int, total_rows: int, selector: MoE):
+    """Trace `unit` on h (global shapes) and return the Site of its experts module, or None. Bucket
+    shapes are traced on one device's rows: `local_rows` of the `total_rows` of the batch."""
+    found = [(tuple(m.path), getattr(m, "n_experts", None), shape, dtype)
+             for m, shape, dtype in traced_calls(unit, h, local_rows, total_rows, selector.matches)]
     if not found:
         return None
     paths = {f[0] for f in found}
@@ -153,10 +171,11 @@ def _per_stage(value, n, name):
     return [value] * n
 
 
-def costs(sharded, site: Site, layouts, n_units: int, backend: str | None = None) -> dict:
+def costs(sharded, site: Site, layouts, n_units: int, backend: str | None = None, recompute: bool = False) -> dict:
     """The cost model (module docstring): bytes each device sends per step for the stage's expert
     parameters in gather mode and for its tokens in expert-parallel mode, with the backend's wire
-    dtypes (XLA:CPU widens bf16 to f32: `memory.wire_dtype`)."""
+    dtypes (XLA:CPU widens bf16 to f32: `memory.wire_dtype`). `recompute`: the backward pass runs the
+    forward's collectives again whatever the remat (an adaptive variant: moe_adaptive.switch)."""
     S = sharded.shards
     f = (S - 1) / S if S > 1 else 0.0
     backend = backend or jax.default_backend()
@@ -164,10 +183,10 @@ def costs(sharded, site: Site, layouts, n_units: int, backend: str | None = None
     r = wire_dtype(sharded.mp.reduce_dtype or sharded.mp.param_dtype or jnp.float32, backend).itemsize
     W = sum(math.prod(l.stored_shape) for l in jax.tree.leaves(expert_leaves(layouts, site),
                                                                  is_leaf=is_layout))
-    g = 2 if (sharded.strategy.reshard_after_forward or S == 1) else 1
+    g = 2 if (sharded.strategy.reshard_after_forward or S == 1 or recompute) else 1
     X = math.prod(site.buckets)
     xb = wire_dtype(sharded.mp.param_dtype or site.dtype, backend).itemsize
-    a = 4 if sharded.remat == "none" else 6
+    a = 4 if sharded.remat == "none" and not recompute else 6
     return {"gather": n_units * W * (g * p + r) * f, "ep": n_units * a * X * xb * f,
             "weights": n_units * W, "tokens": n_units * X, "all_to_alls": a, "gathers": g, "units": n_units,
             "a2a_bytes": X * xb * f}
@@ -191,8 +210,9 @@ def auto_chunks(sharded, site: Site, cost: dict, backend: str | None = None) -> 
     return k
 
 
-def resolve(sharded, option: MoE | None) -> list:
-    """Per stage: None (no experts, or no `moe=` option: gather as FSDP does) or a StageMoE."""
+def resolve(sharded, option: MoE | None, adaptive=None) -> list:
+    """Per stage: None (no experts, or no `moe=` option: gather as FSDP does) or a StageMoE.
+    `adaptive(sharded, option, j, site, layouts, cost, k)` resolves an adaptive stage (moe_adaptive.resolve_stage)."""
     n = len(sharded.model.stages)
     if option is None:
         return [None] * n
@@ -219,6 +239,9 @@ def resolve(sharded, option: MoE | None) -> list:
         ep_ok = sharded.strategy.sharded and E % S == 0
         cheaper = "ep" if cost["ep"] < cost["gather"] else "gather"
         figures = f"gather {cost['gather'] / 2**20:.2f} MiB vs all-to-all {cost['ep'] / 2**20:.2f} MiB per step"
+        if mode == "adaptive":
+            out.append(adaptive(sharded, option, j, site, layouts, cost, k))
+            continue
         if mode == "auto":
             mode = cheaper if ep_ok else "gather"
             why = f"cost model: {figures}" + ("" if ep_ok or cheaper == "gather" else
@@ -257,4 +280,8 @@ def describe(sharded) -> list:
         lines.append(f"stage {j} ({sharded.stage_sizes[j]} MoE units, {s.site.n_experts} experts, buckets "
                      f"{'x'.join(map(str, s.site.buckets))} per device): {s.mode}"
                      + (f", {s.chunks} chunk(s)" if s.mode == "ep" else "") + f" -- {s.why}")
+        for v in getattr(s, "variants", ()):
+            lines.append(f"  capacity {v.capacity}: {v.mode}" + (f", {v.chunks} chunk(s)" if v.mode == "ep" else "")
+                         + f"; modelled gather {v.costs['gather'] / 2**20:.2f} MiB, all-to-all "
+                         f"{v.costs['ep'] / 2**20:.2f} MiB per step")
     return lines

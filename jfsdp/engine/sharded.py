@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jfsdp.config.errors import ConfigError
 from jfsdp.config.mesh import AXES, DATA_AXIS, TENSOR_AXIS, mesh_shape, platform, tensor_size
 from jfsdp.config.policy import resolve_prefetch
-from jfsdp.engine import accumulate, expert_parallel, float8, moe as moe_engine
+from jfsdp.engine import accumulate, expert_parallel, float8, moe as moe_engine, moe_adaptive
 from jfsdp.engine.fsdp import Comm, any_unreduced, checkpoint_policy, scan_stage, unshard, unshard_tree
 from jfsdp.engine.layout import is_layout, tree_shapes
 from jfsdp.engine.params import ParamLayout
@@ -45,7 +45,7 @@ class FSDP(ParamLayout):
             self.tp_intercept = tp.interceptor(tp_layout.tp_modules(self.split(self.layouts)[1]), tensor_plan.sequence_dim,
                                                mp_policy.reduce_dtype, self.tensor, self.async_tp)
             vocab.setup(self, self.split(self.layouts)[0], tensor_plan.sequence_dim)   # parallel/vocab.py
-        self.moe, self.moe_stages = moe, moe_engine.resolve(self, moe)   # per stage None (dense, or gathered) or its mode
+        self.moe, self.moe_stages = moe, moe_engine.resolve(self, moe, moe_adaptive.resolve_stage)   # None or its mode
         self.unit_layouts = self.float8_layouts()
 
     def set_strategy(self, strategy, mp_policy, remat):
@@ -76,9 +76,9 @@ class FSDP(ParamLayout):
         stage_l = self.split(self.layouts)[1]
         if self.mp.float8 is None:
             return stage_l
-        if any(m is not None and m.mode == "ep" for m in self.moe_stages):
-            raise ConfigError("float8 with an expert-parallel MoE stage is not supported (its experts are einsums "
-                              "run by expert_parallel, not Dense matmuls); use moe=MoE('gather') or bf16")
+        if any(m is not None and m.mode in ("ep", "adaptive") for m in self.moe_stages):
+            raise ConfigError("float8 with an expert-parallel or adaptive MoE stage is not supported (its experts are "
+                              "einsums run by jfsdp, not Dense matmuls); use moe=MoE('gather') or bf16")
         return float8.mark_stages(self.model, self.h_shapes, stage_l, self.mp.float8, self.mp.param_dtype)
 
     def unit_apply(self, unit):
@@ -101,7 +101,7 @@ class FSDP(ParamLayout):
         """Stage j: the prefetch pipeline, expert parallelism, or the plain scan of its units."""
         unit, moe = self.model.stages[j].unit, self.moe_stages[j]
         layouts = self.unit_layouts[j]
-        ep = moe is not None and moe.mode == "ep"   # experts stay local; tokens go to them
+        ep = moe is not None and moe.mode in ("ep", "adaptive")   # local experts, or capacity by load (moe_adaptive.py)
         if not ep and (any_unreduced(shards) or (self.prefetch and self.stage_sizes[j] > 1)):
             # grad_sync='once' runs the passes (prefetching or not) for their in-place gradient sum
             return pipelined_stage(self.stage_passes(j, prefetch=bool(self.prefetch)))(h, shards)
@@ -109,8 +109,9 @@ class FSDP(ParamLayout):
         def compute(h, shards):
             if ep:
                 unshard_one = lambda x, l: unshard(x, l, self.comm)
-                params = expert_parallel.place_params(unshard_one, shards, layouts, moe.site, self.comm)
-                with nn.intercept_methods(expert_parallel.interceptor(moe, self.moe, self.shards)):
+                run = moe_adaptive if moe.mode == "adaptive" else expert_parallel
+                params = run.place_params(unshard_one, shards, layouts, moe, self.comm)
+                with nn.intercept_methods(run.interceptor(moe, self.moe, self.shards, self.comm, layouts)):
                     return unit.apply({"params": params}, h)
             return self.unit_apply(unit)(unshard_tree(shards, layouts, self.comm), h)
         keeps_shape = tree_shapes(self.h_shapes[j]) == tree_shapes(self.h_shapes[j + 1])

@@ -94,7 +94,8 @@ def shard_model(c: TrainConfig, models, model: ModelChoice, mesh, strategy, mp) 
 
     def shard(head):
         nonlocal loss_fn
-        module, moe, loss_fn = models.factory.language_model(model.config, c.loss, c.moe, c.moe_chunks, head=head)
+        module, moe, loss_fn = models.factory.language_model(model.config, c.loss, c.moe, c.moe_chunks, head=head,
+                                                                     buckets=c.moe_buckets, capacity_cap=c.moe_capacity_cap)
         plan = models.factory.tensor_plan(model.config) if c.tensor > 1 else None
         return jfsdp.fully_shard(module, mesh, example, strategy=strategy, mp_policy=mp, remat=c.remat, moe=moe,
                                  tensor_plan=plan, async_tp=async_tp(c))
@@ -126,7 +127,19 @@ def model_metrics(models, model: ModelChoice) -> dict:
     """A model's own metrics, measured at each logged step on that step's batch (one forward pass)."""
     if not model.is_moe:
         return {}
-    return {"moe_aux_loss": models.moe.aux_loss, "moe_dropped": models.moe.dropped_fraction}
+    return {"moe_aux_loss": models.moe.aux_loss, "moe_dropped": models.moe.dropped_fraction,
+            "moe_capacity": models.moe.capacity_used}
+
+
+def moe_variant(sharded, metrics: dict) -> dict:
+    """What the last MoE stage ran with at a logged step: its mode and chunks at the measured capacity
+    (an adaptive stage's variant of that capacity; a static stage's own)."""
+    stages = [s for s in getattr(sharded, "moe_stages", None) or () if s is not None]
+    if not stages or "moe_capacity" not in metrics:
+        return {}
+    s = stages[-1]
+    v = next((v for v in getattr(s, "variants", ()) if v.capacity == round(metrics["moe_capacity"])), s)
+    return {"moe_mode": v.mode, "moe_chunks": v.chunks}
 
 
 def open_checkpoints(c: TrainConfig) -> tuple:

@@ -18,6 +18,8 @@ class TrainConfig:
     loss: str = "fused"
     moe: str = "auto"               # MoE models: gather / ep / auto per stage (jfsdp/engine/moe.py)
     moe_chunks: str = "auto"
+    moe_buckets: str | None = None  # adaptive: capacities to compile, "64,128,256" (default: doubling up to T)
+    moe_capacity_cap: float | None = None  # adaptive: no capacity above this factor x T x k / E
     # optimization
     steps: int = 300
     batch_size: int = 16            # global, in sequences

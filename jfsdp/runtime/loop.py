@@ -66,6 +66,7 @@ class Meter:
             run.mem, _ = jm.device_memory(run.mesh.local_devices)
         model = ({k: float(v) for k, v in run.model_metrics(run.state.params, batch).items()}
                  if run.model_metrics else {})
+        model.update(build_moe_variant(run, model))
         rec = {"step": done, "loss": float(losses.mean()), "lr": float(run.schedule(done - 1)),
                "grad_norm": float(got[-1]["grad_norm"]), **extra_metrics(got), **model,
                **run.throughput(tps), "memory_bytes": run.mem, "epoch": round(run.loader.epoch(), 4),
@@ -74,6 +75,12 @@ class Meter:
         self.last.update(rec)
         self.mark(done)
         return rec
+
+
+def build_moe_variant(run, metrics: dict) -> dict:
+    """An MoE run's mode and chunks at the logged step's capacity (jfsdp.runtime.build.moe_variant)."""
+    fn = getattr(run, "moe_variant", None)
+    return fn(metrics) if fn else {}
 
 
 def diverged(run, step: int, loss: float):

@@ -34,7 +34,8 @@ def extra_metrics(steps: list[dict]) -> dict:
 def progress_line(rec: dict, platform: str) -> str:
     """One logged record as the progress line shows it (a model's own metrics after the loss)."""
     mfu = f"MFU {rec['mfu']:.1%}" if rec["mfu"] is not None else f"MFU n/a ({platform.upper()})"
-    extra = "".join(f" | {k} {rec[k]:.4g}" for k in rec if k not in RECORD_KEYS)
+    extra = "".join(f" | {k} {rec[k]:.4g}" if isinstance(rec[k], (int, float)) else f" | {k} {rec[k]}"
+                    for k in rec if k not in RECORD_KEYS)
     return (f"loss {rec['loss']:.4f}{extra} | lr {rec['lr']:.2e} | {rec['tokens_per_sec']:,.0f} tok/s | "
             f"{rec['tflops_per_device']:.3g} TFLOP/s/dev | {mfu} | mem {jm.fmt_bytes(rec['memory_bytes'])}/dev")
 

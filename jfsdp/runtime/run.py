@@ -62,6 +62,7 @@ class Run:
             self.sharded, self.logits_sharded, self.loss_fn = build.shard_model(c, models, model, self.mesh,
                                                                                 self.strategy, mp)
             self.metric_fns = build.model_metrics(models, model)
+            self.moe_variant = lambda metrics: build.moe_variant(self.sharded, metrics)
             self.trainable = build.trainable(c, self.sharded)
             rows = jdata.process_rows(self.sharded.batch_sharding, c.batch_size, c.seq_len)
             self.loader = jdata.Loader(self.corpus, c.batch_size, c.seq_len, seed=c.seed, rows=rows)

@@ -48,7 +48,7 @@ def unsupported(sharded: FSDP, grad_accum: int) -> str | None:
     if grad_accum != 1:
         return (f"it applies each unit's update as soon as its gradient is reduced, so it cannot accumulate "
                 f"{grad_accum} micro-batches (use grad_accum=1)")
-    if any(m is not None and m.mode == "ep" for m in sharded.moe_stages):
+    if any(m is not None and m.mode in ("ep", "adaptive") for m in sharded.moe_stages):
         return "an expert-parallel MoE stage keeps its experts local (use jfsdp.MoE('gather'))"
     return None
 

@@ -1,0 +1,150 @@
+"""Adaptive MoE stages (jfsdp/engine/moe_adaptive.py): each MoE layer call runs the smallest compiled capacity
+that holds the router's measured load. Against the plain single-device MoE (tests/moe_reference.py, every
+expert on every token: what any capacity that drops nothing computes): training steps on 1x8 and 2x4
+whose batches drive the load up and down; the chosen capacity follows the batch with no compile after
+the first call; bad options as ConfigErrors."""
+import contextlib
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jfsdp
+import models
+import models.factory
+from jfsdp.runtime import metrics as jm
+from jfsdp.train.step import state_shardings
+from models import moe
+from models.llama import lm_loss
+from tests import moe_reference as mref
+from tests import reference as ref
+
+CFG = dataclasses.replace(models.get_config("moe-test"), n_dense_layers=0)
+# experts of width 14: the cost model sends the tokens (ep) at capacity 9 and gathers the experts at 12
+# (2 sequences per device: 6 all-to-alls, the backward pass runs the forward's again, of 8 x 2 x c x 72 x 4 B:
+# 248.8 KB at 9, 331.8 KB at 12, against the experts' 3 x 8 x 72 x 14 x (2 x 4 + 4) B = 290.3 KB per unit,
+# all x (S-1)/S)
+MIXED = dataclasses.replace(CFG, expert_dim=14)
+
+
+def batches(n_rows, seq, seeds):
+    """Per seed a batch; seed None: every row one repeated token, so that every token of a sequence
+    picks the same k experts (the largest load a sequence can put on an expert: T)."""
+    out = []
+    for seed in seeds:
+        if seed is None:
+            tok = np.repeat(np.arange(n_rows)[:, None] * 7 % CFG.vocab_size, seq + 1, axis=1)
+        else:
+            tok = np.random.default_rng(seed).integers(0, CFG.vocab_size, (n_rows, seq + 1))
+        out.append({"inputs": jnp.asarray(tok[:, :-1], jnp.int32), "targets": jnp.asarray(tok[:, 1:], jnp.int32)})
+    return out
+
+
+@contextlib.contextmanager
+def compiles_counted():
+    """A list that collects XLA backend compilations (jax.monitoring events) while the block runs."""
+    compiles = []
+    listener = lambda event, *a, **k: compiles.append(event) if "backend_compile" in event else None
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield compiles
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def plan_for(mesh_spec, rows, seq, cfg=CFG, **moe_kw):
+    r, s = jfsdp.parse_mesh(mesh_spec)
+    root, stages = moe.parts(cfg)
+    return jfsdp.fully_shard(jfsdp.Staged(root, stages), jfsdp.make_mesh(mesh_spec, jax.devices()[: r * s]),
+                             jax.ShapeDtypeStruct((rows, seq), jnp.int32), moe=jfsdp.MoE(**moe_kw))
+
+
+def init_params(batch, cfg=CFG):
+    """moe-test's initial parameters with the token embeddings scaled up 10x: the router then sees the
+    token more than what attention mixes in, so a batch of random tokens spreads its load (at most 8 or 9
+    of a sequence's 24 choices on one expert, seeds 0 and 1) and a repeated token piles it up (12): the
+    batch drives the skew."""
+    root, stages = moe.parts(cfg)
+    with jax.default_device(jax.devices()[0]):
+        params = jax.device_get(ref.init_staged(root, stages, batch["inputs"]))
+    emb = params["root"]["lm"]["tok_embeddings"]
+    emb["embedding"] = emb["embedding"] * 10
+    return params
+
+
+@pytest.mark.parametrize("mesh_spec,run", [("1x8", "auto"), ("2x4", "ep")])
+def test_adaptive_training_matches_plain_moe(mesh_spec, run):
+    """3 AdamW steps (random, one-token-per-row, random batches: the load and with it the bucket change,
+    9, 12, 9 as test_capacity_follows_the_load shows): losses within 1e-5 relative at every step,
+    first-step gradients within 1e-5 of each leaf's largest, of the single-device MoE that drops nothing.
+    1x8 'auto': the cost model mixes the modes (ep at 9, gather at 12), so the mode switches with the
+    bucket. The state's shardings equal those of the static gather and ep plans: every variant reads
+    the one layout."""
+    cfg = MIXED if run == "auto" else CFG
+    data = batches(16, 12, [0, None, 1])
+    params = init_params(data[0], cfg)
+    want_losses, _, want_grads = mref.train(cfg, params, data)
+    plan = plan_for(mesh_spec, 16, 12, cfg, mode="adaptive", run=run, buckets=(9, 12))
+    modes = ["ep", "gather"] if run == "auto" else [run] * 2
+    assert [(v.capacity, v.mode) for v in plan.moe_stages[0].variants] == list(zip((9, 12), modes))
+    adamw = jfsdp.adamw(ref.LR, b1=ref.B1, b2=ref.B2, eps=ref.EPS, weight_decay=ref.WD, clip_norm=ref.CLIP)
+    opt = optax.chain(ref.keep_gradients(), adamw)
+    if run == "ep":
+        for static in ("gather", "ep"):
+            other = plan_for(mesh_spec, 16, 12, cfg, mode=static, chunks=1)
+            assert state_shardings(other, opt) == state_shardings(plan, opt), static
+    step = jfsdp.make_train_step(plan, opt, moe.loss(lm_loss, cfg.aux_coef))
+    state = jfsdp.init_state(plan, opt, params=params)
+    losses = []
+    for i, b in enumerate(data):
+        with compiles_counted() as compiles:
+            state, m = step(state, plan.put_batch(b))
+            losses.append(float(m["loss"]))
+        assert (compiles != []) == (i == 0), compiles   # compiled once; the bucket changes, the program does not
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    ref.close(plan.gather(state.opt_state[0][0]), want_grads, 1e-5, "grad")
+
+
+def test_capacity_follows_the_load_without_recompiling():
+    """2x4, run='gather' (every variant gathers the experts): one compiled forward picks a smaller capacity for random batches than for a
+    batch whose rows repeat one token (there: T, every choice kept, where the static capacity factor
+    1.25 drops a measured share); every loss equals the plain MoE's (when nothing is dropped the
+    result does not depend on the capacity); no compile after the first call."""
+    rows, seq = 16, 12
+    data = batches(rows, seq, [0, None, 1])
+    params = init_params(data[0])
+    plan = plan_for("2x4", rows, seq, mode="adaptive", run="gather", buckets=(6, 9, 12))
+    fns = {"capacity": moe.capacity_used, "dropped": moe.dropped_fraction, "loss": moe.loss(lm_loss, CFG.aux_coef)}
+    forward = jax.jit(jm.forward_metrics(plan, fns))
+    sharded = plan.shard(params)
+    got = [forward(sharded, plan.put_batch(data[0]))]
+    with compiles_counted() as compiles:
+        got += [forward(sharded, plan.put_batch(b)) for b in data[1:]]
+    assert compiles == [] and forward._cache_size() == 1
+    got = [{k: float(v) for k, v in g.items()} for g in got]
+    assert [g["dropped"] for g in got] == [0.0] * 3
+    assert [g["capacity"] for g in got] == [9, 12, 9], got
+    plain = jax.jit(lambda b: mref.loss(CFG, params, b))
+    for g, b in zip(got, data):
+        assert g["loss"] == pytest.approx(float(plain(b)), rel=1e-5)
+    static = dataclasses.replace(CFG, capacity_factor=1.25)
+    root, stages = moe.parts(static)
+    out = jax.jit(lambda p, x: ref.forward_staged(root, [u for u, _ in stages], p, x))(params, data[1]["inputs"])
+    assert float(moe.dropped_fraction(out, None)) > 0.3   # capacity 4 of 12
+
+
+def test_bad_adaptive_options():
+    x = (16, 8)
+    with pytest.raises(jfsdp.ConfigError, match="strictly increasing"):
+        plan_for("1x8", *x, mode="adaptive", buckets=(4, 4))
+    with pytest.raises(jfsdp.ConfigError, match=r"below ceil\(T\*k/E\) = ceil\(8\*2/8\) = 2"):
+        plan_for("1x8", *x, mode="adaptive", buckets=(1, 8))
+    with pytest.raises(jfsdp.ConfigError, match="divide over the 16 fsdp"):
+        plan_for("1x16", *x, mode="adaptive", run="ep")
+    # a capacity factor caps the buckets: ceil(1.25 * 8 * 2 / 8) = 3
+    assert [v.capacity for v in plan_for("1x8", *x, mode="adaptive", capacity_factor=1.25).moe_stages[0].variants] == [2, 3]
+    with pytest.raises(jfsdp.ConfigError, match="apply to --moe adaptive"):
+        models.factory.language_model(CFG, moe="ep", buckets="2,4")
