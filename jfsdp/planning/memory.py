@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jfsdp.config.errors import ConfigError
 from jfsdp.config.policy import wire_dtype
 from jfsdp.engine.sharded import FSDP
-from jfsdp.planning import hlo
+from jfsdp.planning import as_is, hlo
 from jfsdp.planning.estimate import Breakdown, estimate, grad_layouts
 from jfsdp.engine.layout import stored_bytes
 from jfsdp.planning.sizes import elements, float8_leaves, gathered_bytes, stages
@@ -79,9 +79,7 @@ def comm_formula(plan: FSDP, backend: str | None = None, grad_accum: int = 1, gr
     gradients are reduced k times (`grad_sync='every'`) or once ('once').
     `trainable` (make_train_step's): frozen leaves are gathered but never reduced; the contract's Ψ of
     the reduction is the trainable parameters'."""
-    if getattr(plan, "as_is", False):
-        raise ConfigError("the communication formula is written for jfsdp.Stacked / Staged models; for a model "
-                          "given as it is, read the compiled step's collectives (comm_measured)")
+    plan = as_is.view(plan)   # a model given as it is: its units as stages (jfsdp.planning.as_is)
     if plan.tensor > 1:
         raise ConfigError("with tensor parallelism the formula depends on the batch and the loss: "
                           "jfsdp.planning.tensor_comm.tensor_comm (by_kind for this function's form)")

@@ -1,0 +1,187 @@
+"""The planner's view of a model given as it is (`jfsdp.engine.as_is.AsIs`): the same root + stages that
+the analytic estimate and the communication formula read from a `Stacked` / `Staged` plan.
+
+- The stages: every unit the model calls, in call order, one stage each; a unit that runs inside the
+  model's own scan (`nn.scan`, `nnx.scan`) is one stage of as many units as its iterations. The root is
+  every other parameter. Each unit is gathered, freed, re-gathered in the backward pass and
+  reduce-scattered once, like a unit of a Stacked stage (`call_unit`), and unlike a one-unit Stacked
+  stage, whose forward and backward gathers XLA merges.
+- `root_use`: the root leaves read before the first unit call (the embedding's) and after the last
+  (the head's), read from the traced step on one device's batch.
+- The activations (`activation_estimate`'s answer): the step traced on one device's batch with every
+  unit call opaque. Each unit call is measured as `call_unit` runs it: what the unit's checkpoint policy
+  saves plus its inputs, and, since its shards are tied to its inputs (`unit_call.tie`), a copy of its
+  shards; the head's part is what the rest of the model and the loss save.
+Nothing here compiles; `jfsdp.planning.memory.measure` is the compiled answer it is checked against.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jfsdp.config.policy import REMAT_POLICIES, wire_dtype
+from jfsdp.engine.layout import is_layout, stored_bytes
+from jfsdp.engine.model_tree import subtree, without
+from jfsdp.planning.activations import residual_bytes, stop_frozen
+from jfsdp.planning.sizes import as_shapes, nbytes, tree_bytes
+
+UNIT_SCOPE = "jfsdp_planner_unit"   # the name scope that marks a unit call in the traced step
+
+
+class AsIsView:
+    """An `AsIs` plan as root + stages (see the module docstring); every other attribute is the plan's."""
+    as_is = True
+    moe_stages = None
+
+    def __init__(self, plan):
+        self.plan = plan
+
+    def __getattr__(self, name):
+        return getattr(self.plan, name)
+
+    def split(self, tree):
+        """A tree in the model's layout -> (the root's part, [each unit's subtree, in call order])."""
+        units = list(self.plan.units)
+        return without(tree, units), [subtree(tree, u) for u in units]
+
+    @property
+    def unit_layouts(self):
+        """Each unit's layouts as gathered where some go out in float8 (float8_any.mark_units); else None."""
+        if self.plan.mp.float8 is None:
+            return None
+        return [self.plan.leaf_layouts[tuple(u)] for u in self.plan.units]
+
+    @property
+    def stage_sizes(self) -> tuple:
+        return tuple(self.plan.scanned.get(tuple(u), 1) for u in self.plan.units)
+
+    @functools.cached_property
+    def root_use(self) -> tuple:
+        return _trace(self, lambda out, batch: jnp.zeros(()), self.plan.example_batch, None, None)["root_use"]
+
+
+def view(plan):
+    """The planner's view of `plan`: an `AsIsView` for a model given as it is, the plan itself otherwise."""
+    if getattr(plan, "as_is", False) and not isinstance(plan, AsIsView):
+        return AsIsView(plan)
+    return plan
+
+
+def activation_estimate(v: AsIsView, loss_fn: Callable, local_batch, backend: str | None = None,
+                        widen: bool = True, trainable=None) -> dict:
+    """`jfsdp.planning.activations.activation_estimate`'s answer for a model given as it is: per stage
+    {'per_unit', 'unit_working'} and 'head' (see the module docstring)."""
+    pdt = jnp.dtype(v.mp.param_dtype or jnp.float32)
+    pdt = wire_dtype(pdt, backend or jax.default_backend()) if widen else pdt
+    t = _trace(v, loss_fn, local_batch, pdt, trainable)
+    return {**t["stages"][0], "head": t["head"], "stages": t["stages"]}
+
+
+def _trace(v: AsIsView, loss_fn, local_batch, pdt, trainable) -> dict:
+    """The step on one device's batch, units opaque: {'stages', 'head', 'root_use'}."""
+    plan = v.plan
+    root_l, unit_l = v.split(plan.layouts)
+    root_t, unit_t = v.split(trainable) if trainable is not None else (None, [None] * len(unit_l))
+    policy = getattr(jax.checkpoint_policies, REMAT_POLICIES[plan.remat])
+    calls = {}   # unit index -> (per_unit, unit_working)
+    shapes = [[l.shape for l in jax.tree.leaves(u, is_leaf=is_layout)] for u in unit_l]
+
+    def which(path, params):
+        if path is not None:
+            return plan.units.index(tuple(path))
+        got = [tuple(x.shape) for x in jax.tree.leaves(params)]
+        return next(j for j, (u, s) in enumerate(zip(plan.units, shapes)) if u in plan.scanned and s == got)
+
+    def hook(path, params, fn, inputs):
+        j = which(path, params)
+        params = stop_frozen(params, unit_t[j])
+        if j not in calls:
+            sds = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+            p, i = sds(params), sds(inputs)
+            kept = sum(nbytes(x) for x in jax.tree.leaves(i) if jnp.issubdtype(x.dtype, jnp.floating))
+            calls[j] = (residual_bytes(jax.checkpoint(fn, policy=policy), p, i) + kept, residual_bytes(fn, p, i) + kept)
+        with jax.named_scope(UNIT_SCOPE):
+            return _opaque(fn, params, inputs)
+
+    m = plan.model
+
+    def step(root, units, batch):
+        tree = v_join(v, stop_frozen(root, root_t), units)
+        if m.kind == "linen":
+            out = m.apply(tree, batch, hook, set(plan.units), {s: jax.random.key(0) for s in m.rng_streams})
+        else:
+            out = m.apply(tree, batch, hook, set(plan.units), jax.random.key(0), plan.matcher.classes)
+        out = plan.mp.cast_output(out)
+        return loss_fn(out, batch), out
+
+    # a unit the model scans itself has its stacked parameters: one more leading axis, the iterations
+    stacked = lambda u, n: jax.tree.map(lambda l: jax.ShapeDtypeStruct((n, *l.shape), pdt or l.dtype), u,
+                                        is_leaf=is_layout)
+    root_p = as_shapes(root_l, pdt)
+    unit_p = [stacked(u, n) if tuple(p) in plan.scanned else as_shapes(u, pdt)
+              for u, n, p in zip(unit_l, v.stage_sizes, plan.units)]
+    jaxpr = jax.make_jaxpr(step)(root_p, unit_p, local_batch).jaxpr
+    out = jax.eval_shape(step, root_p, unit_p, local_batch)[1]
+    head = residual_bytes(lambda r, u, b: step(r, u, b)[0], root_p, unit_p, local_batch)
+    head += 2 * nbytes(out) if isinstance(out, jax.ShapeDtypeStruct) else 0   # the output's cotangent
+    stages = [{"per_unit": calls[j][0], "unit_working": calls[j][1]} for j in range(len(unit_l))]
+    return {"stages": stages, "head": head, "root_use": _root_use(jaxpr, len(jax.tree.leaves(root_p)))}
+
+
+def v_join(v: AsIsView, root, units):
+    """The model's tree from the root's part and each unit's subtree (`AsIsView.split`'s inverse)."""
+    from jfsdp.engine.model_tree import with_subtree
+    tree = root
+    for u, sub in zip(v.plan.units, units):
+        tree = with_subtree(tree, u, sub)
+    return tree
+
+
+def _opaque(fn, params, inputs):
+    """fn(params, inputs) as one call whose forward saves nothing for the outer backward: the unit's own
+    residuals are counted per unit (`calls`), not twice. Its backward (never traced here) gives zeros."""
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, inputs))
+
+    @jax.custom_vjp
+    def run(params, inputs):
+        return fn(params, inputs)
+
+    def fwd(params, inputs):
+        return fn(params, inputs), None
+
+    def bwd(_, g):
+        zero = lambda s: (jnp.zeros(s.shape, s.dtype) if jnp.issubdtype(s.dtype, jnp.inexact)
+                          else np.zeros(s.shape, jax.dtypes.float0))
+        return jax.tree.map(zero, shapes)
+    run.defvjp(fwd, bwd)
+    return run(params, inputs)
+
+
+def _has_unit(eqn) -> bool:
+    if UNIT_SCOPE in str(eqn.source_info.name_stack):
+        return True
+    for p in eqn.params.values():
+        for j in (p if isinstance(p, (list, tuple)) else [p]):
+            inner = getattr(j, "jaxpr", j)
+            if hasattr(inner, "eqns") and any(_has_unit(e) for e in inner.eqns):
+                return True
+    return False
+
+
+def _root_use(jaxpr, n_root: int) -> tuple:
+    """(root leaves read before the first unit call, root leaves read after it began: the head's), as
+    indices into the flat root. A leaf read between units counts as the head's (held throughout)."""
+    marks = [i for i, e in enumerate(jaxpr.eqns) if _has_unit(e)]
+    first = marks[0] if marks else len(jaxpr.eqns)
+    ids = {id(v): i for i, v in enumerate(jaxpr.invars[:n_root])}
+    embed, head = set(), set()
+    for k, e in enumerate(jaxpr.eqns):
+        for x in e.invars:
+            if id(x) in ids:
+                (embed if k < first else head).add(ids[id(x)])
+    head |= {ids[id(x)] for x in jaxpr.outvars if id(x) in ids}
+    return frozenset(embed), frozenset(head)
