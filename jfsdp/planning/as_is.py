@@ -88,6 +88,7 @@ def _trace(v: AsIsView, loss_fn, local_batch, pdt, trainable) -> dict:
     root_t, unit_t = v.split(trainable) if trainable is not None else (None, [None] * len(unit_l))
     policy = getattr(jax.checkpoint_policies, REMAT_POLICIES[plan.remat])
     calls = {}   # unit index -> (per_unit, unit_working)
+    seen = set()   # ids of the unit inputs counted
     shapes = [[l.shape for l in jax.tree.leaves(u, is_leaf=is_layout)] for u in unit_l]
 
     def which(path, params):
@@ -102,7 +103,10 @@ def _trace(v: AsIsView, loss_fn, local_batch, pdt, trainable) -> dict:
         if j not in calls:
             sds = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
             p, i = sds(params), sds(inputs)
-            kept = sum(nbytes(x) for x in jax.tree.leaves(i) if jnp.issubdtype(x.dtype, jnp.floating))
+            # the inputs call_unit saves; one that every unit reads (a mask) is one array, counted once
+            new = [x for x in jax.tree.leaves(inputs) if jnp.issubdtype(x.dtype, jnp.floating) and id(x) not in seen]
+            seen.update(id(x) for x in new)
+            kept = sum(nbytes(x) for x in new)
             calls[j] = (residual_bytes(jax.checkpoint(fn, policy=policy), p, i) + kept, residual_bytes(fn, p, i) + kept)
         with jax.named_scope(UNIT_SCOPE):
             return _opaque(fn, params, inputs)
