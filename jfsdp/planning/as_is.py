@@ -61,14 +61,18 @@ class AsIsView:
 
     @functools.cached_property
     def root_use(self) -> tuple:
-        return _trace(self, lambda out, batch: jnp.zeros(()), self.plan.example_batch, None, None)["root_use"]
+        return _trace(self, lambda out, batch: jnp.zeros(()), self.plan.example_batch, None, None,
+                      units=False)["root_use"]
 
 
 def view(plan):
-    """The planner's view of `plan`: an `AsIsView` for a model given as it is, the plan itself otherwise."""
-    if getattr(plan, "as_is", False) and not isinstance(plan, AsIsView):
-        return AsIsView(plan)
-    return plan
+    """The planner's view of `plan`: an `AsIsView` for a model given as it is (made once per plan, so
+    that what it traced is kept), the plan itself otherwise."""
+    if not getattr(plan, "as_is", False) or isinstance(plan, AsIsView):
+        return plan
+    if not isinstance(plan.__dict__.get("planner_view"), AsIsView):
+        plan.planner_view = AsIsView(plan)
+    return plan.planner_view
 
 
 def activation_estimate(v: AsIsView, loss_fn: Callable, local_batch, backend: str | None = None,
@@ -81,8 +85,9 @@ def activation_estimate(v: AsIsView, loss_fn: Callable, local_batch, backend: st
     return {**t["stages"][0], "head": t["head"], "stages": t["stages"]}
 
 
-def _trace(v: AsIsView, loss_fn, local_batch, pdt, trainable) -> dict:
-    """The step on one device's batch, units opaque: {'stages', 'head', 'root_use'}."""
+def _trace(v: AsIsView, loss_fn, local_batch, pdt, trainable, units: bool = True) -> dict:
+    """The step on one device's batch, units opaque: {'stages', 'head', 'root_use'} (`units=False`:
+    'root_use' alone)."""
     plan = v.plan
     root_l, unit_l = v.split(plan.layouts)
     root_t, unit_t = v.split(trainable) if trainable is not None else (None, [None] * len(unit_l))
@@ -100,7 +105,7 @@ def _trace(v: AsIsView, loss_fn, local_batch, pdt, trainable) -> dict:
     def hook(path, params, fn, inputs):
         j = which(path, params)
         params = stop_frozen(params, unit_t[j])
-        if j not in calls:
+        if units and j not in calls:
             sds = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
             p, i = sds(params), sds(inputs)
             # the inputs call_unit saves; one that every unit reads (a mask) is one array, counted once
@@ -128,12 +133,14 @@ def _trace(v: AsIsView, loss_fn, local_batch, pdt, trainable) -> dict:
     root_p = as_shapes(root_l, pdt)
     unit_p = [stacked(u, n) if tuple(p) in plan.scanned else as_shapes(u, pdt)
               for u, n, p in zip(unit_l, v.stage_sizes, plan.units)]
-    jaxpr = jax.make_jaxpr(step)(root_p, unit_p, local_batch).jaxpr
-    out = jax.eval_shape(step, root_p, unit_p, local_batch)[1]
+    closed, (_, out) = jax.make_jaxpr(step, return_shape=True)(root_p, unit_p, local_batch)
+    root_use = _root_use(closed.jaxpr, len(jax.tree.leaves(root_p)))
+    if not units:
+        return {"root_use": root_use}
     head = residual_bytes(lambda r, u, b: step(r, u, b)[0], root_p, unit_p, local_batch)
     head += 2 * nbytes(out) if isinstance(out, jax.ShapeDtypeStruct) else 0   # the output's cotangent
     stages = [{"per_unit": calls[j][0], "unit_working": calls[j][1]} for j in range(len(unit_l))]
-    return {"stages": stages, "head": head, "root_use": _root_use(jaxpr, len(jax.tree.leaves(root_p)))}
+    return {"stages": stages, "head": head, "root_use": root_use}
 
 
 def v_join(v: AsIsView, root, units):
