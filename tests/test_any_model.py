@@ -386,13 +386,23 @@ def test_a_parameter_shared_by_a_unit_and_the_root_is_named():
         jfsdp.fully_shard(NNXTied(nnx.Rngs(0)), mesh("1x8"), tokens, units=NNXTiedBlock)
 
 
-def test_the_planners_formulas_refuse_an_as_is_plan():
-    from jfsdp.planning import memory
-    sharded = jfsdp.fully_shard(Outer(), mesh("1x8"), {"inputs": X}, units=Plain)
-    with pytest.raises(jfsdp.ConfigError, match="compile its step"):
-        memory.estimate(sharded, jfsdp_optimizer(), lambda o, b: jnp.mean(o), {"inputs": X})
-    with pytest.raises(jfsdp.ConfigError, match="comm_measured"):
-        memory.comm_formula(sharded)
+def test_the_fit_check_refuses_an_as_is_model_that_does_not_fit(monkeypatch):
+    """A library user's fit check (jfsdp.runtime.fit, docs/any-model.md) on the NNX example given as it
+    is: above the budget, one ConfigError line with the estimate and what fits (the analytic estimate of
+    jfsdp/planning/as_is.py; its accuracy: tests/test_any_model_memory.py); well below it, nothing."""
+    from jfsdp.runtime import fit
+    units, data = (nnx_ex.LocalBlock, nnx_ex.GlobalBlock), batches(NCFG)
+    shard = lambda remat: jfsdp.fully_shard(nnx_model(), mesh("2x4"), data[0], units=units, remat=remat)
+    case = fit.Case(shard("none"), nnx_ex.loss_fn, jfsdp_optimizer(), BATCH, SEQ, 1, False, "cpu")
+    est = case.estimate()
+    monkeypatch.setenv(fit.BUDGET_ENV, str(int(est * 0.9)))
+    with pytest.raises(jfsdp.ConfigError) as e:
+        fit.check(case, jax.devices()[:8], shard)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("does not fit") and f"{est / 2**20:.1f} MiB" in msg, msg
+    assert "--remat full" in msg or "--batch-size 8" in msg, msg
+    monkeypatch.setenv(fit.BUDGET_ENV, str(int(est * 1.5)))
+    assert fit.check(case, jax.devices()[:8], shard) is None
 
 
 def test_accumulation_and_frozen_on_an_as_is_plan(nnx_reference):

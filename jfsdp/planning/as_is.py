@@ -17,6 +17,7 @@ Nothing here compiles; `jfsdp.planning.memory.measure` is the compiled answer it
 from __future__ import annotations
 
 import functools
+import math
 from typing import Callable
 
 import jax
@@ -26,7 +27,7 @@ import numpy as np
 from jfsdp.config.policy import REMAT_POLICIES, wire_dtype
 from jfsdp.engine.layout import is_layout, stored_bytes
 from jfsdp.engine.model_tree import subtree, without
-from jfsdp.planning.activations import residual_bytes, stop_frozen
+from jfsdp.planning.activations import fused_head_buffers, residual_bytes, stop_frozen
 from jfsdp.planning.sizes import as_shapes, nbytes, tree_bytes
 
 UNIT_SCOPE = "jfsdp_planner_unit"   # the name scope that marks a unit call in the traced step
@@ -39,6 +40,7 @@ class AsIsView:
 
     def __init__(self, plan):
         self.plan = plan
+        self.traces = {}   # activation_estimate's answers, per batch shape, dtype and loss
 
     def __getattr__(self, name):
         return getattr(self.plan, name)
@@ -81,7 +83,16 @@ def activation_estimate(v: AsIsView, loss_fn: Callable, local_batch, backend: st
     {'per_unit', 'unit_working'} and 'head' (see the module docstring)."""
     pdt = jnp.dtype(v.mp.param_dtype or jnp.float32)
     pdt = wire_dtype(pdt, backend or jax.default_backend()) if widen else pdt
-    t = _trace(v, loss_fn, local_batch, pdt, trainable)
+    # the fit check asks again for other batch sizes and plans: a trace is kept per batch shape and dtype
+    key = (str(jax.tree.map(lambda a: (a.shape, a.dtype), local_batch)), str(pdt), loss_fn)
+    if trainable is not None:
+        return _answer(_trace(v, loss_fn, local_batch, pdt, trainable))
+    if key not in v.traces:
+        v.traces[key] = _answer(_trace(v, loss_fn, local_batch, pdt, None))
+    return v.traces[key]
+
+
+def _answer(t: dict) -> dict:
     return {**t["stages"][0], "head": t["head"], "stages": t["stages"]}
 
 
@@ -124,8 +135,7 @@ def _trace(v: AsIsView, loss_fn, local_batch, pdt, trainable, units: bool = True
             out = m.apply(tree, batch, hook, set(plan.units), {s: jax.random.key(0) for s in m.rng_streams})
         else:
             out = m.apply(tree, batch, hook, set(plan.units), jax.random.key(0), plan.matcher.classes)
-        out = plan.mp.cast_output(out)
-        return loss_fn(out, batch), out
+        return loss_fn(plan.mp.cast_output(out), batch), out   # out: as the model's head writes it
 
     # a unit the model scans itself has its stacked parameters: one more leading axis, the iterations
     stacked = lambda u, n: jax.tree.map(lambda l: jax.ShapeDtypeStruct((n, *l.shape), pdt or l.dtype), u,
@@ -138,7 +148,10 @@ def _trace(v: AsIsView, loss_fn, local_batch, pdt, trainable, units: bool = True
     if not units:
         return {"root_use": root_use}
     head = residual_bytes(lambda r, u, b: step(r, u, b)[0], root_p, unit_p, local_batch)
-    head += 2 * nbytes(out) if isinstance(out, jax.ShapeDtypeStruct) else 0   # the output's cotangent
+    # + the output's cotangent in fp32, as `_head_activations` counts it; a fused head's buffers
+    tokens = math.prod(local_batch["inputs"].shape) if "inputs" in local_batch else 0
+    head += (2 * nbytes(out) if isinstance(out, jax.ShapeDtypeStruct) else
+             fused_head_buffers(v, loss_fn, out, tokens, root_t))
     stages = [{"per_unit": calls[j][0], "unit_working": calls[j][1]} for j in range(len(unit_l))]
     return {"stages": stages, "head": head, "root_use": root_use}
 
