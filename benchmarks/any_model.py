@@ -12,7 +12,9 @@ Every figure is from a compiled train step (AdamW, plain logits loss, donated st
 abstract inputs: nothing is allocated. XLA:CPU on fake CPU devices (fp32), and, with `--target h100`,
 XLA:GPU compiled for an H100 on this CPU machine (bf16; needs the gpu-target extra).
 
-1. per-device compiled bytes (argument + output + temp - alias), as-is and Stacked, FULL_SHARD, 1x8;
+1. per-device compiled bytes (argument + output + temp - alias), as-is and Stacked, FULL_SHARD, 1x8, beside
+   the planner's analytic estimate and communication formula for the same plan (`estimate_bytes`,
+   `estimate_ratio` = estimate / compiled, `comm_formula` against `collectives`);
 2. the same against depth (4 -> 16 units): FULL_SHARD must stay flat beyond the kept activations;
 3. compile time against depth (8, 16, 32, 80 units): the Python loop (unrolled), the model's own
    `nn.scan` (`models.llama.ScannedLlama`, given as it is too) and `Stacked`.
@@ -20,6 +22,7 @@ XLA:GPU compiled for an H100 on this CPU machine (bf16; needs the gpu-target ext
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -61,8 +64,9 @@ def plans(cfg, mesh, batch, strategy, remat, precision, as_is):
 
 
 def compile_case(cfg, *, as_is, mesh_spec="1x8", strategy="full_shard", remat="full", batch=8, seq=256,
-                 target=None, attention="xla") -> dict:
-    """One compiled train step: per-device bytes, collectives per step, compile time."""
+                 target=None, attention="xla", planner=True) -> dict:
+    """One compiled train step: per-device bytes, collectives per step, compile time; `planner`: with the
+    planner's estimate and formula beside them."""
     precision = "bf16" if target else "fp32"
     cfg = dataclasses.replace(cfg, attention=attention)
     devices = targets.devices(target, mesh_spec) if target else jax.devices()[:8]
@@ -81,9 +85,18 @@ def compile_case(cfg, *, as_is, mesh_spec="1x8", strategy="full_shard", remat="f
     seconds = time.time() - t
     m = memory.measure(compiled)
     comm = hlo.per_step(compiled.as_text(), plan.n_devices)
-    return {"as_is": as_is, "n_layers": cfg.n_layers, "mesh": mesh_spec, "strategy": strategy, "remat": remat,
-            "target": target or "cpu", "total_bytes": m["total"], "temp_bytes": m["temp"],
-            "argument_bytes": m["argument"], "collectives": comm, "compile_s": round(seconds, 2)}
+    # the planner's analytic answers for the same plan (as-is plans too: jfsdp/planning/as_is.py)
+    row = {"as_is": as_is, "n_layers": cfg.n_layers, "mesh": mesh_spec, "strategy": strategy, "remat": remat,
+           "target": target or "cpu", "total_bytes": m["total"], "temp_bytes": m["temp"],
+           "argument_bytes": m["argument"], "collectives": comm, "compile_s": round(seconds, 2)}
+    if planner:
+        backend = "gpu" if target else "cpu"
+        with targets.tracing_for(target) if target else contextlib.nullcontext():
+            est = memory.estimate(plan, opt, loss, b, prefetch=plan.prefetch, backend=backend)
+        formula = memory.comm_formula(plan, backend=backend)
+        row.update(estimate_bytes=est.total, estimate_ratio=round(est.total / m["total"], 3),
+                   comm_formula={k: formula[k] for k in ("all-gather", "reduce-scatter", "all-reduce")})
+    return row
 
 
 def depth(n, base=None):
@@ -124,7 +137,7 @@ def main(argv=None) -> int:
     timing = []
     for n in () if a.no_compile_time else ((8, 16) if a.quick else (8, 16, 32, 80)):
         for as_is in (True, "scan", False):
-            r = compile_case(depth(n), as_is=as_is)
+            r = compile_case(depth(n), as_is=as_is, planner=False)
             timing.append({"n_layers": n, "as_is": as_is, "compile_s": r["compile_s"]})
             print(json.dumps(timing[-1]), flush=True)
     out = {"date": datetime.date.today().isoformat(), "machine": f"{platform.machine()} {os.cpu_count()} cores",

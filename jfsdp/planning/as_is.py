@@ -6,12 +6,17 @@ the analytic estimate and the communication formula read from a `Stacked` / `Sta
   every other parameter. Each unit is gathered, freed, re-gathered in the backward pass and
   reduce-scattered once, like a unit of a Stacked stage (`call_unit`), and unlike a one-unit Stacked
   stage, whose forward and backward gathers XLA merges.
-- `root_use`: the root leaves read before the first unit call (the embedding's) and after the last
-  (the head's), read from the traced step on one device's batch.
+- `root_use`: the root leaves read before the first unit call (the embedding's) and those read from
+  it on (the head's: a leaf read between units is held throughout), from the traced step on one
+  device's batch.
+- `regathered`: each unit's leaves that its backward pass gathers again, those the backward reads (XLA
+  drops the re-gather of one it does not read, such as a block's last bias); the formula counts those.
 - The activations (`activation_estimate`'s answer): the step traced on one device's batch with every
   unit call opaque. Each unit call is measured as `call_unit` runs it: what the unit's checkpoint policy
-  saves plus its inputs, and, since its shards are tied to its inputs (`unit_call.tie`), a copy of its
-  shards; the head's part is what the rest of the model and the loss save.
+  saves plus its inputs (an input every unit reads, such as a mask, once); the head's part is what the
+  rest of the model and the loss save, and the output's cotangent, as for a Stacked model. (The shard
+  copy that `call_unit` ties to a unit's inputs is not kept by XLA: measured, the compiled temporary
+  memory grows by the unit's input per unit, not by its input and its shards.)
 Nothing here compiles; `jfsdp.planning.memory.measure` is the compiled answer it is checked against.
 """
 from __future__ import annotations
@@ -62,9 +67,20 @@ class AsIsView:
         return tuple(self.plan.scanned.get(tuple(u), 1) for u in self.plan.units)
 
     @functools.cached_property
+    def _structure(self) -> dict:
+        return _trace(self, lambda out, batch: jnp.zeros(()), self.plan.example_batch, None, None, units=False)
+
+    @property
     def root_use(self) -> tuple:
-        return _trace(self, lambda out, batch: jnp.zeros(()), self.plan.example_batch, None, None,
-                      units=False)["root_use"]
+        return self._structure["root_use"]
+
+    @property
+    def regathered(self) -> list:
+        """Each unit's leaves (layouts, as `unit_layouts` or `split` give them) that its backward pass gathers
+        again: those the backward reads. XLA drops the re-gather of a leaf it does not read (a block's last
+        bias: its recomputed output is dead)."""
+        units = self.unit_layouts or [jax.tree.leaves(u, is_leaf=is_layout) for u in self.split(self.plan.layouts)[1]]
+        return [[l for l, r in zip(u, reads) if r] for u, reads in zip(units, self._structure["reads"])]
 
 
 def view(plan):
@@ -104,6 +120,7 @@ def _trace(v: AsIsView, loss_fn, local_batch, pdt, trainable, units: bool = True
     root_t, unit_t = v.split(trainable) if trainable is not None else (None, [None] * len(unit_l))
     policy = getattr(jax.checkpoint_policies, REMAT_POLICIES[plan.remat])
     calls = {}   # unit index -> (per_unit, unit_working)
+    reads = {}   # unit index -> [whether its backward reads each leaf]
     seen = set()   # ids of the unit inputs counted
     shapes = [[l.shape for l in jax.tree.leaves(u, is_leaf=is_layout)] for u in unit_l]
 
@@ -116,6 +133,8 @@ def _trace(v: AsIsView, loss_fn, local_batch, pdt, trainable, units: bool = True
     def hook(path, params, fn, inputs):
         j = which(path, params)
         params = stop_frozen(params, unit_t[j])
+        if j not in reads:
+            reads[j] = _backward_reads(jax.checkpoint(fn, policy=policy), params, inputs)
         if units and j not in calls:
             sds = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
             p, i = sds(params), sds(inputs)
@@ -146,7 +165,7 @@ def _trace(v: AsIsView, loss_fn, local_batch, pdt, trainable, units: bool = True
     closed, (_, out) = jax.make_jaxpr(step, return_shape=True)(root_p, unit_p, local_batch)
     root_use = _root_use(closed.jaxpr, len(jax.tree.leaves(root_p)))
     if not units:
-        return {"root_use": root_use}
+        return {"root_use": root_use, "reads": [reads[j] for j in range(len(unit_l))]}
     head = residual_bytes(lambda r, u, b: step(r, u, b)[0], root_p, unit_p, local_batch)
     # + the output's cotangent in fp32, as `_head_activations` counts it; a fused head's buffers
     tokens = math.prod(local_batch["inputs"].shape) if "inputs" in local_batch else 0
@@ -183,6 +202,18 @@ def _opaque(fn, params, inputs):
         return jax.tree.map(zero, shapes)
     run.defvjp(fwd, bwd)
     return run(params, inputs)
+
+
+def _backward_reads(f, params, inputs) -> list:
+    """[whether f's backward pass reads it] for each leaf of `params`: a leaf JAX keeps for the backward
+    (by identity among the pullback's residuals) that the backward's jaxpr uses once dead code is gone."""
+    from jax._src.interpreters import partial_eval as pe
+    out, pull = jax.vjp(f, params, inputs)
+    res, tree = jax.tree.flatten(pull)
+    closed = jax.make_jaxpr(lambda r, ct: jax.tree.unflatten(tree, r)(ct))(res, out)
+    _, used = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))
+    used_res = used[:len(res)]
+    return [any(u and r is x for r, u in zip(res, used_res)) for x in jax.tree.leaves(params)]
 
 
 def _has_unit(eqn) -> bool:

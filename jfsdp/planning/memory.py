@@ -113,7 +113,11 @@ def comm_formula(plan: FSDP, backend: str | None = None, grad_accum: int = 1, gr
     if plan.strategy.sharded:
         gathers = 2 if plan.strategy.reshard_after_forward else 1
         f = (S - 1) / S
-        out["all-gather"] = (root_p + gathers * unit_p) * f
+        # the backward's re-gathers: every unit leaf, except where the plan knows the backward reads
+        # fewer (a model given as it is: AsIsView.regathered)
+        again = getattr(plan, "regathered", None)
+        unit_p_again = unit_p if again is None else sum(n * gathered_bytes(l, pdt) for l, n in zip(again, plan.stage_sizes))
+        out["all-gather"] = (root_p + unit_p + (gathers - 1) * unit_p_again) * f
         # float8: one fp32 amax all-reduce (max over fsdp) per float8 leaf and gather
         out["all-reduce"] += gathers * sum(n * float8_leaves(l) for l, n in gathered) * 2 * 4 * f
         out["reduce-scatter"] = grads * f
