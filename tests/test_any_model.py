@@ -52,17 +52,20 @@ def batches(cfg):
     return [{k: jnp.asarray(v) for k, v in b.items()} for b in linen_ex.data(cfg, STEPS, BATCH, SEQ, seed=1)]
 
 
-def assert_planner_formula(sharded, step, state, batch):
+def assert_planner_formula(sharded, step, state, batch, **kw):
     """The planner's communication formula for the as-is plan (jfsdp/planning/as_is.py: the root gathered
     once, each unit twice, everything reduced once) against the collectives of the step that just ran
     (its compiled program is jax's cache's). All-gathers and reduce-scatters equal: the formula leaves out
     the backward re-gather of a leaf the backward does not read, which XLA drops (the block's last bias,
-    one 48-element vector per unit here); the all-reduces are the scalars (the loss, the gradient norm)."""
+    one 48-element vector per unit here), and with grad_accum it gathers the root once per step (XLA
+    hoists it out of the micro-batch loop); the all-reduces (the replicas' sum) equal but for the
+    scalars (the loss, the gradient norm). `kw`: comm_formula's grad_accum, grad_sync, trainable."""
     from jfsdp.planning import memory
     got = memory.comm_measured(step.lower(state, batch).compile(), sharded.n_devices)
-    want = memory.comm_formula(sharded)
+    want = memory.comm_formula(sharded, **kw)
     for kind in ("all-gather", "reduce-scatter"):
         assert got[kind] == want[kind], (kind, got, want)
+    assert got["all-reduce"] == pytest.approx(want["all-reduce"], abs=1024), (got, want)
     assert got["all-reduce"] == pytest.approx(want["all-reduce"], abs=1024), (got, want)
 
 
@@ -441,6 +444,7 @@ def test_accumulation_and_frozen_on_an_as_is_plan(nnx_reference):
             state, m = step(state, b)
             runs[name].append(float(m["loss"]))
         finals[name] = sharded.gather(state.params)
+        assert_planner_formula(sharded, step, state, data[0], grad_accum=accum, **step_kw)
     np.testing.assert_allclose(runs["accum"], ref_losses, rtol=1e-5)
     np.testing.assert_allclose(runs["once"], runs["accum"], rtol=1e-6)   # one reduction per step, same result
     # frozen embedding: bit-identical after training, and the run differs from the full one

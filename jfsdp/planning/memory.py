@@ -132,6 +132,8 @@ def comm_formula(plan: FSDP, backend: str | None = None, grad_accum: int = 1, gr
     for key, times in (("all-gather", grad_accum), ("all-to-all", grad_accum), ("reduce-scatter", k_reduce),
                        ("all-reduce", k_reduce)):
         out[key] *= times
+    if plan.strategy.sharded and getattr(plan, "root_gathered_once", False):
+        out["all-gather"] -= root_p * (S - 1) / S * (grad_accum - 1)   # the root's gathers: once per step
     out["total"] = sum(out.values())
     out["contract"] = contract * k_reduce if not plan.strategy.sharded else contract + (
         (gathers * psi * pb * (S - 1) / S) * (grad_accum - 1)
