@@ -414,16 +414,19 @@ def test_the_fit_check_refuses_an_as_is_model_that_does_not_fit(monkeypatch):
     from jfsdp.runtime import fit
     units, data = (nnx_ex.LocalBlock, nnx_ex.GlobalBlock), batches(NCFG)
     shard = lambda remat: jfsdp.fully_shard(nnx_model(), mesh("2x4"), data[0], units=units, remat=remat)
-    case = fit.Case(shard("none"), nnx_ex.loss_fn, jfsdp_optimizer(), BATCH, SEQ, 1, False, "cpu")
+    case = fit.Case(shard("full"), nnx_ex.loss_fn, jfsdp_optimizer(), BATCH, SEQ, 1, False, "cpu")
     est = case.estimate()
     monkeypatch.setenv(fit.BUDGET_ENV, str(int(est * 0.9)))
     with pytest.raises(jfsdp.ConfigError) as e:
         fit.check(case, jax.devices()[:8], shard)
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith("does not fit") and f"{est / 2**20:.1f} MiB" in msg, msg
-    assert "--remat full" in msg or "--batch-size 8" in msg, msg
+    assert "nearest that fit: --batch-size 8" in msg and "devices (--mesh 2x8" in msg, msg
     monkeypatch.setenv(fit.BUDGET_ENV, str(int(est * 1.5)))
     assert fit.check(case, jax.devices()[:8], shard) is None
+    # a step the library refuses for it is not estimated either
+    with pytest.raises(jfsdp.ConfigError, match="update_in_backward: a model given as it is"):
+        case.estimate(update_in_backward=True)
 
 
 def test_accumulation_and_frozen_on_an_as_is_plan(nnx_reference):

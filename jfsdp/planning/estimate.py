@@ -11,6 +11,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from jfsdp.config.errors import ConfigError
 from jfsdp.config.policy import wire_dtype
 from jfsdp.engine.layout import is_layout
 from jfsdp.engine.sharded import FSDP
@@ -127,6 +128,9 @@ def estimate(plan: FSDP, optimizer, loss_fn: Callable, batch, *, prefetch: bool 
     shard, unsharded gradient or optimizer state (`_Grads`).
     Tensor parallelism (T > 1): the state and gradient shards per leaf over its own group, and the
     activations traced as one tensor rank runs them (`jfsdp.planning.tensor_memory`)."""
+    if getattr(plan, "as_is", False) and update_in_backward:   # as make_train_step refuses it
+        from jfsdp.train import update_in_backward as in_backward
+        raise ConfigError(f"update_in_backward: {in_backward.unsupported(plan, grad_accum)}")
     plan = as_is.view(plan)   # a model given as it is: its units as stages (jfsdp.planning.as_is)
     backend = backend or jax.default_backend()
     N = plan.n_devices
