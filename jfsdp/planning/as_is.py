@@ -104,12 +104,13 @@ def activation_estimate(v: AsIsView, loss_fn: Callable, local_batch, backend: st
     pdt = jnp.dtype(v.mp.param_dtype or jnp.float32)
     pdt = wire_dtype(pdt, backend or jax.default_backend()) if widen else pdt
     # the fit check asks again for other batch sizes and plans: a trace is kept per batch shape and dtype
-    key = (str(jax.tree.map(lambda a: (a.shape, a.dtype), local_batch)), str(pdt), loss_fn)
+    # (keyed by the loss's identity, which the entry keeps alive: a loss object need not be hashable)
+    key = (str(jax.tree.map(lambda a: (a.shape, a.dtype), local_batch)), str(pdt), id(loss_fn))
     if trainable is not None:
         return _answer(_trace(v, loss_fn, local_batch, pdt, trainable))
     if key not in v.traces:
-        v.traces[key] = _answer(_trace(v, loss_fn, local_batch, pdt, None))
-    return v.traces[key]
+        v.traces[key] = (loss_fn, _answer(_trace(v, loss_fn, local_batch, pdt, None)))
+    return v.traces[key][1]
 
 
 def _answer(t: dict) -> dict:
