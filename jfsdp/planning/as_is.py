@@ -97,6 +97,27 @@ def view(plan):
     return plan.planner_view
 
 
+def scan_gradient_points(v: AsIsView, points: dict, g, grad_shards, once: bool) -> dict:
+    """The estimate's peak candidates (`estimate._peak_points`, after `_accumulation_points`) with what a
+    model's own scan adds under a resharding strategy, from the units' backward on (the 'units' and
+    'embed' points); measured on `ScannedLlama` at width 64, 1x8, FULL_SHARD, 2026-11-26:
+    - its backward scan writes the scanned units' gradient shards into a stacked buffer of its own: they
+      are held twice (the compiled step exceeds the same model as `Stacked` by them plus 392 bytes, at 4
+      and at 8 units; under SHARD_GRAD_OP the two are equal);
+    - with `grad_sync='once'` (`once`) its transpose builds each micro-batch's whole stacked gradient apart
+      from the sum: two more whole gradients of the scanned units in the reduce dtype (2.1 of them measured
+      at 3 units, grad_accum 2; 2.01 in benchmarks/grad_sync.py, docs/any-model.md).
+    `grad_shards`: bytes per device of [(layouts, units)]' gradient shards; `g`: the trainable leaves."""
+    scanned = [(l, n) for (l, n), u in zip(g.stages, v.plan.units) if tuple(u) in v.plan.scanned]
+    if not scanned or v.shards == 1 or not v.strategy.reshard_after_forward:
+        return points
+    rdt = v.mp.reduce_dtype or v.mp.param_dtype or jnp.float32
+    shards = 0 if once else grad_shards(v, scanned)
+    whole = 2 * sum(n * stored_bytes(l, rdt) for l, n in scanned) if once else 0
+    return {k: ((p[0] + shards, p[1], p[2] + whole, *p[3:]) if k in ("units", "embed") else p)
+            for k, p in points.items()}
+
+
 def activation_estimate(v: AsIsView, loss_fn: Callable, local_batch, backend: str | None = None,
                         widen: bool = True, trainable=None) -> dict:
     """`jfsdp.planning.activations.activation_estimate`'s answer for a model given as it is: per stage

@@ -148,6 +148,8 @@ def estimate(plan: FSDP, optimizer, loss_fn: Callable, batch, *, prefetch: bool 
         points.update(_update_in_backward_points(plan, step, points["embed"], g))
     if grad_accum > 1:
         points = _accumulation_points(plan, points, grad_sync, g, step.unit_grad)
+    if getattr(plan, "as_is", False):   # what a model's own scan holds besides (jfsdp.planning.as_is)
+        points = as_is.scan_gradient_points(plan, points, g, _grad_shards, grad_accum > 1 and grad_sync == "once")
     name = max(points, key=lambda k: sum(points[k]))
     grads, gath, buffers, activations, pad_g = points[name]
     return Breakdown(params=params, grads=grads, optimizer=optimizer_b, padding=pad_state + pad_g,
