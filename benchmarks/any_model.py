@@ -12,7 +12,9 @@ Every figure is from a compiled train step (AdamW, plain logits loss, donated st
 abstract inputs: nothing is allocated. XLA:CPU on fake CPU devices (fp32), and, with `--target h100`,
 XLA:GPU compiled for an H100 on this CPU machine (bf16; needs the gpu-target extra).
 
-1. per-device compiled bytes (argument + output + temp - alias), as-is and Stacked, FULL_SHARD, 1x8;
+1. per-device compiled bytes (argument + output + temp - alias), as-is and Stacked, FULL_SHARD, 1x8, beside
+   the planner's analytic estimate and communication formula for the same plan (`estimate_bytes`,
+   `estimate_ratio` = estimate / compiled, `comm_formula` against `collectives`);
 2. the same against depth (4 -> 16 units): FULL_SHARD must stay flat beyond the kept activations;
 3. compile time against depth (8, 16, 32, 80 units): the Python loop (unrolled), the model's own
    `nn.scan` (`models.llama.ScannedLlama`, given as it is too) and `Stacked`.
@@ -20,6 +22,7 @@ XLA:GPU compiled for an H100 on this CPU machine (bf16; needs the gpu-target ext
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -48,42 +51,65 @@ MiB = 2**20
 BASE = models.get_config("llama-tiny")   # width 128, vocabulary 259: small enough to compile many depths
 
 
-def plans(cfg, mesh, batch, strategy, remat, precision, as_is):
-    """as_is: True (its own Python loop), "scan" (its own nn.scan) or False (jfsdp.Stacked)."""
+def features(model, batch):
+    """`Llama`'s own loop ending in the head's features (normed hidden states, head weight) instead of
+    its logits: the `call=` for the fused loss (`jfsdp.lm_loss`), as the planner runs `Stacked` models."""
+    h = model.root.embed(batch["inputs"])
+    for layer in model.layers:
+        h = layer(h)
+    return model.root.head_features(h)
+
+
+def plans(cfg, mesh, batch, strategy, remat, precision, as_is, loss="logits"):
+    """as_is: True (its own Python loop), "scan" (its own nn.scan) or False (jfsdp.Stacked); loss 'fused':
+    the head's features for `jfsdp.lm_loss` (the own loop only), 'logits': the logits."""
     mp = jfsdp.MixedPrecision.parse(precision)
+    fused = loss == "fused"
     if as_is:
         model = ScannedLlama(cfg) if as_is == "scan" else Llama(cfg)
         return jfsdp.fully_shard(model, mesh, batch, units=LlamaBlock, strategy=strategy, remat=remat,
-                                 mp_policy=mp, rng_streams=())
+                                 mp_policy=mp, rng_streams=(), **({"call": features} if fused else {}))
     root, unit, n = models.parts(cfg)
-    return jfsdp.fully_shard(jfsdp.Stacked(root, unit, n), mesh, batch["inputs"], strategy=strategy, remat=remat,
-                             mp_policy=mp, prefetch=False)
+    stacked = jfsdp.Stacked(root, unit, n, **({"head_method": "head_features"} if fused else {}))
+    return jfsdp.fully_shard(stacked, mesh, batch["inputs"], strategy=strategy, remat=remat, mp_policy=mp,
+                             prefetch=False)
 
 
 def compile_case(cfg, *, as_is, mesh_spec="1x8", strategy="full_shard", remat="full", batch=8, seq=256,
-                 target=None, attention="xla") -> dict:
-    """One compiled train step: per-device bytes, collectives per step, compile time."""
+                 target=None, attention="xla", planner=True, loss="logits") -> dict:
+    """One compiled train step: per-device bytes, collectives per step, compile time; `planner`: with the
+    planner's estimate and formula beside them."""
     precision = "bf16" if target else "fp32"
     cfg = dataclasses.replace(cfg, attention=attention)
     devices = targets.devices(target, mesh_spec) if target else jax.devices()[:8]
     mesh = jfsdp.make_mesh(mesh_spec, devices)
     x = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
     b = {"inputs": x, "targets": x}
-    opt, loss = jfsdp.adamw(1e-4), models.loss_fn(cfg)
+    loss_name, (opt, loss) = loss, (jfsdp.adamw(1e-4), models.loss_fn(cfg) if loss == "logits" else
+                                    jfsdp.lm_loss(vocab_major=cfg.tie_embeddings))
     t = time.time()
     if target:
         with targets.tracing_for(target):
-            plan = plans(cfg, mesh, b, strategy, remat, precision, as_is)
+            plan = plans(cfg, mesh, b, strategy, remat, precision, as_is, loss_name)
             compiled = targets.compile_step(target, plan, opt, loss, b)
     else:
-        plan = plans(cfg, mesh, b, strategy, remat, precision, as_is)
+        plan = plans(cfg, mesh, b, strategy, remat, precision, as_is, loss_name)
         compiled = memory.compile_step(plan, opt, loss, b)
     seconds = time.time() - t
     m = memory.measure(compiled)
     comm = hlo.per_step(compiled.as_text(), plan.n_devices)
-    return {"as_is": as_is, "n_layers": cfg.n_layers, "mesh": mesh_spec, "strategy": strategy, "remat": remat,
-            "target": target or "cpu", "total_bytes": m["total"], "temp_bytes": m["temp"],
-            "argument_bytes": m["argument"], "collectives": comm, "compile_s": round(seconds, 2)}
+    row = {"as_is": as_is, "n_layers": cfg.n_layers, "mesh": mesh_spec, "strategy": strategy, "remat": remat,
+           "loss": loss_name,
+           "target": target or "cpu", "total_bytes": m["total"], "temp_bytes": m["temp"],
+           "argument_bytes": m["argument"], "collectives": comm, "compile_s": round(seconds, 2)}
+    if planner:   # the planner's analytic answers for the same plan (as-is plans too: jfsdp/planning/as_is.py)
+        backend = "gpu" if target else "cpu"
+        with targets.tracing_for(target) if target else contextlib.nullcontext():
+            est = memory.estimate(plan, opt, loss, b, prefetch=plan.prefetch, backend=backend)
+        formula = memory.comm_formula(plan, backend=backend)
+        row.update(estimate_bytes=est.total, estimate_ratio=round(est.total / m["total"], 3),
+                   comm_formula={k: formula[k] for k in ("all-gather", "reduce-scatter", "all-reduce")})
+    return row
 
 
 def depth(n, base=None):
@@ -101,6 +127,8 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--no-compile-time", action="store_true", help="skip the compile-time rows")
     p.add_argument("--compile-time-only", action="store_true", help="only the compile-time rows")
+    p.add_argument("--loss", default="logits", choices=("logits", "fused"),
+                   help="'fused': the head's features and jfsdp.lm_loss, as the planner runs its models")
     p.add_argument("--attention", default="xla", help="the model's attention (models.llama.ATTENTION); 'auto' is "
                    "blockwise from 1024 tokens on CPU")
     a = p.parse_args(argv)
@@ -109,7 +137,7 @@ def main(argv=None) -> int:
     depths = tuple(int(d) for d in a.depths.split(",")) if a.depths else (4, 8) if a.quick else (4, 8, 16)
     if a.compile_time_only:
         depths, a.target = (), None
-    shape = dict(batch=a.batch, seq=a.seq, attention=a.attention)
+    shape = dict(batch=a.batch, seq=a.seq, attention=a.attention, loss=a.loss)
     strategies = ("full_shard",) if a.depths else ("full_shard", "shard_grad_op")
     for n in depths:
         for as_is in (True, False):
@@ -124,11 +152,11 @@ def main(argv=None) -> int:
     timing = []
     for n in () if a.no_compile_time else ((8, 16) if a.quick else (8, 16, 32, 80)):
         for as_is in (True, "scan", False):
-            r = compile_case(depth(n), as_is=as_is)
+            r = compile_case(depth(n), as_is=as_is, planner=False)
             timing.append({"n_layers": n, "as_is": as_is, "compile_s": r["compile_s"]})
             print(json.dumps(timing[-1]), flush=True)
     out = {"date": datetime.date.today().isoformat(), "machine": f"{platform.machine()} {os.cpu_count()} cores",
-           "jax": jax.__version__, "model": dataclasses.asdict(base), "batch": a.batch, "seq": a.seq, "attention": a.attention, "rows": rows, "compile_time": timing}
+           "jax": jax.__version__, "model": dataclasses.asdict(base), "batch": a.batch, "seq": a.seq, "attention": a.attention, "loss": a.loss, "rows": rows, "compile_time": timing}
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -52,6 +52,23 @@ def batches(cfg):
     return [{k: jnp.asarray(v) for k, v in b.items()} for b in linen_ex.data(cfg, STEPS, BATCH, SEQ, seed=1)]
 
 
+def assert_planner_formula(sharded, step, state, batch, **kw):
+    """The planner's communication formula for the as-is plan (jfsdp/planning/as_is.py: the root gathered
+    once, each unit twice, everything reduced once) against the collectives of the step that just ran
+    (its compiled program is jax's cache's). All-gathers and reduce-scatters equal: the formula leaves out
+    the backward re-gather of a leaf the backward does not read, which XLA drops (the block's last bias,
+    one 48-element vector per unit here), and with grad_accum it gathers the root once per step (XLA
+    hoists it out of the micro-batch loop); the all-reduces (the replicas' sum) equal but for the
+    scalars (the loss, the gradient norm). `kw`: comm_formula's grad_accum, grad_sync, trainable."""
+    from jfsdp.planning import memory
+    got = memory.comm_measured(step.lower(state, batch).compile(), sharded.n_devices)
+    want = memory.comm_formula(sharded, **kw)
+    for kind in ("all-gather", "reduce-scatter"):
+        assert got[kind] == want[kind], (kind, got, want)
+    assert got["all-reduce"] == pytest.approx(want["all-reduce"], abs=1024), (got, want)
+    assert got["all-reduce"] == pytest.approx(want["all-reduce"], abs=1024), (got, want)
+
+
 def assert_close(losses, ref_losses, params, ref_params):
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     ref.close(params, jax.device_get(ref_params), ref.PARAM_RTOL, "param", ref.param_atol(STEPS))
@@ -88,6 +105,8 @@ def test_linen_as_is_equals_single_device(linen_reference, spec, strategy):
         state, m = step(state, b)
         losses.append(float(m["loss"]))
     assert_close(losses, ref_losses, sharded.gather(state.params), ref_final)
+    if spec == "1x8":
+        assert_planner_formula(sharded, step, state, data[0])
 
 
 def linen_init_keys(key, rng_streams=("dropout",)):
@@ -185,6 +204,8 @@ def test_nnx_as_is_equals_single_device(nnx_reference, spec, strategy):
         losses.append(float(m["loss"]))
     final = sharded.gather(state.params)
     assert_close(losses, ref_losses, final, ref_final)
+    if spec == "1x8":
+        assert_planner_formula(sharded, step, state, data[0])
     # the same tree goes back into the module: called as it is, the module gives the loss of the model the
     # reference trained (measured 1.6e-7 relative; the untrained module is 0.61 away)
     nnx.update(model, final)
@@ -386,13 +407,26 @@ def test_a_parameter_shared_by_a_unit_and_the_root_is_named():
         jfsdp.fully_shard(NNXTied(nnx.Rngs(0)), mesh("1x8"), tokens, units=NNXTiedBlock)
 
 
-def test_the_planners_formulas_refuse_an_as_is_plan():
-    from jfsdp.planning import memory
-    sharded = jfsdp.fully_shard(Outer(), mesh("1x8"), {"inputs": X}, units=Plain)
-    with pytest.raises(jfsdp.ConfigError, match="compile its step"):
-        memory.estimate(sharded, jfsdp_optimizer(), lambda o, b: jnp.mean(o), {"inputs": X})
-    with pytest.raises(jfsdp.ConfigError, match="comm_measured"):
-        memory.comm_formula(sharded)
+def test_the_fit_check_refuses_an_as_is_model_that_does_not_fit(monkeypatch):
+    """A library user's fit check (jfsdp.runtime.fit, docs/any-model.md) on the NNX example given as it
+    is: above the budget, one ConfigError line with the estimate and what fits (the analytic estimate of
+    jfsdp/planning/as_is.py; its accuracy: tests/test_any_model_memory.py); well below it, nothing."""
+    from jfsdp.runtime import fit
+    units, data = (nnx_ex.LocalBlock, nnx_ex.GlobalBlock), batches(NCFG)
+    shard = lambda remat: jfsdp.fully_shard(nnx_model(), mesh("2x4"), data[0], units=units, remat=remat)
+    case = fit.Case(shard("full"), nnx_ex.loss_fn, jfsdp_optimizer(), BATCH, SEQ, 1, False, "cpu")
+    est = case.estimate()
+    monkeypatch.setenv(fit.BUDGET_ENV, str(int(est * 0.9)))
+    with pytest.raises(jfsdp.ConfigError) as e:
+        fit.check(case, jax.devices()[:8], shard)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("does not fit") and f"{est / 2**20:.1f} MiB" in msg, msg
+    assert "nearest that fit: --batch-size 8" in msg and "devices (--mesh 2x8" in msg, msg
+    monkeypatch.setenv(fit.BUDGET_ENV, str(int(est * 1.5)))
+    assert fit.check(case, jax.devices()[:8], shard) is None
+    # a step the library refuses for it is not estimated either
+    with pytest.raises(jfsdp.ConfigError, match="update_in_backward: a model given as it is"):
+        case.estimate(update_in_backward=True)
 
 
 def test_accumulation_and_frozen_on_an_as_is_plan(nnx_reference):
@@ -413,6 +447,7 @@ def test_accumulation_and_frozen_on_an_as_is_plan(nnx_reference):
             state, m = step(state, b)
             runs[name].append(float(m["loss"]))
         finals[name] = sharded.gather(state.params)
+        assert_planner_formula(sharded, step, state, data[0], grad_accum=accum, **step_kw)
     np.testing.assert_allclose(runs["accum"], ref_losses, rtol=1e-5)
     np.testing.assert_allclose(runs["once"], runs["accum"], rtol=1e-6)   # one reduction per step, same result
     # frozen embedding: bit-identical after training, and the run differs from the full one

@@ -56,7 +56,7 @@ def _where(error) -> str:
 class AsIs(FSDP):
     """A Flax model as it is, placed on a mesh with a strategy. Build it with `fully_shard(model, mesh,
     example_batch, units=...)`."""
-    as_is = True   # the planner's analytic estimate and formula describe Stacked / Staged models only
+    as_is = True   # the planner sees it as root + stages through jfsdp.planning.as_is.AsIsView
 
     def __init__(self, model, mesh, example_batch, units, call, strategy, mp_policy, remat, seed=0,
                  rng_streams=("dropout",), init=None):

@@ -15,7 +15,7 @@ from jfsdp.config.errors import ConfigError
 from jfsdp.config.policy import wire_dtype
 from jfsdp.engine.layout import is_layout
 from jfsdp.engine.sharded import FSDP
-from jfsdp.planning import tensor_memory
+from jfsdp.planning import as_is, tensor_memory
 from jfsdp.planning.activations import activation_estimate
 from jfsdp.engine.layout import stored_bytes
 from jfsdp.planning.sizes import elements, stages, tree_bytes
@@ -128,9 +128,10 @@ def estimate(plan: FSDP, optimizer, loss_fn: Callable, batch, *, prefetch: bool 
     shard, unsharded gradient or optimizer state (`_Grads`).
     Tensor parallelism (T > 1): the state and gradient shards per leaf over its own group, and the
     activations traced as one tensor rank runs them (`jfsdp.planning.tensor_memory`)."""
-    if getattr(plan, "as_is", False):
-        raise ConfigError("the analytic estimate describes jfsdp.Stacked / Staged models; for a model given as it is, "
-                          "compile its step (jfsdp.planning.memory.compile_step) and read memory.measure")
+    if getattr(plan, "as_is", False) and update_in_backward:   # as make_train_step refuses it
+        from jfsdp.train import update_in_backward as in_backward
+        raise ConfigError(f"update_in_backward: {in_backward.unsupported(plan, grad_accum)}")
+    plan = as_is.view(plan)   # a model given as it is: its units as stages (jfsdp.planning.as_is)
     backend = backend or jax.default_backend()
     N = plan.n_devices
     g = grad_layouts(plan, trainable)
@@ -147,6 +148,8 @@ def estimate(plan: FSDP, optimizer, loss_fn: Callable, batch, *, prefetch: bool 
         points.update(_update_in_backward_points(plan, step, points["embed"], g))
     if grad_accum > 1:
         points = _accumulation_points(plan, points, grad_sync, g, step.unit_grad)
+    if getattr(plan, "as_is", False):   # what a model's own scan holds besides (jfsdp.planning.as_is)
+        points = as_is.scan_gradient_points(plan, points, g, _grad_shards, grad_accum > 1 and grad_sync == "once")
     name = max(points, key=lambda k: sum(points[k]))
     grads, gath, buffers, activations, pad_g = points[name]
     return Breakdown(params=params, grads=grads, optimizer=optimizer_b, padding=pad_state + pad_g,
@@ -210,9 +213,11 @@ def _gathered(plan: FSDP, backend: str, two_units: bool, g: _Grads) -> tuple[int
         # backward scan ends), so the unit being differentiated needs a gradient buffer besides.
         # A one-unit stage is kept like the root: XLA removes a loop of one iteration and merges
         # its forward and backward gathers.
+        # A unit of a model given as it is is re-gathered however many iterations it has (call_unit).
         if plan.strategy.reshard_after_forward:
-            single = sum(u for u, (_, n) in zip(unit_g, st) if n == 1)
-            looped = max([u for u, (_, n) in zip(unit_g, st) if n > 1], default=0)
+            merged = lambda n: n == 1 and not getattr(plan, "as_is", False)
+            single = sum(u for u, (_, n) in zip(unit_g, st) if merged(n))
+            looped = max([u for u, (_, n) in zip(unit_g, st) if not merged(n)], default=0)
             gathered = root_g + single + looped * (2 if two_units else 1)
             grad_buffers = 0
         else:
@@ -245,7 +250,8 @@ def _activations(plan: FSDP, loss_fn: Callable, local, backend: str, mask=None) 
     recomputation, the head's activations) per device for the local batch `local`; `mask`: the
     trainable leaves (frozen ones are not differentiated). T > 1: traced per tensor rank (tensor_memory)."""
     st = stages(plan)
-    trace = tensor_memory.activation_estimate if plan.tensor > 1 else activation_estimate
+    trace = (tensor_memory.activation_estimate if plan.tensor > 1 else
+             as_is.activation_estimate if getattr(plan, "as_is", False) else activation_estimate)
     act = trace(plan, loss_fn, local, backend, trainable=mask)
     recompute = max(s["unit_working"] - s["per_unit"] for s in act["stages"])
     saved = sum(n * s["per_unit"] for s, (_, n) in zip(act["stages"], st))

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jfsdp.config.errors import ConfigError
 from jfsdp.config.policy import wire_dtype
 from jfsdp.engine.sharded import FSDP
-from jfsdp.planning import hlo
+from jfsdp.planning import as_is, hlo
 from jfsdp.planning.estimate import Breakdown, estimate, grad_layouts
 from jfsdp.engine.layout import stored_bytes
 from jfsdp.planning.sizes import elements, float8_leaves, gathered_bytes, stages
@@ -79,9 +79,7 @@ def comm_formula(plan: FSDP, backend: str | None = None, grad_accum: int = 1, gr
     gradients are reduced k times (`grad_sync='every'`) or once ('once').
     `trainable` (make_train_step's): frozen leaves are gathered but never reduced; the contract's Ψ of
     the reduction is the trainable parameters'."""
-    if getattr(plan, "as_is", False):
-        raise ConfigError("the communication formula is written for jfsdp.Stacked / Staged models; for a model "
-                          "given as it is, read the compiled step's collectives (comm_measured)")
+    plan = as_is.view(plan)   # a model given as it is: its units as stages (jfsdp.planning.as_is)
     if plan.tensor > 1:
         raise ConfigError("with tensor parallelism the formula depends on the batch and the loss: "
                           "jfsdp.planning.tensor_comm.tensor_comm (by_kind for this function's form)")
@@ -115,7 +113,11 @@ def comm_formula(plan: FSDP, backend: str | None = None, grad_accum: int = 1, gr
     if plan.strategy.sharded:
         gathers = 2 if plan.strategy.reshard_after_forward else 1
         f = (S - 1) / S
-        out["all-gather"] = (root_p + gathers * unit_p) * f
+        # the backward's re-gathers: every unit leaf, except where the plan knows the backward reads
+        # fewer (a model given as it is: AsIsView.regathered)
+        again = getattr(plan, "regathered", None)
+        unit_p_again = unit_p if again is None else sum(n * gathered_bytes(l, pdt) for l, n in zip(again, plan.stage_sizes))
+        out["all-gather"] = (root_p + unit_p + (gathers - 1) * unit_p_again) * f
         # float8: one fp32 amax all-reduce (max over fsdp) per float8 leaf and gather
         out["all-reduce"] += gathers * sum(n * float8_leaves(l) for l, n in gathered) * 2 * 4 * f
         out["reduce-scatter"] = grads * f
@@ -130,6 +132,8 @@ def comm_formula(plan: FSDP, backend: str | None = None, grad_accum: int = 1, gr
     for key, times in (("all-gather", grad_accum), ("all-to-all", grad_accum), ("reduce-scatter", k_reduce),
                        ("all-reduce", k_reduce)):
         out[key] *= times
+    if plan.strategy.sharded and getattr(plan, "root_gathered_once", False):
+        out["all-gather"] -= root_p * (S - 1) / S * (grad_accum - 1)   # the root's gathers: once per step
     out["total"] = sum(out.values())
     out["contract"] = contract * k_reduce if not plan.strategy.sharded else contract + (
         (gathers * psi * pb * (S - 1) / S) * (grad_accum - 1)

@@ -80,7 +80,9 @@ def device_budget(devices) -> tuple[int | None, str]:
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    """What the estimate needs: the sharded model, the loss, and the run's settings."""
+    """What the estimate needs: the sharded model, the loss, and the run's settings. The batch is
+    `batch_size` rows of `seq_len` tokens ({'inputs', 'targets'}); for a model given as it is,
+    `batch_size` rows shaped like its example batch (`seq_len` is not read)."""
     sharded: object
     loss_fn: object
     optimizer: object
@@ -98,9 +100,13 @@ class Case:
 
     def breakdown(self, batch_size=None, update_in_backward=None, sharded=None):
         sharded = sharded or self.sharded
-        x = jax.ShapeDtypeStruct((batch_size or self.batch_size, self.seq_len), "int32")
+        rows = batch_size or self.batch_size
+        x = jax.ShapeDtypeStruct((rows, self.seq_len), "int32")
+        batch = {"inputs": x, "targets": x}
+        if getattr(sharded, "as_is", False):   # a model given as it is: its example batch's keys and shapes
+            batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct((rows, *a.shape[1:]), a.dtype), sharded.example_batch)
         uib = self.update_in_backward if update_in_backward is None else update_in_backward
-        return memory.estimate(sharded, self.optimizer, self.loss_fn, {"inputs": x, "targets": x},
+        return memory.estimate(sharded, self.optimizer, self.loss_fn, batch,
                                prefetch=sharded.prefetch, backend=self.backend, update_in_backward=uib,
                                grad_accum=self.grad_accum, grad_sync=self.grad_sync, trainable=self.trainable)
 
