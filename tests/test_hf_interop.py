@@ -1,9 +1,10 @@
 """Hugging Face weights in and out, against transformers' LlamaForCausalLM itself.
 
 In: a model made and saved by transformers (`save_pretrained`), streamed into jfsdp's shards, gives
-transformers' logits, on 2x8 and on 2x2 with tensor parallelism 2 (train.py --init-from --tensor 2 too). Out: a jfsdp checkpoint exported with `python -m jfsdp.export` loads in
-transformers (`from_pretrained`) and gives jfsdp's logits. A tokenizer trained with `tokenizers`
-beside the weights drives train.py's text data."""
+transformers' logits, on 2x8 and on 2x2 with tensor parallelism 2. Out: a jfsdp checkpoint exported
+with `python -m jfsdp.export` loads in transformers (`from_pretrained`) and gives jfsdp's logits. A
+tokenizer trained with `tokenizers` beside the weights drives train.py's text data, from the HF weights
+at --tensor 2."""
 import json
 import os
 import subprocess
