@@ -1,9 +1,10 @@
 """Hugging Face weights in and out, against transformers' LlamaForCausalLM itself.
 
 In: a model made and saved by transformers (`save_pretrained`), streamed into jfsdp's shards, gives
-transformers' logits. Out: a jfsdp checkpoint exported with `python -m jfsdp.export` loads in
-transformers (`from_pretrained`) and gives jfsdp's logits. A tokenizer trained with `tokenizers`
-beside the weights drives train.py's text data."""
+transformers' logits, on 2x8 and on 2x2 with tensor parallelism 2. Out: a jfsdp checkpoint exported
+with `python -m jfsdp.export` loads in transformers (`from_pretrained`) and gives jfsdp's logits. A
+tokenizer trained with `tokenizers` beside the weights drives train.py's text data, from the HF weights
+at --tensor 2."""
 import json
 import os
 import subprocess
@@ -17,6 +18,7 @@ import pytest
 
 import jfsdp
 import models
+from models import factory
 from jfsdp.io import checkpoint as jckpt
 from jfsdp import export as jexport
 from jfsdp.io import hf
@@ -54,11 +56,15 @@ def jfsdp_logits(plan, params, tokens):
     return np.asarray(jax.jit(plan.apply)(params, jax.device_put(tokens.astype(np.int32), plan.batch_sharding)))
 
 
-def plan_for(folder, mesh="2x8"):
+def plan_for(folder, mesh="2x8", tensor=1):
+    """jfsdp's Llama of the folder's config.json on `mesh` (x `tensor`: then with its TP plan, models/factory.py)."""
     cfg = models.LlamaConfig(**hf.read_config(folder))
     root, unit, n = models.parts(cfg)
-    return cfg, jfsdp.fully_shard(jfsdp.Stacked(root, unit, n), jfsdp.make_mesh(mesh),
-                                  jax.ShapeDtypeStruct((1, SEQ), jnp.int32))
+    tok = jax.ShapeDtypeStruct((1, SEQ), jnp.int32)
+    if tensor == 1:
+        return cfg, jfsdp.fully_shard(jfsdp.Stacked(root, unit, n), jfsdp.make_mesh(mesh), tok)
+    mesh = jfsdp.make_mesh(mesh, tensor=tensor, devices=jax.devices()[:jfsdp.MeshSpec(*jfsdp.parse_mesh(mesh), tensor).devices])
+    return cfg, jfsdp.fully_shard(jfsdp.Stacked(root, unit, n), mesh, tok, tensor_plan=factory.tensor_plan(cfg))
 
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
@@ -86,6 +92,21 @@ def test_init_from_and_export_match_transformers(tmp_path, tied, monkeypatch, ca
     np.testing.assert_array_equal(np.asarray(emb)[259 * 96:], 0)   # padding (none here: 8 divides 24864)
     theirs = hf_logits(model, tokens)
     np.testing.assert_allclose(jfsdp_logits(plan, params, tokens), theirs, rtol=1e-4, atol=1e-5)
+
+    # in, tensor-parallel (2x2 --tensor 2): the TP kernels split into their 2 slices and the vocabulary-parallel
+    # embedding (and untied head) padded to 2 x 130 rows, each leaf placed as the plan wants it. The file is
+    # still read by rows, 1/4 of a tensor (plus a row) at most: a TP leaf as its whole parameter's rows over
+    # fsdp x tensor, then split on the devices (io/tensor_rows.py); every other leaf as at T = 1
+    reads.clear()
+    tp = plan_for(src, "2x2", tensor=2)[1]
+    tp_params = hf.load_params(tp, str(src))
+    assert reads and all(n <= -(-{"embed": 259, "gate_": 96, "up_pr": 96, "down_": 200}.get(
+        name.split(".")[-2][:5] if "mlp" in name else name.split(".")[1][:5], 96) // 4) + 1 for name, n in reads), reads
+    assert all(jax.tree.leaves(jax.tree.map(lambda x, s: x.sharding.is_equivalent_to(s, x.ndim), tp_params,
+                                            tp.param_shardings)))
+    emb = tp_params["root"]["tok_embeddings"]["embedding"]
+    assert emb.shape == (2 * 130, 96) and not np.asarray(emb)[259].any()   # slice 1's padding row is zeros
+    np.testing.assert_allclose(jfsdp_logits(tp, tp_params, tokens), theirs, rtol=1e-4, atol=1e-5)
 
     # out: a checkpoint (after one training step, so the weights are jfsdp's own) exported and loaded back
     opt = jfsdp.adamw(1e-3, mask=plan.decay_mask())
@@ -123,12 +144,13 @@ def test_tokenizer_json_drives_train_py(tmp_path):
            "PYTHONUNBUFFERED": "1"}
     m = tmp_path / "m.jsonl"
     r = subprocess.run([sys.executable, str(REPO / "train.py"), "--init-from", str(src), "--data", str(data),
-                        "--mesh", "1x2", "--batch-size", "4", "--seq-len", "32", "--steps", "4", "--log-every", "1",
+                        "--mesh", "1x2", "--tensor", "2", "--batch-size", "4", "--seq-len", "32", "--steps", "4", "--log-every", "1",
                         "--eval-every", "0", "--prompt", "def unshard(", "--gen-tokens", "5", "--temperature", "0",
                         "--metrics-out", str(m), "--ckpt-dir", str(tmp_path / "ck")],
                        capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"text tokenized with {src / 'tokenizer.json'}" in r.stdout
+    assert "mesh 1x2 --tensor 2 (1 replicas x 2 shards x 2 tensor-parallel ranks)" in r.stdout
     # the corpus is the tokenizer's ids: as many tokens as the tokenizer gives (plus the end of text), not bytes
     n_tokens = len(tok.encode(text).ids) + 1
     line = next(l for l in r.stdout.splitlines() if l.startswith("data "))

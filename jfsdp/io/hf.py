@@ -222,11 +222,14 @@ def load_params(plan, folder: str):
     """Hugging Face weights -> the plan's shards, streamed: every leaf is built with
     `jax.make_array_from_callback`, whose callback reads from the safetensors file only the rows
     (the region of the index) that one device holds, so neither the host nor any device ever holds
-    the whole model, and a sharded leaf is never whole anywhere. Padding rows are zeros."""
-    from jfsdp.engine.parallel import support
-    support.refuse(plan, "Hugging Face import")
+    the whole model, and a sharded leaf is never whole anywhere. Padding rows are zeros.
+    Under tensor parallelism (T > 1) a TP kernel, or the vocabulary-parallel embedding or head, is
+    streamed the same way into its whole parameter's row form over (fsdp, tensor), then split into
+    its T slices on the devices (io/tensor_rows.py, as a checkpoint's restore does): while that runs
+    a device may hold the whole leaf, its units stacked."""
     import jax
     from jfsdp.engine.layout import ROOT, UNITS, is_layout
+    from jfsdp.io.tensor_rows import read_form
     cfg = read_config(folder)
     files = _tensor_files(folder)
     sources = leaf_sources(cfg["n_layers"], cfg["tie_embeddings"])
@@ -239,6 +242,7 @@ def load_params(plan, folder: str):
     def build(part, path, layout, sharding):
         srcs = _get(sources, (part, *path))
         stacked = part == UNITS
+        layout, sharding, turn = read_form(layout, sharding, int(stacked))
         for name, tr in srcs:
             with safe_open(files[name], framework="numpy") as h:
                 shape = tuple(h.get_slice(name).get_shape())
@@ -262,7 +266,7 @@ def load_params(plan, folder: str):
                 pad = [(0, max(0, r1 - max(r0, layout.rows)))] + [(0, 0)] * (x.ndim - 1)
                 out.append(np.pad(x.astype(layout.dtype), pad))
             return np.stack(out) if stacked else out[0]
-        return jax.make_array_from_callback(full_shape, sharding, cb)
+        return turn(jax.make_array_from_callback(full_shape, sharding, cb))
 
     out = {}
     for part in (ROOT, UNITS):

@@ -12,6 +12,8 @@ checkpoint saved under one T resumes under another T and another S, and exports 
   for the target's S·T (rows past the stored ones read as zeros), then turned into the target's TP form.
 Each turn is one jitted program (XLA's collectives) per TP layout and direction, which a parameter's
 moments reuse: while it runs a device may hold one whole leaf, its units stacked, besides its shards.
+Hugging Face import (io/hf.py) takes the restore's way: it streams each TP leaf's whole parameter into
+`read_form`'s row form, then turns it.
 """
 from __future__ import annotations
 
@@ -50,6 +52,15 @@ def _turner(l: TensorLayout, lead: int, sharding, whole: bool):
     w = logical_layout(l)
     f = (lambda u: w.pad(l.unpad_full(u))) if whole else (lambda u: l.pad_full(w.unpad(u)))
     return jax.jit(jax.vmap(f) if lead else f, out_shardings=sharding)
+
+
+def read_form(l, sharding, lead: int):
+    """(layout, placement, turn): how to build a leaf of layout `l` and placement `sharding` from its whole
+    parameter. A TP leaf is read as its whole parameter's row form, then turned into `l`'s form on the
+    devices; any other leaf is read as it lies (the turn is the identity)."""
+    if not isinstance(l, TensorLayout):
+        return l, sharding, lambda x: x
+    return logical_layout(l), _sharding(sharding.mesh, lead), _turner(l, lead, sharding, False)
 
 
 def _tp_leaves(plan, state) -> dict:

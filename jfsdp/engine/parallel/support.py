@@ -3,9 +3,9 @@
 Supported: a `jfsdp.Stacked` model with a `TensorPlan`, FULL_SHARD / SHARD_GRAD_OP / HYBRID_SHARD
 (and its ZeRO-2 form), any remat policy, the prefetch pipeline, fp32 or bf16 mixed precision without
 float8, gradient accumulation (both grad_sync modes), frozen parameters, a vocabulary-parallel root
-(parallel/vocab.py), checkpoints (io/tensor_rows.py). Refused until a later slice: NO_SHARD, `Staged`
-models, models given as they are, MoE, float8, the in-backward update (train/update_in_backward.py);
-HF import and the planner's command line refuse where they are called."""
+(parallel/vocab.py), checkpoints and Hugging Face import (io/tensor_rows.py). Refused until a later
+slice: NO_SHARD, `Staged` models, models given as they are, MoE, float8, the in-backward update
+(train/update_in_backward.py)."""
 from __future__ import annotations
 
 import jax
@@ -38,12 +38,6 @@ def check(model, mesh, strategy, mp_policy, prefetch, moe, tensor_plan):
     if mp_policy.float8 is not None:
         raise ConfigError(f"float8 {LATER}")
     return prefetch   # the prefetch pipeline gathers the TP-local units over `fsdp`; TP stays inside each unit
-
-
-def refuse(plan, what: str):
-    """ConfigError if `plan` (an FSDP) runs tensor parallelism: `what` does not support it yet."""
-    if getattr(plan, "tensor", 1) > 1:
-        raise ConfigError(f"{what} {LATER}")
 
 
 def check_sequence(tree, tensor: int, dim: int):
