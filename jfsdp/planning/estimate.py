@@ -352,10 +352,11 @@ def _update_in_backward_points(plan: FSDP, s: _Step, embed: tuple, g: _Grads) ->
     gradient and new parameter and moment rows) inside the backward loop. The root's gradient
     shards, reduced right after the head's backward, are held to the root's update at the end (the
     tied weight's head gradient is reduced then too: no unsharded gradient is held)."""
-    S = plan.shards
-    root_grads = stored_bytes(g.root_tree) // S
+    root_grads = _grad_shards(plan, [(g.root_tree, 1)])
     unit_leaves = [x for l, _ in g.stages for x in jax.tree.leaves(l, is_leaf=is_layout)]
-    rows = 4 * max((stored_bytes([x]) for x in unit_leaves), default=0) // S
+    # at T > 1 each leaf over its own group (S for a tensor-parallel leaf, S·T for the rest)
+    group = lambda x: x.shards if plan.tensor > 1 else plan.shards
+    rows = max((4 * stored_bytes([x]) // group(x) for x in unit_leaves), default=0)
     return {"units": (root_grads + rows, s.units_gathered, s.grad_buffers, s.saved + s.recompute, 0),
             "embed": (root_grads,) + embed[1:],
             "update": (root_grads, 0, 0, 0, 0)}

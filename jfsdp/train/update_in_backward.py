@@ -31,8 +31,9 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jfsdp.config.errors import ConfigError
-from jfsdp.config.mesh import AXES, FSDP_AXIS
+from jfsdp.config.mesh import DATA_AXIS
 from jfsdp.engine.layout import at_row, is_layout
+from jfsdp.engine.parallel import vocab
 from jfsdp.engine.pipeline import tie
 from jfsdp.engine.sharded import FSDP
 from jfsdp.train.optim import Clipped, check_elementwise
@@ -43,8 +44,6 @@ def unsupported(sharded: FSDP, grad_accum: int) -> str | None:
     if getattr(sharded, "as_is", False):
         return ("a model given as it is runs its units in its own loop, and the in-backward step needs them as "
                 "stacked stages (jfsdp.Stacked / Staged)")
-    if getattr(sharded, "tensor", 1) > 1:
-        return "tensor parallelism is not supported with it yet (docs/tensor-parallel.md)"
     if grad_accum != 1:
         return (f"it applies each unit's update as soon as its gradient is reduced, so it cannot accumulate "
                 f"{grad_accum} micro-batches (use grad_accum=1)")
@@ -137,8 +136,10 @@ class _InBackward:
         sh, model = self.sharded, self.sharded.model
         embed_reads, head_reads = sh.root_use
         # the embedding (its vjp needs no weights), then each stage saving its units' inputs
-        embed = lambda shards: model.root.apply({"params": sh.root_tree(shards, embed_reads)}, batch["inputs"],
-                                                method=model.embed_method)
+        def embed(shards):
+            with vocab.scope(sh):   # T > 1: the vocabulary-parallel lookup (parallel/vocab.py), as FSDP.forward's
+                return model.root.apply({"params": sh.root_tree(shards, embed_reads)}, batch["inputs"],
+                                        method=model.embed_method)
         h, embed_vjp = jax.vjp(embed, r_shards)
         saved = []
         for passes, shards in zip(self.passes, stage_p):
@@ -146,8 +147,8 @@ class _InBackward:
             saved.append(hs)
         # the head's weights gathered once h exists (not hoisted to the start of the step)
         head_shards, h = tie(r_shards, h, self.on_cpu)
-        head_loss = lambda shards, h: FSDP.scalar_loss(self.loss_fn(sh.head(sh.root_tree(shards, head_reads), h),
-                                                                    batch))
+        head_loss = lambda shards, h: FSDP.scalar_loss(vocab.loss(sh, self.loss_fn,
+                                                                  sh.head(sh.root_tree(shards, head_reads), h), batch))
         loss, head_vjp = jax.vjp(head_loss, head_shards, h)
         d_head, dh_top = head_vjp(jnp.ones((), jnp.float32))
         # the units' backward waits for the head's gradient to be reduced: otherwise XLA starts the
@@ -247,7 +248,10 @@ class _InBackward:
         root_p, stage_p = sh.split(params)
         r_shards = self.r_def.flatten_up_to(root_p)
         loss, embed_vjp, saved, d_head, dh_top = self.forward(r_shards, stage_p, batch)
-        reduce_norm = (lambda x: lax.psum(x, FSDP_AXIS)) if sh.strategy.sharded else (lambda x: x)
+        # every leaf's shards are disjoint over the mesh's axes but `data` (fsdp; with T > 1 tensor too: a TP
+        # leaf's slices, the others' rows), replicated over `data`
+        model_axes = tuple(a for a in sh.loss_axes if a != DATA_AXIS)
+        reduce_norm = (lambda x: lax.psum(x, model_axes)) if sh.strategy.sharded else (lambda x: x)
         add = lambda a, b: jax.tree.map(jnp.add, a, b)
         if opt.clip is not None:
             dh, total = self.norm_pass(saved, dh_top, stage_p)
@@ -265,7 +269,7 @@ class _InBackward:
             norm = jnp.sqrt(reduce_norm(total + _sq(d_root)))
             root_new = self.root_update(d_root, None, leaves)
         params, opt_state = self.assemble(leaves, root_new, new)
-        return params, opt_state, lax.psum(loss, AXES) / sh.n_devices, norm
+        return params, opt_state, lax.psum(loss, sh.loss_axes) / sh.n_devices, norm
 
     def assemble(self, leaves, root_new, new):
         """The new parameter and optimizer-state trees from the root's and the stages' updated leaves."""
@@ -288,5 +292,5 @@ def make_step(sharded: FSDP, optimizer: optax.GradientTransformation, loss_fn: C
     """(params, opt_state, batch) -> (params, opt_state, loss, grad_norm), to be jitted: forward,
     head backward, then the units' backward with each unit's update in the loop, then the root's."""
     step = _InBackward(sharded, optimizer, loss_fn)
-    return sharded.shard_map(step.local, (sharded.param_specs, opt_specs, P(AXES)),
+    return sharded.shard_map(step.local, (sharded.param_specs, opt_specs, sharded.batch_spec),
                              (sharded.param_specs, opt_specs, P(), P()))
