@@ -46,9 +46,9 @@ def reference(cfg=CFG, chunks=1, trainable=None):
                     lambda p, _: "train" if trainable(frozen.path_name(p)) else "frozen", init)
                 opt = optax.multi_transform({"train": opt, "frozen": optax.set_to_zero()}, labels)
             loss = lambda p, b: models.loss_fn(cfg)(ref.forward(root, unit, p, b["inputs"]), b)
-            losses, final, _ = ref.run_steps(opt, loss, init, batches, chunks=chunks)
+            losses, final, first = ref.run_steps(opt, loss, init, batches, chunks=chunks)
         _REF[key] = dict(root=root, unit=unit, n=n, batches=batches, init=jax.device_get(init), losses=losses,
-                         final=jax.device_get(final))
+                         final=jax.device_get(final), first_norm=float(optax.tree.norm(first)))
     return _REF[key]
 
 
@@ -89,14 +89,18 @@ def compiled_case(spec, tensor, strategy="full_shard", remat="none", prefetch=Fa
 
 def run_and_check(plan, r, step, opt, trainable=None):
     """Run the reference's batches through the compiled step from its initial parameters: losses within
-    1e-5 at every step, every final parameter within the fp32 + Adam noise floor (norm scales and the
-    tied embedding included), and the parameters moved. Returns the final parameters (gathered)."""
+    1e-5 at every step, the first step's gradient norm (the clip's; all leaves trainable) within 1e-5, every final parameter
+    within the fp32 + Adam noise floor (norm scales and the tied embedding included), and the parameters
+    moved. Returns the final parameters (gathered)."""
     state = jfsdp.init_state(plan, opt, params=plan.shard(r["init"]), trainable=trainable)
-    losses = []
+    losses, norms = [], []
     for b in r["batches"]:
         state, m = step(state, jax.device_put(b, plan.batch_sharding))
         losses.append(float(m["loss"]))
+        norms.append(float(m["grad_norm"]))
     np.testing.assert_allclose(losses, r["losses"], rtol=1e-5)
+    if trainable is None:   # (with frozen leaves the reference's gradient has theirs too)
+        np.testing.assert_allclose(norms[0], r["first_norm"], rtol=1e-5)
     final = jax.device_get(plan.gather(state.params))
     ref.assert_params_close(final, r["final"], r["init"])
     return final
@@ -200,6 +204,20 @@ def test_async_tp_matches_single_device_and_formula():
     assert plan.async_tp and ("collective-permute", ("tensor",)) in hlo.per_axes(
         step.as_text(), tuple(plan.mesh.shape.items()))
     check_comm_formula(plan, step, "plain")
+    run_and_check(plan, r, step, opt)
+
+
+def test_update_in_backward_matches_single_device():
+    """make_train_step(update_in_backward=True) (jfsdp/train/update_in_backward.py) on 2x2x2 (HYBRID: the
+    `data` axis too), remat full, clipped AdamW whose clip acts at every step (the two-pass path: norm
+    first, then the updates): the single-device trainer's losses, first gradient norm and parameters,
+    as the usual step's. Each of the step's T > 1 pieces fails this without it: the vocabulary-parallel
+    lookup and loss (shape errors), the batch's sequence over `tensor` (norm scales off), the loss's
+    sum over `tensor` (loss / T), the gradient norm's sum over `tensor` (the clip's scale off)."""
+    r = reference()
+    plan = plan_on("2x2", 2, remat="full")
+    step, opt = compiled_step(plan, update_in_backward=True)
+    assert r["first_norm"] > ref.CLIP
     run_and_check(plan, r, step, opt)
 
 
@@ -425,7 +443,7 @@ def test_bad_input_and_what_is_not_supported_yet():
 
 
 @pytest.mark.parametrize("argv,why", [
-    (["train.py", "--mesh", "2x4", "--tensor", "2", "--update-in-backward"], "--update-in-backward is not supported with tensor"),
+    (["train.py", "--mesh", "2x4", "--tensor", "2", "--precision", "fp8"], "--precision fp8 is not supported with tensor"),
     (["train.py", "--mesh", "2x4", "--tensor", "3", "--seq-len", "64"], "--tensor 3 does not divide --seq-len 64"),
     (["train.py", "--mesh", "2x4", "--async-tp", "on"], "--async-tp on needs --tensor T > 1"),
     (["-m", "jfsdp.plan", "--mesh", "1x4", "--tensor", "4", "--model", "llama-test", "--no-compile"],
