@@ -29,6 +29,7 @@ from jax import lax
 
 from jfsdp.config.errors import ConfigError
 from jfsdp.config.mesh import TENSOR_AXIS
+from jfsdp.engine import float8
 from jfsdp.engine.parallel.plan import ROWWISE
 
 
@@ -42,13 +43,18 @@ def scatter_sequence(y, dim: int):
     return lax.psum_scatter(y, TENSOR_AXIS, scatter_dimension=dim, tiled=True)
 
 
-def dense(mod, x, out_dtype=None):
+def dense(mod, x, out_dtype=None, axes=(None, None)):
     """nn.Dense's matmul on the kernel slice this rank holds (Flax's own call would refuse its shape):
-    (the product in `out_dtype`, None: the compute dtype; the compute dtype)."""
+    (the product in `out_dtype`, None: the compute dtype; the compute dtype). A kernel gathered in float8
+    runs `float8.float8_dot`, with x's and the gradient's amax `pmax`ed over `axes` where they are slices."""
     if not isinstance(mod, nn.Dense) or mod.dot_general is not None or mod.dot_general_cls is not None:
         raise ConfigError(f"layer {'/'.join(mod.path)} ({type(mod).__name__}) is tensor-parallel, but only a plain "
                           "nn.Dense (no custom dot_general) can be")
-    kernel = nn.meta.unbox(mod.get_variable("params", "kernel"))
+    kernel = float8.kernel_of(mod)
+    if isinstance(kernel, float8.Float8Weight):
+        dtype = mod.dtype or x.dtype
+        return float8.float8_dot(x, kernel.data, kernel.scale, out_dtype or dtype, axes), dtype
+    kernel = nn.meta.unbox(kernel)
     x, kernel = mod.promote_dtype(x, kernel, dtype=mod.dtype)
     y = lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=mod.precision,
                         preferred_element_type=out_dtype)
@@ -126,12 +132,12 @@ def interceptor(modules: dict, sequence_dim: int, reduce_dtype=None, tensor: int
         ring = rings.get(path[:-1])
         if kind != ROWWISE and ring is not None and args[0] is ring[0]:
             return place_blocks([dense(mod, b)[0] for b in ring[1]], sequence_dim)
-        if kind != ROWWISE:
-            return dense(mod, args[0])[0]
+        if kind != ROWWISE:   # float8: its gradient is a slice of the features, scaled as the whole
+            return dense(mod, args[0], axes=(None, TENSOR_AXIS))[0]
         if collective_matmul:
             y, dtype = ring_scatter_dense(mod, args[0], sequence_dim, tensor, reduce_dtype)
         else:
-            y, dtype = dense(mod, args[0], reduce_dtype)
+            y, dtype = dense(mod, args[0], reduce_dtype, (TENSOR_AXIS, None))   # float8: x is a feature slice
             y = scatter_sequence(y, sequence_dim)
         y = y.astype(dtype)
         if mod.use_bias:   # replicated over `tensor`: added once, after the sum
