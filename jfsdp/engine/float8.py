@@ -142,15 +142,15 @@ def unshard_float8(shard, layout: Layout, comm: Comm, amax=None):
     `amax` passes that value in where the caller has it already (`unit_amaxes`)."""
     if amax is None:
         amax = jnp.max(jnp.abs(lax.stop_gradient(shard))).astype(jnp.float32)   # the scale is not differentiated
-        amax = lax.pmax(amax, layout.amax_axes) if layout.shards > 1 or layout.amax_axes != (FSDP_AXIS,) else amax
+        ax = getattr(layout, "amax_axes", (FSDP_AXIS,))   # a plain Layout: fsdp
+        amax = lax.pmax(amax, ax) if layout.shards > 1 or ax != (FSDP_AXIS,) else amax
     return _unshard_float8(shard, amax, layout, comm)
 
 
 def unit_amaxes(stacked, layouts):
     """The amax of every float8 leaf of every unit of a stage (`Float8Layout`; a `fsdp.Unreduced` pair's
-    shard), all `pmax`ed in one all-reduce: a tree like `layouts` with (units,) arrays, None elsewhere;
-    None when the stage has no float8 leaf. The stage passes (pipeline.py) take them once per step, so
-    that no all-reduce stands between a unit's prefetched gather and the computation it hides behind."""
+    shard), `pmax`ed in one all-reduce: a tree like `layouts` of (units,) arrays (None: no float8 leaf),
+    taken once per pass (pipeline.py): no all-reduce between a prefetched gather and what hides it."""
     ls, tdef = jax.tree.flatten(layouts, is_leaf=is_layout)
     xs = [lax.stop_gradient(x.shard if isinstance(x, Unreduced) else x) for x in tdef.flatten_up_to(stacked)]
     picks = [i for i, l in enumerate(ls) if isinstance(l, Float8Layout)]
@@ -158,8 +158,8 @@ def unit_amaxes(stacked, layouts):
         return None
     local = jnp.stack([jnp.max(jnp.abs(xs[i].reshape(xs[i].shape[0], -1)), axis=1).astype(jnp.float32)
                        for i in picks])
-    l0 = ls[picks[0]]
-    local = lax.pmax(local, l0.amax_axes) if l0.shards > 1 or l0.amax_axes != (FSDP_AXIS,) else local
+    ax, shards = ls[picks[0]].amax_axes, ls[picks[0]].shards
+    local = lax.pmax(local, ax) if shards > 1 or ax != (FSDP_AXIS,) else local
     row = dict(zip(picks, local))
     return tdef.unflatten([row.get(i) for i in range(len(ls))])
 
