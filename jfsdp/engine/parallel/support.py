@@ -46,7 +46,7 @@ def async_tp(asked, platform: str, mp_policy) -> bool:
     if mp_policy.float8 is None:
         return platform == "gpu" if asked is None else bool(asked)
     if asked:
-        raise ConfigError(f"async TP (collective matmuls) in float8 {LATER}: use async_tp=False")
+        raise ConfigError(f"async TP (collective matmuls) in float8 {LATER}: use async_tp=False (--async-tp off)")
     return False
 
 
