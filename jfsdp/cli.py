@@ -260,7 +260,7 @@ def setup_devices(c: TrainConfig, n_needed: int | None) -> None:
             fail("--cpu-devices only applies on a machine without an accelerator (or with JAX_PLATFORMS=cpu)")
         # FSDP's prefetch on GPUs: XLA reads the flags when jax starts
         os.environ["XLA_FLAGS"] = gpu_xla_flags(prefetch=prefetches(c) or c.update_in_backward,
-                                                async_tp=c.tensor > 1 and c.async_tp != "off" and c.precision != "fp8")
+                                                async_tp=c.tensor > 1 and c.async_tp != "off")
         return
     if n_needed is None and not c.cpu_devices:
         return  # a malformed mesh: jfsdp.parse_mesh reports it once jax is imported; nothing to fake

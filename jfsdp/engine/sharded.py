@@ -41,7 +41,7 @@ class FSDP(ParamLayout):
         self.set_strategy(strategy, mp_policy, remat)
         self.prefetch = resolve_prefetch(prefetch, strategy, remat, self.shards, on_gpu=platform(mesh) == "gpu")
         if self.tensor > 1:   # Megatron-SP around the units' tensor-parallel matmuls (parallel/tensor.py)
-            self.async_tp = support.async_tp(async_tp, platform(mesh), mp_policy)
+            self.async_tp = support.async_tp(async_tp, platform(mesh))
             self.tp_intercept = tp.interceptor(tp_layout.tp_modules(self.split(self.layouts)[1]), tensor_plan.sequence_dim,
                                                mp_policy.reduce_dtype, self.tensor, self.async_tp)
             vocab.setup(self, self.split(self.layouts)[0], tensor_plan.sequence_dim)   # parallel/vocab.py

@@ -2,9 +2,9 @@
 
 Supported: a `jfsdp.Stacked` model with a `TensorPlan`, FULL_SHARD / SHARD_GRAD_OP / HYBRID_SHARD
 (and its ZeRO-2 form), any remat policy, the prefetch pipeline, fp32 or bf16 mixed precision, tensorwise
-float8 (one-shot TP collectives), gradient accumulation (both grad_sync modes), frozen parameters, a vocabulary-parallel root
+float8 (also with async TP), gradient accumulation (both grad_sync modes), frozen parameters, a vocabulary-parallel root
 (parallel/vocab.py), checkpoints and Hugging Face import (io/tensor_rows.py). Refused until a later
-slice: NO_SHARD, `Staged` models, models given as they are, MoE, rowwise float8, float8 with async TP, the in-backward update
+slice: NO_SHARD, `Staged` models, models given as they are, MoE, rowwise float8, the in-backward update
 (train/update_in_backward.py)."""
 from __future__ import annotations
 
@@ -40,14 +40,9 @@ def check(model, mesh, strategy, mp_policy, prefetch, moe, tensor_plan):
     return prefetch   # the prefetch pipeline gathers the TP-local units over `fsdp`; TP stays inside each unit
 
 
-def async_tp(asked, platform: str, mp_policy) -> bool:
-    """Whether the TP collectives run as rings of collective matmuls: the GPU default, but not in float8
-    (the ring multiplies each block alone, and float8 scales a device's whole rows at once: not built)."""
-    if mp_policy.float8 is None:
-        return platform == "gpu" if asked is None else bool(asked)
-    if asked:
-        raise ConfigError(f"async TP (collective matmuls) in float8 {LATER}: use async_tp=False (--async-tp off)")
-    return False
+def async_tp(asked, platform: str) -> bool:
+    """Whether the TP collectives run as rings of collective matmuls: asked, or by default on GPUs."""
+    return platform == "gpu" if asked is None else bool(asked)
 
 
 def check_sequence(tree, tensor: int, dim: int):

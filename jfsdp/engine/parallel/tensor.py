@@ -23,9 +23,13 @@ block. The same bytes cross the links as with the one-shot collectives: (T-1) bl
 backward pass is the transpose of the ring, again one hop per matmul."""
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from jfsdp.config.errors import ConfigError
 from jfsdp.config.mesh import TENSOR_AXIS
@@ -61,6 +65,62 @@ def dense(mod, x, out_dtype=None, axes=(None, None)):
     return y, x.dtype
 
 
+def compute_dtype(mod, x):
+    """The dtype `dense` computes in (and returns as its second value)."""
+    kernel = float8.kernel_of(mod)
+    if isinstance(kernel, float8.Float8Weight):
+        return mod.dtype or x.dtype
+    return mod.promote_dtype(x, nn.meta.unbox(kernel), dtype=mod.dtype)[0].dtype
+
+
+def dense_blocks(mod, blocks: list, out_dtype=None, axes=(None, None)) -> list:
+    """`dense` of each block of a ring: in float8 one scale for all the blocks' x (their amax, then `pmax`
+    over axes[0]) and one for all their gradients (axes[1]), as `dense` of the whole sequence scales."""
+    kernel = float8.kernel_of(mod)
+    if not isinstance(kernel, float8.Float8Weight):
+        return [dense(mod, b, out_dtype)[0] for b in blocks]
+    return list(float8_blocks(tuple(blocks), kernel.data, kernel.scale, out_dtype or mod.dtype or blocks[0].dtype, axes))
+
+
+def _amax(parts, axis):
+    m = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(p)).astype(jnp.float32) for p in parts])
+    return m if axis is None else lax.pmax(m, axis)
+
+
+def _f8dot(a, b, ca, cb):
+    return lax.dot_general(a, b, (((ca,), (cb,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def float8_blocks(xs: tuple, w, w_scale, out_dtype, axes):
+    """`float8.float8_dot` of each block x of `xs` by W = w / w_scale, with one scale for all of x and
+    one for all of the gradients (the whole sequence's, as one matmul would have)."""
+    return _blocks_fwd(xs, w, w_scale, out_dtype, axes)[0]
+
+
+def _blocks_fwd(xs, w, w_scale, out_dtype, axes):
+    s = float8.scale_for(_amax(xs, axes[0]), float8.E4M3)
+    x8 = [float8.quantize(x, s, float8.E4M3) for x in xs]
+    ys = tuple(checkpoint_name((_f8dot(x, w.astype(float8.E4M3), x.ndim - 1, 0) / (s * w_scale)).astype(out_dtype),
+                               float8.DOT_OUT) for x in x8)
+    # the float8 x saved as its bytes, as float8_dot does (remat re-rounds float residuals)
+    return ys, (tuple(lax.bitcast_convert_type(x, jnp.uint8) for x in x8), s, w, w_scale, jnp.zeros((0,), xs[0].dtype))
+
+
+def _blocks_bwd(out_dtype, axes, res, gs):
+    x8_bytes, s, w, ws, like = res
+    w8, gscale = w.astype(float8.E4M3), float8.scale_for(_amax(gs, axes[1]), float8.E5M2)
+    g8 = [float8.quantize(g, gscale, float8.E5M2) for g in gs]
+    dxs = tuple((_f8dot(g, w8, g.ndim - 1, 1) / (gscale * ws)).astype(like.dtype) for g in g8)
+    k, n = w8.shape
+    dw = sum(_f8dot(lax.bitcast_convert_type(x, float8.E4M3).reshape(-1, k), g.reshape(-1, n), 0, 0)
+             for x, g in zip(x8_bytes, g8)) / (s * gscale)
+    return dxs, dw.astype(w.dtype), jnp.zeros_like(ws)
+
+
+float8_blocks.defvjp(_blocks_fwd, _blocks_bwd)
+
+
 def _next_rank(tensor: int) -> list:
     return [(i, (i + 1) % tensor) for i in range(tensor)]
 
@@ -90,11 +150,11 @@ def ring_scatter_dense(mod, x, dim: int, tensor: int, out_dtype=None):
     block (t - 1 - k) mod T of the sequence and adds the partial sum its left neighbour passed on, so
     that at the last step the sum that arrives is its own block's. (The summed block, the compute dtype.)"""
     n, t = x.shape[dim] // tensor, lax.axis_index(TENSOR_AXIS)
-    acc = dtype = None
-    for k in range(tensor):
-        y, dtype = dense(mod, lax.dynamic_slice_in_dim(x, ((t - 1 - k) % tensor) * n, n, axis=dim), out_dtype)
+    parts = [lax.dynamic_slice_in_dim(x, ((t - 1 - k) % tensor) * n, n, axis=dim) for k in range(tensor)]
+    acc = None   # float8: x is a feature slice (its amax pmaxed over `tensor`)
+    for y in dense_blocks(mod, parts, out_dtype, (TENSOR_AXIS, None)):
         acc = y if acc is None else lax.ppermute(acc, TENSOR_AXIS, _next_rank(tensor)) + y
-    return acc, dtype
+    return acc, compute_dtype(mod, x)
 
 
 def interceptor(modules: dict, sequence_dim: int, reduce_dtype=None, tensor: int = 1, collective_matmul=False):
@@ -131,7 +191,7 @@ def interceptor(modules: dict, sequence_dim: int, reduce_dtype=None, tensor: int
             return next_fun(*args, **kwargs)
         ring = rings.get(path[:-1])
         if kind != ROWWISE and ring is not None and args[0] is ring[0]:
-            return place_blocks([dense(mod, b)[0] for b in ring[1]], sequence_dim)
+            return place_blocks(dense_blocks(mod, ring[1], axes=(None, TENSOR_AXIS)), sequence_dim)
         if kind != ROWWISE:   # float8: its gradient is a slice of the features, scaled as the whole
             return dense(mod, args[0], axes=(None, TENSOR_AXIS))[0]
         if collective_matmul:
