@@ -2,7 +2,7 @@
 
 Supported: a `jfsdp.Stacked` model with a `TensorPlan`, FULL_SHARD / SHARD_GRAD_OP / HYBRID_SHARD
 (and its ZeRO-2 form), any remat policy, the prefetch pipeline, fp32 or bf16 mixed precision, tensorwise
-float8 (also with async TP), gradient accumulation (both grad_sync modes), frozen parameters, a vocabulary-parallel root
+float8, gradient accumulation (both grad_sync modes), frozen parameters, a vocabulary-parallel root
 (parallel/vocab.py), checkpoints and Hugging Face import (io/tensor_rows.py). Refused until a later
 slice: NO_SHARD, `Staged` models, models given as they are, MoE, rowwise float8, the in-backward update
 (train/update_in_backward.py)."""
