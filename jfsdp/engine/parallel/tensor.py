@@ -73,13 +73,18 @@ def compute_dtype(mod, x):
     return mod.promote_dtype(x, nn.meta.unbox(kernel), dtype=mod.dtype)[0].dtype
 
 
-def dense_blocks(mod, blocks: list, out_dtype=None, axes=(None, None)) -> list:
-    """`dense` of each block of a ring: in float8 one scale for all the blocks' x (their amax, then `pmax`
-    over axes[0]) and one for all their gradients (axes[1]), as `dense` of the whole sequence scales."""
+def dense_blocks(mod, blocks: list, out_dtype=None, axes=(None, None), own=None) -> list:
+    """`dense` of each block of a ring: in float8 one scale for all the blocks' x (their amax `pmax`ed
+    over axes[0]) and one for all their gradients (axes[1]), as `dense` of the whole sequence scales.
+    A ring's gathered blocks give this rank's `own` block: its amax `pmax`ed over `tensor` is theirs,
+    known before the ring, so no dot waits for the last block."""
     kernel = float8.kernel_of(mod)
     if not isinstance(kernel, float8.Float8Weight):
         return [dense(mod, b, out_dtype)[0] for b in blocks]
-    return list(float8_blocks(tuple(blocks), kernel.data, kernel.scale, out_dtype or mod.dtype or blocks[0].dtype, axes))
+    x_amax = _amax([lax.stop_gradient(b) for b in blocks], axes[0]) if own is None else \
+        _amax([lax.stop_gradient(own)], TENSOR_AXIS)
+    out_dtype = out_dtype or mod.dtype or blocks[0].dtype
+    return list(float8_blocks(tuple(blocks), x_amax, kernel.data, kernel.scale, out_dtype, axes))
 
 
 def _amax(parts, axis):
@@ -91,31 +96,32 @@ def _f8dot(a, b, ca, cb):
     return lax.dot_general(a, b, (((ca,), (cb,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def float8_blocks(xs: tuple, w, w_scale, out_dtype, axes):
-    """`float8.float8_dot` of each block x of `xs` by W = w / w_scale, with one scale for all of x and
-    one for all of the gradients (the whole sequence's, as one matmul would have)."""
-    return _blocks_fwd(xs, w, w_scale, out_dtype, axes)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def float8_blocks(xs: tuple, x_amax, w, w_scale, out_dtype, axes):
+    """`float8.float8_dot` of each block x of `xs` by W = w / w_scale, with one scale for all of x (from
+    `x_amax`) and one for all of the gradients (the whole sequence's, as one matmul would have)."""
+    return _blocks_fwd(xs, x_amax, w, w_scale, out_dtype, axes)[0]
 
 
-def _blocks_fwd(xs, w, w_scale, out_dtype, axes):
-    s = float8.scale_for(_amax(xs, axes[0]), float8.E4M3)
+def _blocks_fwd(xs, x_amax, w, w_scale, out_dtype, axes):
+    s = float8.scale_for(x_amax, float8.E4M3)
     x8 = [float8.quantize(x, s, float8.E4M3) for x in xs]
     ys = tuple(checkpoint_name((_f8dot(x, w.astype(float8.E4M3), x.ndim - 1, 0) / (s * w_scale)).astype(out_dtype),
                                float8.DOT_OUT) for x in x8)
     # the float8 x saved as its bytes, as float8_dot does (remat re-rounds float residuals)
-    return ys, (tuple(lax.bitcast_convert_type(x, jnp.uint8) for x in x8), s, w, w_scale, jnp.zeros((0,), xs[0].dtype))
+    return ys, (tuple(lax.bitcast_convert_type(x, jnp.uint8) for x in x8), s, w, w_scale, jnp.zeros((0,), xs[0].dtype),
+                x_amax)
 
 
 def _blocks_bwd(out_dtype, axes, res, gs):
-    x8_bytes, s, w, ws, like = res
+    x8_bytes, s, w, ws, like, x_amax = res
     w8, gscale = w.astype(float8.E4M3), float8.scale_for(_amax(gs, axes[1]), float8.E5M2)
     g8 = [float8.quantize(g, gscale, float8.E5M2) for g in gs]
     dxs = tuple((_f8dot(g, w8, g.ndim - 1, 1) / (gscale * ws)).astype(like.dtype) for g in g8)
     k, n = w8.shape
     dw = sum(_f8dot(lax.bitcast_convert_type(x, float8.E4M3).reshape(-1, k), g.reshape(-1, n), 0, 0)
              for x, g in zip(x8_bytes, g8)) / (s * gscale)
-    return dxs, dw.astype(w.dtype), jnp.zeros_like(ws)
+    return dxs, jnp.zeros_like(x_amax), dw.astype(w.dtype), jnp.zeros_like(ws)
 
 
 float8_blocks.defvjp(_blocks_fwd, _blocks_bwd)
@@ -179,7 +185,7 @@ def interceptor(modules: dict, sequence_dim: int, reduce_dtype=None, tensor: int
         if path in gathers and collective_matmul:
             blocks = ring_blocks(args[0], tensor)
             whole = place_blocks(blocks, sequence_dim)   # for any other use of the input; else dead code
-            rings[path] = (whole, blocks)
+            rings[path] = (whole, blocks, args[0])
             try:
                 return next_fun(whole, *args[1:], **kwargs)
             finally:
@@ -191,7 +197,7 @@ def interceptor(modules: dict, sequence_dim: int, reduce_dtype=None, tensor: int
             return next_fun(*args, **kwargs)
         ring = rings.get(path[:-1])
         if kind != ROWWISE and ring is not None and args[0] is ring[0]:
-            return place_blocks(dense_blocks(mod, ring[1], axes=(None, TENSOR_AXIS)), sequence_dim)
+            return place_blocks(dense_blocks(mod, ring[1], axes=(None, TENSOR_AXIS), own=ring[2]), sequence_dim)
         if kind != ROWWISE:   # float8: its gradient is a slice of the features, scaled as the whole
             return dense(mod, args[0], axes=(None, TENSOR_AXIS))[0]
         if collective_matmul:
