@@ -115,7 +115,10 @@ def _blocks_fwd(xs, x_amax, w, w_scale, out_dtype, axes):
 
 def _blocks_bwd(out_dtype, axes, res, gs):
     x8_bytes, s, w, ws, like, x_amax = res
-    w8, gscale = w.astype(float8.E4M3), float8.scale_for(_amax(gs, axes[1]), float8.E5M2)
+    # axes[2:] == ('last',): the last block's gradient is this rank's own block of the whole (the rowwise
+    # ring's): its amax pmaxed over axes[1] is all blocks', known before the backward ring runs
+    gamax = _amax(gs[-1:] if axes[2:] == ("last",) else gs, axes[1])
+    w8, gscale = w.astype(float8.E4M3), float8.scale_for(gamax, float8.E5M2)
     g8 = [float8.quantize(g, gscale, float8.E5M2) for g in gs]
     dxs = tuple((_f8dot(g, w8, g.ndim - 1, 1) / (gscale * ws)).astype(like.dtype) for g in g8)
     k, n = w8.shape
@@ -158,7 +161,7 @@ def ring_scatter_dense(mod, x, dim: int, tensor: int, out_dtype=None):
     n, t = x.shape[dim] // tensor, lax.axis_index(TENSOR_AXIS)
     parts = [lax.dynamic_slice_in_dim(x, ((t - 1 - k) % tensor) * n, n, axis=dim) for k in range(tensor)]
     acc = None   # float8: x is a feature slice (its amax pmaxed over `tensor`)
-    for y in dense_blocks(mod, parts, out_dtype, (TENSOR_AXIS, None)):
+    for y in dense_blocks(mod, parts, out_dtype, (TENSOR_AXIS, TENSOR_AXIS, "last")):
         acc = y if acc is None else lax.ppermute(acc, TENSOR_AXIS, _next_rank(tensor)) + y
     return acc, compute_dtype(mod, x)
 
