@@ -20,7 +20,12 @@ arrive one hop at a time, and every colwise layer multiplies each block as it ar
 reduce-scatter: each step multiplies one block of the rowwise input and adds it to the partial sum
 that arrived from the previous rank, which is passed on; after T steps a rank holds the sum of its own
 block. The same bytes cross the links as with the one-shot collectives: (T-1) blocks each way. The
-backward pass is the transpose of the ring, again one hop per matmul."""
+backward pass is the transpose of the ring, again one hop per matmul.
+
+Float8 (tensorwise, docs/float8.md): a kernel slice gathered as a `Float8Weight` (scaled by the whole
+weight's amax) runs `float8.float8_dot` in `dense`; a feature-sliced operand (a rowwise input, a colwise
+gradient) has its amax `pmax`ed over `tensor`, so every cast is the single-device one. A ring's blocks
+run `float8_blocks`: one scale for all of them, as the one-shot matmul of the whole sequence has."""
 from __future__ import annotations
 
 import functools
