@@ -231,7 +231,7 @@ def check_tensor_flags(c: TrainConfig) -> None:
         fail(f"--tensor must be at least 1, got {c.tensor}")
     if c.seq_len % c.tensor:
         fail(f"--tensor {c.tensor} does not divide --seq-len {c.seq_len} (sequence parallelism splits the sequence)")
-    later = [flag for flag, on in [(f"--precision {c.precision}", c.precision.startswith("fp8")),
+    later = [flag for flag, on in [(f"--precision {c.precision}", c.precision == "fp8-rowwise"),
                                    ("--strategy no_shard", c.strategy.strip().lower() == "no_shard"),
                                    ("several processes", (c.num_processes or 1) > 1 or c.coordinator)] if on]
     if later:

@@ -3,6 +3,7 @@ float8's error bound, the scale of a float8 all-gather identical on every shard,
 against a single-device fp8 trainer written here (no jfsdp), and bad input. What the program compiled for
 an H100 does (f8 all-gathers, f8 gemms) is in tests/test_gpu_target.py."""
 import dataclasses
+import re
 
 import flax.linen as nn
 import jax
@@ -17,6 +18,7 @@ import models
 from jfsdp.engine import float8
 from jfsdp.engine.fsdp import Comm
 from jfsdp.engine.layout import Layout
+from models import factory
 from tests import reference as ref
 from tests import runs
 
@@ -176,6 +178,34 @@ def test_fp8_step_matches_single_device_fp8(fp8_case, mesh_spec, strategy, remat
     single-device tensorwise trainer; the rowwise reference and the trainer without float8 out of bound."""
     m = stacked_run(fp8_case, mesh_spec, strategy, remat, steps)
     runs.check(m, BOUNDS if steps else {k: v for k, v in BOUNDS.items() if k != "update"})
+
+
+# Tensor parallelism (T = 2 on 1x4x2, docs/tensor-parallel.md): the colwise and rowwise matmuls in float8
+# on kernel slices, each weight scaled by the whole weight's amax (pmax over fsdp and tensor), a rowwise
+# input and a colwise gradient (feature slices) by their device rows' whole amax (pmax over tensor): the
+# same casts as the single-device reference with 4 devices' rows, so the same BOUNDS hold.
+@pytest.mark.parametrize("async_tp", [False, True])
+def test_fp8_tensor_parallel_matches_single_device_fp8(fp8_case, async_tp):
+    """fp32 elsewhere, 1x4 x tensor 2, one-shot TP collectives and async TP (rings, each block its own
+    dot, one scale for all blocks): first loss and first-step gradients against the single-device
+    tensorwise trainer (the other recipe and float8 off out of bound); every TP matmul an f8 dot."""
+    c, (model, _, lf) = fp8_case, factory.language_model(CFG, "plain")   # its loss: vocabulary-parallel
+    mesh = jfsdp.make_mesh("1x4", tensor=2, devices=jax.devices()[:8])
+    plan = jfsdp.fully_shard(model, mesh, c["batches"][0]["inputs"], strategy="full_shard", remat="none",
+                             mp_policy=POLICIES["fp32"], tensor_plan=factory.tensor_plan(CFG), async_tp=async_tp)
+    got = runs.float8_run(plan, lf, c["init"], c["batches"], 0)
+    m = runs.figures(got, {**c["fp32"], **{k: c[k] for k in ("plain", "other", "other_loss")}})
+    runs.check(m, {k: v for k, v in BOUNDS.items() if k != "update"})
+    batch = jax.device_put(c["batches"][0], plan.batch_sharding)
+    print("tp fp8 figures", m)
+    # XLA:CPU widens f8 dots to f32 when it compiles, so the program is read as lowered: every unit
+    # matmul's dot takes float8 operands: 7 TP matmuls (q, k, v, o, w1, w2, w3) x 3 (forward, dX, dW),
+    # in the scanned unit's body, once per sequence block with async TP; the head's stays f32
+    text = jax.jit(plan.loss_and_grad(lf)).lower(plan.shard(c["init"]), batch).as_text()
+    dots = re.findall(r"stablehlo.dot_general .*?: \((tensor<[^>]*>), (tensor<[^>]*>)\)", text)
+    f8 = [d for d in dots if "f8E" in d[0] and "f8E" in d[1]]
+    print("tp fp8 dots", len(f8), "of", len(dots))
+    assert len(f8) == 7 * 3 * (2 if async_tp else 1), dots
 
 
 # With the rest in bf16, both sides compiled with every bf16 rounding kept (reference.run_exact: XLA's

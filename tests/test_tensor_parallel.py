@@ -413,7 +413,7 @@ def test_tensor_one_is_the_two_axis_program():
 
 def test_bad_input_and_what_is_not_supported_yet():
     """T must divide the devices, the heads, the KV heads and the sequence; a plan is required, its rules
-    must match; NO_SHARD, float8 and, under a vocabulary-parallel root, a loss that does not reduce over
+    must match; NO_SHARD, rowwise float8 and, under a vocabulary-parallel root, a loss that does not reduce over
     `tensor` (models.loss_fn's log-softmax on V/T logits) are refused with a reason. (HF import works at
     T > 1: tests/test_hf_interop.py.)"""
     with pytest.raises(jfsdp.ConfigError, match="needs 24 devices"):
@@ -430,8 +430,8 @@ def test_bad_input_and_what_is_not_supported_yet():
         plan_on("2x2", 4, strategy="no_shard")
     with pytest.raises(jfsdp.ConfigError, match="async_tp=True needs a mesh with a tensor axis"):
         plan_on("2x4", 1, tensor_plan=None, async_tp=True)
-    with pytest.raises(jfsdp.ConfigError, match="float8 is not supported with tensor parallelism"):
-        plan_on("2x2", 4, mp_policy=jfsdp.MixedPrecision.parse("fp8"))
+    with pytest.raises(jfsdp.ConfigError, match="float8 with rowwise scaling is not supported with tensor parallelism"):
+        plan_on("2x2", 4, mp_policy=jfsdp.MixedPrecision.parse("fp8-rowwise"))
     plan = plan_on("2x2", 4)
     batch = {k: jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32, sharding=plan.batch_sharding) for k in ("inputs", "targets")}
     params = jfsdp.abstract_state(plan, jfsdp.adamw(ref.LR)).params
@@ -443,7 +443,7 @@ def test_bad_input_and_what_is_not_supported_yet():
 
 
 @pytest.mark.parametrize("argv,why", [
-    (["train.py", "--mesh", "2x4", "--tensor", "2", "--precision", "fp8"], "--precision fp8 is not supported with tensor"),
+    (["train.py", "--mesh", "2x4", "--tensor", "2", "--precision", "fp8-rowwise"], "--precision fp8-rowwise is not supported with tensor"),
     (["train.py", "--mesh", "2x4", "--tensor", "3", "--seq-len", "64"], "--tensor 3 does not divide --seq-len 64"),
     (["train.py", "--mesh", "2x4", "--async-tp", "on"], "--async-tp on needs --tensor T > 1"),
     (["-m", "jfsdp.plan", "--mesh", "1x4", "--tensor", "4", "--model", "llama-test", "--no-compile"],

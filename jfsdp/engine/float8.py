@@ -1,27 +1,18 @@
 """Float8 training: the units' dense matmuls in float8 with dynamic tensorwise scaling, and the unit
-weights all-gathered in float8 (one byte per parameter on the wire), as FSDP2 does with float8 linears.
+weights all-gathered in float8 (one byte per parameter on the wire), as FSDP2 does with float8 linears
+(docs/float8.md has the why of each choice).
 
-Scaling: one fp32 scale per tensor, `scale = fmax / amax`, recomputed every step from the tensor
-itself (dynamic), so the largest value lands on the format's largest finite number. Forward operands
-(activations, weights) are `float8_e4m3fn` (3 mantissa bits, max 448). The gradient flowing into a
-matmul is `float8_e5m2`: a tensorwise scale fits the largest gradient and gradients span more binades
-than weights and activations (heavy tails, many small entries); e5m2 reaches 2^-16 below its max
-57344 against e4m3's 2^-9 below 448, so fewer small gradients flush to zero, for one mantissa bit
-less. The products accumulate in fp32 (`preferred_element_type`); outputs come back in the
-activations' dtype (bf16).
+Scaling: one fp32 scale per tensor, `scale = fmax / amax`, from the tensor itself every step. Forward
+operands are `float8_e4m3fn`; the gradient flowing into a matmul is `float8_e5m2` (wider range for
+heavy-tailed gradients). Products accumulate in fp32; outputs come back in the activations' dtype.
 
-The float8 all-gather (`unshard_float8`): inside `shard_map` each device takes the amax of its shard
-of the master weight and `pmax`es it over `fsdp`, so every device computes the same scale, the one of
-the whole tensor: the gathered float8 weight is bit for bit the cast of the whole weight. The shard is
-cast to e4m3 and all-gathered; the result is a `Float8Weight` (data, scale) that the matmul uses as
-it is. The VJP is the plain path's (`reduce_gradient`: reduce-scatter in the reduce dtype). A checkpoint
-policy sees this gather as it sees `unshard` (ZeRO-3 gathers again in the backward pass, in float8).
+The float8 all-gather (`unshard_float8`): each device's amax of its shard of the master weight is
+`pmax`ed (over `fsdp`, and `tensor` at T > 1), so the gathered float8 weight is bit for bit the cast of
+the whole weight; its VJP is the plain path's `reduce_gradient`, and a checkpoint policy sees it as `unshard`.
 
-How the matmuls are reached (any Flax model, no model code): the unit's apply runs under
-`nn.intercept_methods(interceptor)`. A `nn.Dense` / `nn.DenseGeneral` whose kernel arrives as a
-`Float8Weight` has its `__call__` replaced by `float8_dot`; every other module runs as written.
-Which kernels get float8 is decided once, from a traced call of the unit (`dense_kernels`), and
-filtered by path and size (`Float8`); the root (embedding, head, norms) is never touched.
+The matmuls are reached without model code: the unit runs under `nn.intercept_methods(interceptor)`; a
+Dense whose kernel arrives as a `Float8Weight` runs `float8_dot` (at T > 1 parallel/tensor.py's `dense`
+does). Which kernels: one traced call of each unit (`dense_kernels`), filtered by `Float8`.
 """
 from __future__ import annotations
 
@@ -38,7 +29,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jfsdp.config.errors import ConfigError
 from jfsdp.config.policy import Float8
-from jfsdp.config.mesh import FSDP_AXIS
+from jfsdp.config.mesh import FSDP_AXIS, TENSOR_AXIS
 from jfsdp.engine.fsdp import Comm, Unreduced, reduce_gradient, treat_as_unshard, treat_as_dot
 from jfsdp.engine.layout import Layout, is_layout, paths
 from jfsdp.engine.float8_rowwise import RowwiseLayout, RowwiseWeight
@@ -59,9 +50,10 @@ def quantize(x, scale, dtype):
     return jnp.clip(x.astype(jnp.float32) * scale, -m, m).astype(dtype)
 
 
-def dynamic(x, dtype):
-    """(x in float8, its scale) with the scale from x's own amax."""
-    s = scale_for(jnp.max(jnp.abs(x)), dtype)
+def dynamic(x, dtype, axis=None):
+    """(x in float8, its scale) with the scale from x's own amax (`pmax`ed over mesh `axis` where given)."""
+    amax = jnp.max(jnp.abs(x))
+    s = scale_for(amax if axis is None else lax.pmax(amax, axis), dtype)
     return quantize(x, s, dtype), s
 
 
@@ -96,19 +88,20 @@ KERNELS = (Float8Weight, RowwiseWeight)   # gathered kernels that the intercepto
 
 
 # ---- the matmul: e4m3 x e4m3 forward, e5m2 gradients, fp32 accumulation, bf16 out
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def float8_dot(x, w, w_scale, out_dtype):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def float8_dot(x, w, w_scale, out_dtype, axes=(None, None)):
     """x (..., K) @ W (K, N) where W = w / w_scale and w holds e4m3 values (in any wider dtype: the cast
-    to e4m3 is exact); x is cast to e4m3 with its own dynamic scale."""
-    return _dot_fwd(x, w, w_scale, out_dtype)[0]
+    to e4m3 is exact); x is cast to e4m3 with its own dynamic scale. `axes`: the mesh axes over which
+    x's and the gradient's amax are `pmax`ed (a tensor-parallel slice scaled as the whole tensor)."""
+    return _dot_fwd(x, w, w_scale, out_dtype, axes)[0]
 
 
 def _dot(a, b, ca, cb):
     return lax.dot_general(a, b, (((ca,), (cb,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def _dot_fwd(x, w, w_scale, out_dtype):
-    x8, xs = dynamic(x, E4M3)
+def _dot_fwd(x, w, w_scale, out_dtype, axes=(None, None)):
+    x8, xs = dynamic(x, E4M3, axes[0])
     y = _dot(x8, w.astype(E4M3), x.ndim - 1, 0) * (1.0 / (xs * w_scale))
     y = checkpoint_name(y.astype(out_dtype), DOT_OUT)   # what remat 'dots' keeps (fsdp.treat_as_dot)
     # w itself is the residual, not its e4m3 cast: whether it is kept is the gather's decision (the
@@ -119,10 +112,10 @@ def _dot_fwd(x, w, w_scale, out_dtype):
     return y, (x8_bytes, xs, w, w_scale, jnp.zeros((0,), x.dtype))  # (0,): x's dtype
 
 
-def _dot_bwd(out_dtype, res, g):
+def _dot_bwd(out_dtype, axes, res, g):
     x8_bytes, xs, w, ws, like_x = res
     x8, w8 = lax.bitcast_convert_type(x8_bytes, E4M3), w.astype(E4M3)
-    g8, gs = dynamic(g, E5M2)
+    g8, gs = dynamic(g, E5M2, axes[1])
     dx = (_dot(g8, w8, g.ndim - 1, 1) * (1.0 / (gs * ws))).astype(like_x.dtype)
     k, n = w8.shape
     # the weight's gradient, by the convention of Float8Weight: with respect to the weight it stands for
@@ -135,8 +128,7 @@ float8_dot.defvjp(_dot_fwd, _dot_bwd)
 
 @jax.custom_vjp
 def dequantize(w, scale):
-    """The bf16 weight a Float8Weight stands for, for a module that reads it as a plain array. Its
-    cotangent passes straight to `data` (the Float8Weight convention)."""
+    """The bf16 weight a Float8Weight stands for (a module reading it as an array); cotangent to `data`."""
     return (w.astype(jnp.float32) / scale).astype(w.dtype)
 
 
@@ -150,15 +142,15 @@ def unshard_float8(shard, layout: Layout, comm: Comm, amax=None):
     `amax` passes that value in where the caller has it already (`unit_amaxes`)."""
     if amax is None:
         amax = jnp.max(jnp.abs(lax.stop_gradient(shard))).astype(jnp.float32)   # the scale is not differentiated
-        amax = lax.pmax(amax, FSDP_AXIS) if layout.shards > 1 else amax
+        ax = getattr(layout, "amax_axes", (FSDP_AXIS,))   # a plain Layout: fsdp
+        amax = lax.pmax(amax, ax) if layout.shards > 1 or ax != (FSDP_AXIS,) else amax
     return _unshard_float8(shard, amax, layout, comm)
 
 
 def unit_amaxes(stacked, layouts):
     """The amax of every float8 leaf of every unit of a stage (`Float8Layout`; a `fsdp.Unreduced` pair's
-    shard), all `pmax`ed in one all-reduce: a tree like `layouts` with (units,) arrays, None elsewhere;
-    None when the stage has no float8 leaf. The stage passes (pipeline.py) take them once per step, so
-    that no all-reduce stands between a unit's prefetched gather and the computation it hides behind."""
+    shard), `pmax`ed in one all-reduce: a tree like `layouts` of (units,) arrays (None: no float8 leaf),
+    taken once per pass (pipeline.py): no all-reduce between a prefetched gather and what hides it."""
     ls, tdef = jax.tree.flatten(layouts, is_leaf=is_layout)
     xs = [lax.stop_gradient(x.shard if isinstance(x, Unreduced) else x) for x in tdef.flatten_up_to(stacked)]
     picks = [i for i, l in enumerate(ls) if isinstance(l, Float8Layout)]
@@ -166,7 +158,8 @@ def unit_amaxes(stacked, layouts):
         return None
     local = jnp.stack([jnp.max(jnp.abs(xs[i].reshape(xs[i].shape[0], -1)), axis=1).astype(jnp.float32)
                        for i in picks])
-    local = lax.pmax(local, FSDP_AXIS) if ls[picks[0]].shards > 1 else local
+    ax, shards = ls[picks[0]].amax_axes, ls[picks[0]].shards
+    local = lax.pmax(local, ax) if shards > 1 or ax != (FSDP_AXIS,) else local
     row = dict(zip(picks, local))
     return tdef.unflatten([row.get(i) for i in range(len(ls))])
 
@@ -257,10 +250,11 @@ def mark_stages(model, h_shapes, stage_layouts, spec: Float8, param_dtype) -> li
     """Each stage's unit layout tree with the kernels that `spec` selects marked `Float8Layout` (found by
     tracing each unit once, abstractly). ConfigError when the filter selects no matmul at all."""
     out, found = [], {}
-    for j, (st, layouts) in enumerate(zip(model.stages, stage_layouts)):
-        params = jax.tree.map(lambda l: jax.ShapeDtypeStruct(l.shape, param_dtype or l.dtype), layouts,
-                              is_leaf=is_layout)
-        kernels = dense_kernels(st.unit, params, h_shapes[j])
+    for j, (st, layouts) in enumerate(zip(model.stages, stage_layouts)):   # traced with whole kernels,
+        params = jax.tree.map(lambda l: jax.ShapeDtypeStruct(l.full_shape, param_dtype or l.dtype), layouts,
+                              is_leaf=is_layout)   # selected by the slice a tensor rank multiplies
+        slices = paths(layouts, is_layout)
+        kernels = {p: slices[p].shape for p in dense_kernels(st.unit, params, h_shapes[j])}
         found.update({f"stage {j}{p}": s for p, s in kernels.items()})
         out.append(mark(layouts, spec.select(kernels), spec.recipe))
     marked = (Float8Layout, RowwiseLayout)
@@ -273,21 +267,29 @@ def mark_stages(model, h_shapes, stage_layouts, spec: Float8, param_dtype) -> li
 def mark(layouts, selected, recipe="tensorwise") -> Any:
     """The unit's layout tree with the selected kernels' leaves as `Float8Layout`s (`RowwiseLayout`s for
     the rowwise recipe, jfsdp/engine/float8_rowwise.py)."""
-    cls = RowwiseLayout if recipe == "rowwise" else Float8Layout
     flat = paths(layouts, is_layout)
     missing = set(selected) - set(flat)
     if missing:
         raise ConfigError(f"float8: kernels {sorted(missing)} are not parameters of the unit")
     leaves, treedef = jax.tree_util.tree_flatten_with_path(layouts, is_leaf=is_layout)
     return jax.tree_util.tree_unflatten(treedef, [
-        cls(l.shape, l.dtype, l.shards) if jax.tree_util.keystr(p) in selected else l for p, l in leaves])
+        as_float8(l, recipe) if jax.tree_util.keystr(p) in selected else l for p, l in leaves])
+
+
+def as_float8(l: Layout, recipe):
+    """A leaf's layout gathered for float8. At T > 1 the amax spans `tensor` too: a kernel slice (or a
+    leaf sharded over (fsdp, tensor)) is scaled as the whole weight, as the single-device cast is."""
+    if recipe == "rowwise":
+        return RowwiseLayout(l.shape, l.dtype, l.shards)
+    tp = getattr(l, "tensor", 1) > 1 or TENSOR_AXIS in (l.axes or ())
+    return Float8Layout(l.shape, l.dtype, l.shards, l.flat, l.axes, (FSDP_AXIS, TENSOR_AXIS) if tp else (FSDP_AXIS,))
 
 
 @dataclasses.dataclass(frozen=True)
 class Float8Layout(Layout):
-    """A unit weight gathered in float8: `unshard_tree` and `reduce_tree` (fsdp.py) call these; the
-    planner counts `wire_itemsize` bytes per element for its gather."""
+    """A unit weight gathered in float8 (`unshard_tree` / `reduce_tree` call these; `wire_itemsize`: the planner's)."""
     wire_itemsize: ClassVar[int] = 1
+    amax_axes: tuple = (FSDP_AXIS,)   # its amax is pmaxed over these: every axis the whole weight lies on
 
     def unshard(self, shard, comm: Comm, amax=None):
         # an Unreduced pair (grad_sync='once') reaches this only from the stage passes (pipeline.py),

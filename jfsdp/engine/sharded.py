@@ -41,7 +41,7 @@ class FSDP(ParamLayout):
         self.set_strategy(strategy, mp_policy, remat)
         self.prefetch = resolve_prefetch(prefetch, strategy, remat, self.shards, on_gpu=platform(mesh) == "gpu")
         if self.tensor > 1:   # Megatron-SP around the units' tensor-parallel matmuls (parallel/tensor.py)
-            self.async_tp = platform(mesh) == "gpu" if async_tp is None else bool(async_tp)
+            self.async_tp = support.async_tp(async_tp, platform(mesh))
             self.tp_intercept = tp.interceptor(tp_layout.tp_modules(self.split(self.layouts)[1]), tensor_plan.sequence_dim,
                                                mp_policy.reduce_dtype, self.tensor, self.async_tp)
             vocab.setup(self, self.split(self.layouts)[0], tensor_plan.sequence_dim)   # parallel/vocab.py
@@ -83,9 +83,9 @@ class FSDP(ParamLayout):
 
     def unit_apply(self, unit):
         """(unit params, h) -> h: the unit's apply, its float8 matmuls intercepted when there are any."""
-        if self.tensor > 1:
+        if self.tensor > 1:   # the TP interceptor first (flax calls the outermost first); float8 for other Dense
             def apply(params, h):
-                with nn.intercept_methods(self.tp_intercept):
+                with nn.intercept_methods(self.tp_intercept), nn.intercept_methods(float8.interceptor):
                     return unit.apply({"params": params}, h)
             return apply
         if self.mp.float8 is None:

@@ -59,6 +59,7 @@ def _fsdp(plan, out: dict, pb: int, rb: int, gathers_k: int, reduce_k: int, mask
     `reduce_k` times), and the all-reduce of the shards over `data`; `mask`: frozen.mask's tree (None:
     everything trains), a frozen leaf is gathered but never reduced."""
     root_l, stage_l = plan.split(plan.layouts)
+    stage_l = getattr(plan, "unit_layouts", None) or stage_l   # float8 kernels marked
     root_m, stage_m = plan.split(mask) if mask is not None else (None, [None] * len(stage_l))
     gathers = 2 if plan.strategy.reshard_after_forward else 1
     flat = lambda tree: jax.tree.leaves(tree, is_leaf=is_layout)
@@ -75,7 +76,8 @@ def _fsdp(plan, out: dict, pb: int, rb: int, gathers_k: int, reduce_k: int, mask
         g, elements = l.shards, math.prod(l.stored_shape)
         grads = grads * reduce_k if trains else 0
         if g > 1:
-            add(out, "all-gather", _axes(l), gathers_k * times * elements * pb * (g - 1) / g)
+            wire = getattr(l, "wire_itemsize", pb)   # a float8 kernel: 1 byte
+            add(out, "all-gather", _axes(l), gathers_k * times * elements * wire * (g - 1) / g)
             add(out, "reduce-scatter", _axes(l), grads * elements * rb * (g - 1) / g)
         if r > 1 and grads:
             add(out, "all-reduce", (DATA_AXIS,), grads * 2 * (elements * rb / g) * (r - 1) / r)

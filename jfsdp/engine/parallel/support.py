@@ -1,11 +1,11 @@
 """What tensor parallelism (T > 1) supports so far, and a ConfigError that says why for the rest.
 
 Supported: a `jfsdp.Stacked` model with a `TensorPlan`, FULL_SHARD / SHARD_GRAD_OP / HYBRID_SHARD
-(and its ZeRO-2 form), any remat policy, the prefetch pipeline, fp32 or bf16 mixed precision without
+(and its ZeRO-2 form), any remat policy, the prefetch pipeline, fp32 or bf16 mixed precision, tensorwise
 float8, gradient accumulation (both grad_sync modes), frozen parameters, a vocabulary-parallel root
 (parallel/vocab.py), checkpoints and Hugging Face import (io/tensor_rows.py), the in-backward update
 (train/update_in_backward.py). Refused until a later slice: NO_SHARD, `Staged` models, models given as
-they are, MoE, float8."""
+they are, MoE, rowwise float8."""
 from __future__ import annotations
 
 import jax
@@ -35,9 +35,14 @@ def check(model, mesh, strategy, mp_policy, prefetch, moe, tensor_plan):
         raise ConfigError(f"strategy no_shard {LATER}: use full_shard, shard_grad_op or hybrid_shard")
     if moe is not None:
         raise ConfigError(f"MoE {LATER}")
-    if mp_policy.float8 is not None:
-        raise ConfigError(f"float8 {LATER}")
+    if mp_policy.float8 is not None and mp_policy.float8.recipe == "rowwise":
+        raise ConfigError(f"float8 with rowwise scaling {LATER}: use the tensorwise recipe (fp8)")
     return prefetch   # the prefetch pipeline gathers the TP-local units over `fsdp`; TP stays inside each unit
+
+
+def async_tp(asked, platform: str) -> bool:
+    """Whether the TP collectives run as rings of collective matmuls: asked, or by default on GPUs."""
+    return platform == "gpu" if asked is None else bool(asked)
 
 
 def check_sequence(tree, tensor: int, dim: int):

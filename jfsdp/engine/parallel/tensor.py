@@ -20,15 +20,25 @@ arrive one hop at a time, and every colwise layer multiplies each block as it ar
 reduce-scatter: each step multiplies one block of the rowwise input and adds it to the partial sum
 that arrived from the previous rank, which is passed on; after T steps a rank holds the sum of its own
 block. The same bytes cross the links as with the one-shot collectives: (T-1) blocks each way. The
-backward pass is the transpose of the ring, again one hop per matmul."""
+backward pass is the transpose of the ring, again one hop per matmul.
+
+Float8 (tensorwise, docs/float8.md): a kernel slice gathered as a `Float8Weight` (scaled by the whole
+weight's amax) runs `float8.float8_dot` in `dense`; a feature-sliced operand (a rowwise input, a colwise
+gradient) has its amax `pmax`ed over `tensor`, so every cast is the single-device one. A ring's blocks
+run `float8_blocks`: one scale for all of them, as the one-shot matmul of the whole sequence has."""
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from jfsdp.config.errors import ConfigError
 from jfsdp.config.mesh import TENSOR_AXIS
+from jfsdp.engine import float8
 from jfsdp.engine.parallel.plan import ROWWISE
 
 
@@ -42,17 +52,87 @@ def scatter_sequence(y, dim: int):
     return lax.psum_scatter(y, TENSOR_AXIS, scatter_dimension=dim, tiled=True)
 
 
-def dense(mod, x, out_dtype=None):
+def dense(mod, x, out_dtype=None, axes=(None, None)):
     """nn.Dense's matmul on the kernel slice this rank holds (Flax's own call would refuse its shape):
-    (the product in `out_dtype`, None: the compute dtype; the compute dtype)."""
+    (the product in `out_dtype`, None: the compute dtype; the compute dtype). A kernel gathered in float8
+    runs `float8.float8_dot`, with x's and the gradient's amax `pmax`ed over `axes` where they are slices."""
     if not isinstance(mod, nn.Dense) or mod.dot_general is not None or mod.dot_general_cls is not None:
         raise ConfigError(f"layer {'/'.join(mod.path)} ({type(mod).__name__}) is tensor-parallel, but only a plain "
                           "nn.Dense (no custom dot_general) can be")
-    kernel = nn.meta.unbox(mod.get_variable("params", "kernel"))
+    kernel = float8.kernel_of(mod)
+    if isinstance(kernel, float8.Float8Weight):
+        dtype = mod.dtype or x.dtype
+        return float8.float8_dot(x, kernel.data, kernel.scale, out_dtype or dtype, axes), dtype
+    kernel = nn.meta.unbox(kernel)
     x, kernel = mod.promote_dtype(x, kernel, dtype=mod.dtype)
     y = lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=mod.precision,
                         preferred_element_type=out_dtype)
     return y, x.dtype
+
+
+def compute_dtype(mod, x):
+    """The dtype `dense` computes in (and returns as its second value)."""
+    kernel = float8.kernel_of(mod)
+    if isinstance(kernel, float8.Float8Weight):
+        return mod.dtype or x.dtype
+    return mod.promote_dtype(x, nn.meta.unbox(kernel), dtype=mod.dtype)[0].dtype
+
+
+def dense_blocks(mod, blocks: list, out_dtype=None, axes=(None, None), own=None) -> list:
+    """`dense` of each block of a ring: in float8 one scale for all the blocks' x (their amax `pmax`ed
+    over axes[0]) and one for all their gradients (axes[1]), as `dense` of the whole sequence scales.
+    A ring's gathered blocks give this rank's `own` block: its amax `pmax`ed over `tensor` is theirs,
+    known before the ring, so no dot waits for the last block."""
+    kernel = float8.kernel_of(mod)
+    if not isinstance(kernel, float8.Float8Weight):
+        return [dense(mod, b, out_dtype)[0] for b in blocks]
+    x_amax = _amax([lax.stop_gradient(b) for b in blocks], axes[0]) if own is None else \
+        _amax([lax.stop_gradient(own)], TENSOR_AXIS)
+    out_dtype = out_dtype or mod.dtype or blocks[0].dtype
+    return list(float8_blocks(tuple(blocks), x_amax, kernel.data, kernel.scale, out_dtype, axes))
+
+
+def _amax(parts, axis):
+    m = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(p)).astype(jnp.float32) for p in parts])
+    return m if axis is None else lax.pmax(m, axis)
+
+
+def _f8dot(a, b, ca, cb):
+    return lax.dot_general(a, b, (((ca,), (cb,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def float8_blocks(xs: tuple, x_amax, w, w_scale, out_dtype, axes):
+    """`float8.float8_dot` of each block x of `xs` by W = w / w_scale, with one scale for all of x (from
+    `x_amax`) and one for all of the gradients (the whole sequence's, as one matmul would have)."""
+    return _blocks_fwd(xs, x_amax, w, w_scale, out_dtype, axes)[0]
+
+
+def _blocks_fwd(xs, x_amax, w, w_scale, out_dtype, axes):
+    s = float8.scale_for(x_amax, float8.E4M3)
+    x8 = [float8.quantize(x, s, float8.E4M3) for x in xs]
+    ys = tuple(checkpoint_name((_f8dot(x, w.astype(float8.E4M3), x.ndim - 1, 0) / (s * w_scale)).astype(out_dtype),
+                               float8.DOT_OUT) for x in x8)
+    # the float8 x saved as its bytes, as float8_dot does (remat re-rounds float residuals)
+    return ys, (tuple(lax.bitcast_convert_type(x, jnp.uint8) for x in x8), s, w, w_scale, jnp.zeros((0,), xs[0].dtype),
+                x_amax)
+
+
+def _blocks_bwd(out_dtype, axes, res, gs):
+    x8_bytes, s, w, ws, like, x_amax = res
+    # axes[2:] == ('last',): the last block's gradient is this rank's own block of the whole (the rowwise
+    # ring's): its amax pmaxed over axes[1] is all blocks', known before the backward ring runs
+    gamax = _amax(gs[-1:] if axes[2:] == ("last",) else gs, axes[1])
+    w8, gscale = w.astype(float8.E4M3), float8.scale_for(gamax, float8.E5M2)
+    g8 = [float8.quantize(g, gscale, float8.E5M2) for g in gs]
+    dxs = tuple((_f8dot(g, w8, g.ndim - 1, 1) / (gscale * ws)).astype(like.dtype) for g in g8)
+    k, n = w8.shape
+    dw = sum(_f8dot(lax.bitcast_convert_type(x, float8.E4M3).reshape(-1, k), g.reshape(-1, n), 0, 0)
+             for x, g in zip(x8_bytes, g8)) / (s * gscale)
+    return dxs, jnp.zeros_like(x_amax), dw.astype(w.dtype), jnp.zeros_like(ws)
+
+
+float8_blocks.defvjp(_blocks_fwd, _blocks_bwd)
 
 
 def _next_rank(tensor: int) -> list:
@@ -84,11 +164,11 @@ def ring_scatter_dense(mod, x, dim: int, tensor: int, out_dtype=None):
     block (t - 1 - k) mod T of the sequence and adds the partial sum its left neighbour passed on, so
     that at the last step the sum that arrives is its own block's. (The summed block, the compute dtype.)"""
     n, t = x.shape[dim] // tensor, lax.axis_index(TENSOR_AXIS)
-    acc = dtype = None
-    for k in range(tensor):
-        y, dtype = dense(mod, lax.dynamic_slice_in_dim(x, ((t - 1 - k) % tensor) * n, n, axis=dim), out_dtype)
+    parts = [lax.dynamic_slice_in_dim(x, ((t - 1 - k) % tensor) * n, n, axis=dim) for k in range(tensor)]
+    acc = None   # float8: x is a feature slice (its amax pmaxed over `tensor`)
+    for y in dense_blocks(mod, parts, out_dtype, (TENSOR_AXIS, TENSOR_AXIS, "last")):
         acc = y if acc is None else lax.ppermute(acc, TENSOR_AXIS, _next_rank(tensor)) + y
-    return acc, dtype
+    return acc, compute_dtype(mod, x)
 
 
 def interceptor(modules: dict, sequence_dim: int, reduce_dtype=None, tensor: int = 1, collective_matmul=False):
@@ -113,7 +193,7 @@ def interceptor(modules: dict, sequence_dim: int, reduce_dtype=None, tensor: int
         if path in gathers and collective_matmul:
             blocks = ring_blocks(args[0], tensor)
             whole = place_blocks(blocks, sequence_dim)   # for any other use of the input; else dead code
-            rings[path] = (whole, blocks)
+            rings[path] = (whole, blocks, args[0])
             try:
                 return next_fun(whole, *args[1:], **kwargs)
             finally:
@@ -125,13 +205,13 @@ def interceptor(modules: dict, sequence_dim: int, reduce_dtype=None, tensor: int
             return next_fun(*args, **kwargs)
         ring = rings.get(path[:-1])
         if kind != ROWWISE and ring is not None and args[0] is ring[0]:
-            return place_blocks([dense(mod, b)[0] for b in ring[1]], sequence_dim)
-        if kind != ROWWISE:
-            return dense(mod, args[0])[0]
+            return place_blocks(dense_blocks(mod, ring[1], axes=(None, TENSOR_AXIS), own=ring[2]), sequence_dim)
+        if kind != ROWWISE:   # float8: its gradient is a slice of the features, scaled as the whole
+            return dense(mod, args[0], axes=(None, TENSOR_AXIS))[0]
         if collective_matmul:
             y, dtype = ring_scatter_dense(mod, args[0], sequence_dim, tensor, reduce_dtype)
         else:
-            y, dtype = dense(mod, args[0], reduce_dtype)
+            y, dtype = dense(mod, args[0], reduce_dtype, (TENSOR_AXIS, None))   # float8: x is a feature slice
             y = scatter_sequence(y, sequence_dim)
         y = y.astype(dtype)
         if mod.use_bias:   # replicated over `tensor`: added once, after the sum
