@@ -24,7 +24,7 @@ import os
 import sys
 import re
 
-from jfsdp.config.args import ArgParser
+from jfsdp.config.args import ASYNC_TP, ArgParser, async_tp_option
 from jfsdp.config.errors import ConfigError
 from jfsdp.config.mesh import mesh_spec
 from jfsdp.config.policy import Strategy, prefetch_by_default
@@ -57,7 +57,7 @@ def model_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
     g.add_argument("--tensor", type=int, default=d.tensor, metavar="T",
                    help="tensor-parallel size: a third mesh axis of T consecutive devices (R*S*T devices in all), "
                    "Megatron tensor and sequence parallelism inside each unit (docs/tensor-parallel.md)")
-    g.add_argument("--async-tp", default=d.async_tp, choices=("auto", "on", "off"),
+    g.add_argument("--async-tp", default=d.async_tp, choices=ASYNC_TP,
                    help="with --tensor T > 1: run each TP all-gather and reduce-scatter as a ring of T-1 transfers, "
                    "each overlapping a block's matmul (a collective matmul; auto: on GPUs)")
     g.add_argument("--strategy", default=d.strategy, help="full_shard (ZeRO-3), shard_grad_op (ZeRO-2), no_shard "
@@ -202,8 +202,10 @@ def check_flags(c: TrainConfig) -> int | None:
         fail(f"{'--resume' if c.resume else '--save-every'} needs --ckpt-dir")
     if c.tensor != 1:
         check_tensor_flags(c)
-    elif c.async_tp == "on":
-        fail("--async-tp on needs --tensor T > 1: it overlaps the tensor-parallel collectives")
+    try:
+        async_tp_option(c.async_tp, c.tensor)
+    except ConfigError as e:
+        fail(str(e))
     try:
         n = mesh_spec(c.mesh, c.tensor).devices
     except ConfigError:

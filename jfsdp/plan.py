@@ -28,7 +28,7 @@ import os
 import sys
 import time
 
-from jfsdp.config.args import EXIT_BAD_INPUT, ArgParser, parse_bytes  # noqa: F401 (jfsdp.plan.parse_bytes)
+from jfsdp.config.args import ASYNC_TP, EXIT_BAD_INPUT, ArgParser, async_tp_option, parse_bytes  # noqa: F401 (jfsdp.plan.parse_bytes)
 from jfsdp.config.errors import ConfigError
 from jfsdp.config.mesh import mesh_spec
 from jfsdp.config.xla_flags import cpu_xla_flags
@@ -65,7 +65,7 @@ def _args(argv):
                    "each one's mode and modelled bytes (jfsdp/engine/moe_adaptive.py)")
     p.add_argument("--moe-chunks", default="auto", help="MoE expert-parallel stages: chunks k (or auto)")
     p.add_argument("--prefetch", action="store_true", help="count two gathered units (prefetching the next)")
-    p.add_argument("--async-tp", default="auto", choices=("auto", "on", "off"),
+    p.add_argument("--async-tp", default="auto", choices=ASYNC_TP,
                    help="train.py's --async-tp: the TP collectives as rings of transfers that overlap the matmuls "
                    "(auto: on GPUs, the named GPU targets included)")
     p.add_argument("--update-in-backward", action="store_true",
@@ -203,8 +203,7 @@ def _plan(a) -> dict:
     if a.tensor > 1 and a.seq_len % a.tensor:
         raise ConfigError(f"--tensor {a.tensor} does not divide --seq-len {a.seq_len} (sequence parallelism splits "
                           "the sequence)")
-    if a.tensor == 1 and a.async_tp == "on":
-        raise ConfigError("--async-tp on needs --tensor T > 1: it overlaps the tensor-parallel collectives")
+    async_tp_option(a.async_tp, a.tensor)   # ConfigError for --async-tp on at T = 1
     budget = parse_bytes(a.device_memory) if a.device_memory else None
     set_fake_cpu_devices(n)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")

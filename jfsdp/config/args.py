@@ -11,6 +11,17 @@ from jfsdp.config.errors import ConfigError
 EXIT_BAD_INPUT = 2   # the exit status of every bad input (a ConfigError at the command line)
 
 
+ASYNC_TP = ("auto", "on", "off")   # --async-tp, train.py's and the planner's
+
+
+def async_tp_option(value: str, tensor: int) -> bool | None:
+    """fully_shard's `async_tp` for --async-tp auto / on / off at --tensor T: None (auto: on GPUs), True,
+    False; ConfigError for on at T = 1, where there is nothing to overlap."""
+    if value == "on" and tensor == 1:
+        raise ConfigError("--async-tp on needs --tensor T > 1: it overlaps the tensor-parallel collectives")
+    return None if value == "auto" or tensor == 1 else value == "on"
+
+
 class ArgParser(argparse.ArgumentParser):
     """argparse's parser; a bad flag ends like every other bad input."""
 

@@ -96,13 +96,13 @@ def float8_dot(x, w, w_scale, out_dtype, axes=(None, None)):
     return _dot_fwd(x, w, w_scale, out_dtype, axes)[0]
 
 
-def _dot(a, b, ca, cb):
+def f32_dot(a, b, ca, cb):   # a · b on a's axis ca and b's axis cb, accumulated in fp32
     return lax.dot_general(a, b, (((ca,), (cb,)), ((), ())), preferred_element_type=jnp.float32)
 
 
 def _dot_fwd(x, w, w_scale, out_dtype, axes=(None, None)):
     x8, xs = dynamic(x, E4M3, axes[0])
-    y = _dot(x8, w.astype(E4M3), x.ndim - 1, 0) * (1.0 / (xs * w_scale))
+    y = f32_dot(x8, w.astype(E4M3), x.ndim - 1, 0) * (1.0 / (xs * w_scale))
     y = checkpoint_name(y.astype(out_dtype), DOT_OUT)   # what remat 'dots' keeps (fsdp.treat_as_dot)
     # w itself is the residual, not its e4m3 cast: whether it is kept is the gather's decision (the
     # checkpoint policy on unshard_float8), as for any matmul on a gathered weight
@@ -116,10 +116,10 @@ def _dot_bwd(out_dtype, axes, res, g):
     x8_bytes, xs, w, ws, like_x = res
     x8, w8 = lax.bitcast_convert_type(x8_bytes, E4M3), w.astype(E4M3)
     g8, gs = dynamic(g, E5M2, axes[1])
-    dx = (_dot(g8, w8, g.ndim - 1, 1) * (1.0 / (gs * ws))).astype(like_x.dtype)
+    dx = (f32_dot(g8, w8, g.ndim - 1, 1) * (1.0 / (gs * ws))).astype(like_x.dtype)
     k, n = w8.shape
     # the weight's gradient, by the convention of Float8Weight: with respect to the weight it stands for
-    dw = _dot(x8.reshape(-1, k), g8.reshape(-1, n), 0, 0) * (1.0 / (xs * gs))
+    dw = f32_dot(x8.reshape(-1, k), g8.reshape(-1, n), 0, 0) * (1.0 / (xs * gs))
     return dx, dw.astype(w.dtype), jnp.zeros_like(ws)
 
 

@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import time
 
+from jfsdp.config.args import async_tp_option
 from jfsdp.config.errors import ConfigError
 from jfsdp.config.policy import schedule
 from jfsdp.planning import hlo, memory, sizes, targets, tensor_comm
@@ -141,8 +142,8 @@ def report(a, budget: int | None = None) -> dict:
     with targets.tracing_for(a.target) if gpu else contextlib.nullcontext():
         cfg, plan, opt, loss_fn, batch = build(a.model, a.mesh, a.strategy, a.precision, a.remat, a.batch_size,
                                                a.seq_len, devices, attention, a.loss, a.moe, a.moe_chunks, backend,
-                                               tensor=tensor, async_tp={"on": True, "off": False}.get(
-                                                   getattr(a, "async_tp", "auto")))
+                                               tensor=tensor, async_tp=async_tp_option(getattr(a, "async_tp", "auto"),
+                                                                                       tensor))
         trainable, hit = frozen.freeze(plan, getattr(a, "freeze", None))
         case = _Case(plan, opt, loss_fn, batch, gpu, backend, a.target if gpu else jax.default_backend(),
                      trainable, tuple(hit))

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 import jfsdp
+from jfsdp.config.args import async_tp_option
 from jfsdp.config.zoo import repo_models
 from jfsdp.io import checkpoint as jckpt
 from jfsdp.io import hf as jhf
@@ -67,11 +68,6 @@ def report_from_lead(c: TrainConfig) -> tuple[TrainConfig, bool]:
     return c, lead
 
 
-def async_tp(c) -> bool | None:
-    """fully_shard's `async_tp` for --async-tp auto / on / off (at T = 1 there is nothing to overlap)."""
-    return None if c.async_tp == "auto" or c.tensor == 1 else c.async_tp == "on"
-
-
 def take_devices(c: TrainConfig, r: int, s: int) -> list:
     """The devices of an R x S mesh (S x T with tensor parallelism): the first R*S of `jax.devices()`."""
     devices = jax.devices()
@@ -98,7 +94,7 @@ def shard_model(c: TrainConfig, models, model: ModelChoice, mesh, strategy, mp) 
                                                                      buckets=c.moe_buckets, capacity_cap=c.moe_capacity_cap)
         plan = models.factory.tensor_plan(model.config) if c.tensor > 1 else None
         return jfsdp.fully_shard(module, mesh, example, strategy=strategy, mp_policy=mp, remat=c.remat, moe=moe,
-                                 tensor_plan=plan, async_tp=async_tp(c))
+                                 tensor_plan=plan, async_tp=async_tp_option(c.async_tp, c.tensor))
     logits_sharded = shard("head")
     sharded = shard(None) if c.loss == "fused" else logits_sharded
     return sharded, logits_sharded, loss_fn

@@ -97,10 +97,6 @@ def _amax(parts, axis):
     return m if axis is None else lax.pmax(m, axis)
 
 
-def _f8dot(a, b, ca, cb):
-    return lax.dot_general(a, b, (((ca,), (cb,)), ((), ())), preferred_element_type=jnp.float32)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def float8_blocks(xs: tuple, x_amax, w, w_scale, out_dtype, axes):
     """`float8.float8_dot` of each block x of `xs` by W = w / w_scale, with one scale for all of x (from
@@ -111,8 +107,9 @@ def float8_blocks(xs: tuple, x_amax, w, w_scale, out_dtype, axes):
 def _blocks_fwd(xs, x_amax, w, w_scale, out_dtype, axes):
     s = float8.scale_for(x_amax, float8.E4M3)
     x8 = [float8.quantize(x, s, float8.E4M3) for x in xs]
-    ys = tuple(checkpoint_name((_f8dot(x, w.astype(float8.E4M3), x.ndim - 1, 0) / (s * w_scale)).astype(out_dtype),
-                               float8.DOT_OUT) for x in x8)
+    w8 = w.astype(float8.E4M3)
+    ys = tuple(checkpoint_name((float8.f32_dot(x, w8, x.ndim - 1, 0) / (s * w_scale)).astype(out_dtype), float8.DOT_OUT)
+               for x in x8)
     # the float8 x saved as its bytes, as float8_dot does (remat re-rounds float residuals)
     return ys, (tuple(lax.bitcast_convert_type(x, jnp.uint8) for x in x8), s, w, w_scale, jnp.zeros((0,), xs[0].dtype),
                 x_amax)
@@ -125,9 +122,9 @@ def _blocks_bwd(out_dtype, axes, res, gs):
     gamax = _amax(gs[-1:] if axes[2:] == ("last",) else gs, axes[1])
     w8, gscale = w.astype(float8.E4M3), float8.scale_for(gamax, float8.E5M2)
     g8 = [float8.quantize(g, gscale, float8.E5M2) for g in gs]
-    dxs = tuple((_f8dot(g, w8, g.ndim - 1, 1) / (gscale * ws)).astype(like.dtype) for g in g8)
+    dxs = tuple((float8.f32_dot(g, w8, g.ndim - 1, 1) / (gscale * ws)).astype(like.dtype) for g in g8)
     k, n = w8.shape
-    dw = sum(_f8dot(lax.bitcast_convert_type(x, float8.E4M3).reshape(-1, k), g.reshape(-1, n), 0, 0)
+    dw = sum(float8.f32_dot(lax.bitcast_convert_type(x, float8.E4M3).reshape(-1, k), g.reshape(-1, n), 0, 0)
              for x, g in zip(x8_bytes, g8)) / (s * gscale)
     return dxs, jnp.zeros_like(x_amax), dw.astype(w.dtype), jnp.zeros_like(ws)
 
@@ -193,7 +190,7 @@ def interceptor(modules: dict, sequence_dim: int, reduce_dtype=None, tensor: int
         if path in gathers and collective_matmul:
             blocks = ring_blocks(args[0], tensor)
             whole = place_blocks(blocks, sequence_dim)   # for any other use of the input; else dead code
-            rings[path] = (whole, blocks, args[0])
+            rings[path] = (whole, blocks)
             try:
                 return next_fun(whole, *args[1:], **kwargs)
             finally:
@@ -205,7 +202,7 @@ def interceptor(modules: dict, sequence_dim: int, reduce_dtype=None, tensor: int
             return next_fun(*args, **kwargs)
         ring = rings.get(path[:-1])
         if kind != ROWWISE and ring is not None and args[0] is ring[0]:
-            return place_blocks(dense_blocks(mod, ring[1], axes=(None, TENSOR_AXIS), own=ring[2]), sequence_dim)
+            return place_blocks(dense_blocks(mod, ring[1], axes=(None, TENSOR_AXIS), own=ring[1][0]), sequence_dim)
         if kind != ROWWISE:   # float8: its gradient is a slice of the features, scaled as the whole
             return dense(mod, args[0], axes=(None, TENSOR_AXIS))[0]
         if collective_matmul:
