@@ -156,7 +156,6 @@ class FSDP(ParamLayout):
 
     def forward(self, params, inputs):
         """The model's outputs for one device's inputs, from shards (inside shard_map)."""
-        m = self.model
         # The root is gathered where it is used: a leaf that only the embedding reads (an untied
         # embedding table) when the step starts, for the lookup alone (its backward pass needs no
         # weights); a leaf that only the head reads after the last unit, kept for the head's
@@ -170,8 +169,7 @@ class FSDP(ParamLayout):
         embed_reads, head_reads = self.root_use
         gathered = {}
         root = lambda reads: self.root_tree(shards, reads, gathered)
-        with vocab.scope(self):
-            h = m.root.apply({"params": root(embed_reads)}, inputs, method=m.embed_method)
+        h = vocab.embed(self, root(embed_reads), inputs)
         for j, (shards_j, layouts_j) in enumerate(zip(stage_p, stage_l)):
             h = self._stage(j, h, shards_j, layouts_j)
         late = sorted(head_reads - set(gathered))

@@ -128,10 +128,7 @@ def activation_estimate(plan, loss_fn: Callable, micro, backend: str | None = No
     root_p = as_shapes(root_l, pdt)   # a TP leaf's shape is its slice
     root_t, stage_t = plan.split(trainable) if trainable is not None else (None, [None] * len(stage_l))
 
-    def embed(r, x):
-        with vocab.scope(plan):
-            return m.root.apply({"params": r}, x, method=m.embed_method)
-    h = _out(embed, t, root_p, batch["inputs"])
+    h = _out(lambda r, x: vocab.embed(plan, r, x), t, root_p, batch["inputs"])
     policy = getattr(jax.checkpoint_policies, REMAT_POLICIES[plan.remat])
     stages = []
     for st, layouts, tr in zip(m.stages, stage_l, stage_t):

@@ -133,13 +133,10 @@ class _InBackward:
     def forward(self, r_shards, stage_p, batch):
         """Forward and the head's backward: (loss, embedding's vjp, saved unit inputs, head's root
         gradient, dh into the last unit)."""
-        sh, model = self.sharded, self.sharded.model
+        sh = self.sharded
         embed_reads, head_reads = sh.root_use
         # the embedding (its vjp needs no weights), then each stage saving its units' inputs
-        def embed(shards):
-            with vocab.scope(sh):   # T > 1: the vocabulary-parallel lookup (parallel/vocab.py), as FSDP.forward's
-                return model.root.apply({"params": sh.root_tree(shards, embed_reads)}, batch["inputs"],
-                                        method=model.embed_method)
+        embed = lambda shards: vocab.embed(sh, sh.root_tree(shards, embed_reads), batch["inputs"])
         h, embed_vjp = jax.vjp(embed, r_shards)
         saved = []
         for passes, shards in zip(self.passes, stage_p):

@@ -156,6 +156,13 @@ def scope(plan):
     return nn.intercept_methods(intercept) if intercept else contextlib.nullcontext()
 
 
+def embed(plan, root, inputs):
+    """The root's embedding method on `inputs` with the root's parameters `root`: with a vocabulary-parallel
+    root, the lookup in this rank's share of the table (the root interceptor)."""
+    with scope(plan):
+        return plan.model.root.apply({"params": root}, inputs, method=plan.model.embed_method)
+
+
 def gather_features(plan, outputs):
     """The head method's outputs. A fused loss's (hidden states..., weight): with a vocabulary-parallel
     root the hidden states of the TP group's whole sequence (the logits of a plain head come whole on
