@@ -16,6 +16,7 @@ from pathlib import Path
 
 from results_source import ROOT, table
 from results_gspmd import gspmd_page
+from results_tensor import FP8, ROWS, tensor_page
 from results_tables import (PLANS, checkpoint_page, fsdp2_first_run_page, fsdp2_in_backward_page, fsdp2_memory_page,
                             gpu_target_page, memory_page, moe_adaptive_page, moe_page, plans_page,
                             throughput_page)
@@ -40,6 +41,8 @@ PAGES = {   # page -> (title for the index, builder, the JSON files it reads)
     "moe.md": ("MoE: gather against ep on CPU; exposed all-to-all by chunk count on H100", moe_page, ["moe.json"]),
     "moe-adaptive.md": ("MoE: adaptive capacity against static capacities on CPU (memory, step time, drops)",
                         moe_adaptive_page, ["moe_adaptive.json"]),
+    "tensor-parallel.md": ("tensor parallelism with FSDP on an H100 target: llama-8b at T = 1, 2, 4; Llama 3.1 70B "
+                           "at FSDP 32 x TP 8, bf16 and fp8, one-shot and async TP", tensor_page, [*ROWS, *FP8]),
     "gspmd.md": ("jfsdp beside FSDP by sharding annotations alone (GSPMD): memory, collectives, overlap",
                  gspmd_page, ["gspmd_compare.json", "gspmd_compare_fused.json"]),
 }

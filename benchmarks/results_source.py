@@ -43,6 +43,18 @@ PROVENANCE = {
         "command": "python -m jfsdp.plan --model llama-8b --mesh 1x8 --batch-size 8 --seq-len 8192 --remat dots "
                    "--target h100 --json benchmarks/results/llama8b_local1_h100.json",
         "device": H100_ON_CPU, "date": "2026-11-22", "jax": "0.10.2"},
+    # docs/tensor-parallel.md, "Async TP": the commands, device and date written beside the figures
+    "tensor_parallel.json": {"device": H100_ON_CPU},
+    "tensor_parallel_70b.json": {"device": H100_ON_CPU.replace("8 GPUs", "256 GPUs")},
+    "plan_llama70b_tp8_fp8_async_h100.json": {
+        "command": "python -m jfsdp.plan --model llama-70b --mesh 1x32 --tensor 8 --batch-size 512 --seq-len 8192 "
+                   "--target h100 --precision fp8 --json benchmarks/results/plan_llama70b_tp8_fp8_async_h100.json",
+        "device": H100_ON_CPU.replace("8 GPUs", "256 GPUs"), "date": "2026-11-26", "jax": "0.10.2"},
+    "plan_llama70b_tp8_fp8_h100.json": {
+        "command": "python -m jfsdp.plan --model llama-70b --mesh 1x32 --tensor 8 --batch-size 512 --seq-len 8192 "
+                   "--target h100 --precision fp8 --async-tp off "
+                   "--json benchmarks/results/plan_llama70b_tp8_fp8_h100.json",
+        "device": H100_ON_CPU.replace("8 GPUs", "256 GPUs"), "date": "2026-11-26", "jax": "0.10.2"},
     # README "On GPUs", "Throughput": the machine the CPU rows ran on
     "throughput_cpu.json": {"device": CPU_VM + ", 8 fake XLA devices, shared with three other jobs"},
     # README "The optimizer inside the backward pass", the cost paragraph
