@@ -32,8 +32,8 @@ CFG = dataclasses.replace(models.get_config("llama-test"), dim=256, ffn_dim=688,
 BATCH, SEQ = 8, 128
 
 
-def _case(n_layers, options=None, prefetch=None, precision="bf16", remat="full", strategy="full_shard"):
-    cfg = dataclasses.replace(CFG, n_layers=n_layers)
+def _case(n_layers, options=None, prefetch=None, precision="bf16", remat="full", strategy="full_shard", tied=True):
+    cfg = dataclasses.replace(CFG, n_layers=n_layers, tie_embeddings=tied)
     mesh = jfsdp.make_mesh(f"1x{S}", targets.devices("h100", f"1x{S}"))
     x = jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32)
     root, unit, n = models.parts(cfg)
@@ -271,15 +271,26 @@ def _in_loops(overlaps, kind):
     return [o for o in overlaps if o.collective.kind == kind and o.collective.loops]
 
 
+def _root_bytes(plan, dtype, head: bool):
+    """Wire bytes of the root's gather (bf16) or reduce-scatter (f32): the head's leaves (the final norm
+    and the output projection) or the embedding's."""
+    root = plan.layouts["root"]
+    part = {k: v for k, v in root.items() if (k != "tok_embeddings") == head}
+    return stored_bytes(part, dtype) * (S - 1) / S
+
+
 def test_prefetch_overlap_in_steady_state(h100):
     """FSDP's prefetch, read from the scheduled program of jfsdp's prefetch pipeline: inside the
     forward and backward scans every unit's all-gather and every reduce-scatter is in flight while a
-    matmul runs, and outside them only the first gather of each pass (unit 0 forward, unit n-1
-    backward), the root's gather and reduce-scatter and unit 0's reduce-scatter (the last of the
-    step) are exposed: per step, 2 units' gathers and 1 unit's reduce-scatter beyond the root's,
-    whatever the depth; the other 2n-2 gathers and n-1 reduce-scatters are hidden."""
-    root_ag = stored_bytes(h100[4][1].layouts["root"], jnp.bfloat16) * (S - 1) / S
-    root_rs = stored_bytes(h100[4][1].layouts["root"], jnp.float32) * (S - 1) / S
+    matmul runs, and outside them only the first gather of each pass (unit 0 and the embedding
+    forward, unit n-1 backward) and the last reduce-scatter of the step (unit 0's and the
+    embedding's) are exposed. The head's gather runs while the last unit's forward computes and its
+    reduce-scatter while the last unit's backward does: hidden too. Per step, whatever the depth: 2
+    units' gathers and 1 unit's reduce-scatter exposed beyond the embedding's; the other 2n-2 gathers
+    and n-1 reduce-scatters hidden, and the head's."""
+    plan4 = h100[4][1]
+    embed_ag, head_ag = (_root_bytes(plan4, jnp.bfloat16, h) for h in (False, True))
+    embed_rs, head_rs = (_root_bytes(plan4, jnp.float32, h) for h in (False, True))
     for n in (4, 8):
         *_, text = h100[n]
         ov = hlo.overlap(text, S)
@@ -292,10 +303,10 @@ def test_prefetch_overlap_in_steady_state(h100):
         unit_rs = _in_loops(ov, "reduce-scatter")[0].collective.wire_bytes
         got = hlo.overlap_summary(ov)
         msg = hlo.render_overlap(ov)
-        assert got["all-gather"]["exposed_bytes"] == pytest.approx(root_ag + 2 * unit_ag, rel=0.01), msg
-        assert got["all-gather"]["hidden_bytes"] == pytest.approx((2 * n - 2) * unit_ag, rel=0.01), msg
-        assert got["reduce-scatter"]["exposed_bytes"] == pytest.approx(root_rs + unit_rs, rel=0.01), msg
-        assert got["reduce-scatter"]["hidden_bytes"] == pytest.approx((n - 1) * unit_rs, rel=0.01), msg
+        assert got["all-gather"]["exposed_bytes"] == pytest.approx(embed_ag + 2 * unit_ag, rel=0.01), msg
+        assert got["all-gather"]["hidden_bytes"] == pytest.approx((2 * n - 2) * unit_ag + head_ag, rel=0.01), msg
+        assert got["reduce-scatter"]["exposed_bytes"] == pytest.approx(embed_rs + unit_rs, rel=0.01), msg
+        assert got["reduce-scatter"]["hidden_bytes"] == pytest.approx((n - 1) * unit_rs + head_rs, rel=0.01), msg
     # The contrasts: the plain scan with XLA's defaults leaves the scans' gathers exposed; with
     # jfsdp's pipelining flags (the plain scan's GPU options) XLA hides the in-loop ones itself.
     plain = hlo.overlap(h100["plain"][-1], S)
@@ -304,26 +315,35 @@ def test_prefetch_overlap_in_steady_state(h100):
     assert all(o.hidden for k in ("all-gather", "reduce-scatter") for o in _in_loops(flags, k))
 
 
-@pytest.mark.parametrize("remat,strategy", [("dots", "full_shard"), ("none", "full_shard"),
-                                            ("full", "shard_grad_op")])
-def test_prefetch_under_every_policy_and_strategy(h100, remat, strategy):
+@pytest.mark.parametrize("remat,strategy,tied", [("dots", "full_shard", False), ("none", "full_shard", True),
+                                                 ("full", "shard_grad_op", True)])
+def test_prefetch_under_every_policy_and_strategy(h100, remat, strategy, tied):
     """The prefetch pipeline under selective checkpointing (dots), no checkpointing (none) and ZeRO-2
     (shard_grad_op, prefetch=True: its backward gathers nothing): inside the loops every all-gather is
-    in flight while a matmul runs; exposed per step: the root's gathers and the first unit's gather of
-    each pass that gathers (two under ZeRO-3, one under ZeRO-2), as with remat full. Against the plain
+    in flight while a matmul runs; exposed per step: the embedding's gather and the first unit's gather
+    of each pass that gathers (two under ZeRO-3, one under ZeRO-2), as with remat full; the head's is
+    hidden behind the last unit's forward (an untied head, as Llama 3's, under remat dots: the
+    output projection's gather is as large as a unit's here). Against the plain
     scan with jfsdp's XLA flags (the 'flags' case's options): at most one gathered unit more memory."""
-    _, plan, _, compiled, text = _case(4, prefetch=True, remat=remat, strategy=strategy)
+    _, plan, _, compiled, text = _case(4, prefetch=True, remat=remat, strategy=strategy, tied=tied)
     assert plan.prefetch
     ov = hlo.overlap(text, S)
     inside = _in_loops(ov, "all-gather")
     assert inside and all(o.hidden for o in inside), hlo.render_overlap(ov)
-    root_ag = stored_bytes(plan.layouts["root"], jnp.bfloat16) * (S - 1) / S
+    embed_ag, head_ag = (_root_bytes(plan, jnp.bfloat16, h) for h in (False, True))
     unit_ag = inside[0].collective.wire_bytes
     passes = 2 if strategy == "full_shard" else 1
     got = hlo.overlap_summary(ov)["all-gather"]
-    assert got["exposed_bytes"] == pytest.approx(root_ag + passes * unit_ag, rel=0.01), hlo.render_overlap(ov)
-    assert got["hidden_bytes"] == pytest.approx((passes * 4 - passes) * unit_ag, rel=0.01), hlo.render_overlap(ov)
-    plain = _case(4, prefetch=False, remat=remat, strategy=strategy)[3]
+    assert got["exposed_bytes"] == pytest.approx(embed_ag + passes * unit_ag, rel=0.01), hlo.render_overlap(ov)
+    assert got["hidden_bytes"] == pytest.approx((passes * 4 - passes) * unit_ag + head_ag, rel=0.01), \
+        hlo.render_overlap(ov)
+    # the head's reduce-scatter hidden behind the last unit's backward: only the step's last one (unit
+    # 0's with the embedding's) is exposed
+    embed_rs = _root_bytes(plan, jnp.float32, False)
+    unit_rs = _in_loops(ov, "reduce-scatter")[0].collective.wire_bytes
+    rs = hlo.overlap_summary(ov)["reduce-scatter"]
+    assert rs["exposed_bytes"] == pytest.approx(embed_rs + unit_rs, rel=0.01), hlo.render_overlap(ov)
+    plain = _case(4, prefetch=False, remat=remat, strategy=strategy, tied=tied)[3]
     extra = memory.measure(compiled)["total"] - memory.measure(plain)["total"]
     assert extra <= stored_bytes(plan.layouts["units"], jnp.bfloat16), extra
 

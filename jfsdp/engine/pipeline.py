@@ -35,6 +35,22 @@ def tie(a, b, on_cpu: bool):
     return jax.tree.map(lambda t: t + zero.astype(t.dtype), a), b
 
 
+def _with(x, extra):
+    return x if extra is None else (x, extra)
+
+
+@jax.custom_vjp
+def after(a, b):
+    """(a, b), with nothing computed from the returned `b` starting before `a` exists: an optimization
+    barrier in the forward pass only. The transpose of a plain barrier is a barrier on the cotangents,
+    which made the head's gradient reduce-scatter finish before the units' backward could start
+    (exposed in full on XLA:GPU's schedule); here the cotangents pass through untouched."""
+    return lax.optimization_barrier((a, b))
+
+
+after.defvjp(lambda a, b: (lax.optimization_barrier((a, b)), None), lambda _, ct: ct)
+
+
 @dataclasses.dataclass(frozen=True)
 class Saved:
     """What a stage's forward pass keeps for its backward: each unit's VJP residuals (what the checkpoint
@@ -68,8 +84,12 @@ jax.tree_util.register_dataclass(Saved, data_fields=["stacked", "last", "amax"],
 @dataclasses.dataclass(frozen=True)
 class StagePasses:
     """One stage's forward and backward passes as an explicit software pipeline:
-    `forward(h, shards, keep) -> (h, Saved or None)` and
-    `backward(saved, dh, acc, read, consume) -> (dh into the stage, acc)`.
+    `forward(h, shards, keep[, extra]) -> (h or (h, extra), Saved or None)` and
+    `backward(saved, dh, acc, read, consume[, dextra]) -> (dh or (dh, dextra) into the stage, acc)`.
+    `extra`: what the caller gathers next (the head's shards), tied to the last unit's gathered
+    parameters so that its gather is in flight while the last unit computes; `dextra`, its reduced
+    gradient, is waited for after the last unit's backward, which hides its reduce-scatter (and keeps
+    it from being combined with unit 0's at the end of the step).
 
     Forward: unit i+1's all-gather is issued before unit i computes and carried into the next
     iteration, so it is in flight during unit i's compute; only unit 0's gather waits. At most two
@@ -118,7 +138,7 @@ class StagePasses:
         src = tuple(next((k for k, p in enumerate(params) if p is x), -1) for x in leaves)
         return out, [x for x, s in zip(leaves, src) if s < 0], (tdef, src)
 
-    def forward(self, h, shards, keep: bool):
+    def forward(self, h, shards, keep: bool, extra=None):
         # every float8 leaf's amax, all units at once: one all-reduce per pass, none inside the loop
         amax = unit_amaxes(shards, self.layouts)
         unit_shards = lambda i: (at_row(shards, i), at_row(amax, i))   # (a None amax stays None)
@@ -138,10 +158,10 @@ class StagePasses:
             return out, stored
         if not self.prefetch:
             h, stacked = lax.scan(lambda h, i: step(self.gather(*unit_shards(i)), h), h, jnp.arange(self.n))
-            return h, (Saved(stacked, None, hows[-1], None, amax) if keep else None)
+            return _with(h, extra), (Saved(stacked, None, hows[-1], None, amax) if keep else None)
         if self.n == 1:
             h, last = step(self.gather(*first), h)
-            return h, (Saved([], last, None, hows[-1], amax) if keep else None)
+            return _with(h, extra), (Saved([], last, None, hows[-1], amax) if keep else None)
 
         def body(carry, i):
             h, g = carry
@@ -149,22 +169,25 @@ class StagePasses:
             out, stored = step(g, h)
             return (out, nxt), stored
         (h, g), stacked = lax.scan(body, (h, self.gather(*first)), jnp.arange(self.n - 1))
+        if extra:   # the caller's next gather (the head's) in flight while the last unit computes
+            extra, g = tie(extra, g, self.on_cpu)
         h, last = step(g, h)
-        return h, (Saved(stacked, last, hows[0], hows[-1], amax) if keep else None)
+        return _with(h, extra), (Saved(stacked, last, hows[0], hows[-1], amax) if keep else None)
 
     def regather(self, acc, read, i, amax):
         if self.keep_gathered:
             return None
         return self.gather(read(acc, i), at_row(amax, i))
 
-    def backward(self, saved: Saved, dh, acc, read, consume):
+    def backward(self, saved: Saved, dh, acc, read, consume, dextra=None):
         n, on_cpu = self.n, self.on_cpu
         if not self.prefetch:
             def plain(carry, i):
                 dh, acc = carry
                 dg, dh = saved.pullback(i, self.regather(acc, read, i, saved.amax))(dh)
                 return (dh, consume(acc, i, self.reduce(dg))), None
-            return lax.scan(plain, (dh, acc), jnp.arange(n - 1, -1, -1))[0]
+            dh, acc = lax.scan(plain, (dh, acc), jnp.arange(n - 1, -1, -1))[0]
+            return _with(dh, dextra), acc
         # The barriers order what XLA would otherwise combine into one collective at the top of the
         # step: unit n-1's gather waits for dh (not hoisted into the forward pass), unit n-2's for
         # unit n-1's (so it is in flight during unit n-1's backward, not before it).
@@ -174,12 +197,14 @@ class StagePasses:
             g = self.gather(last, at_row(saved.amax, n - 1))
         if n == 1:
             dg, dh = saved.pullback(0, g)(dh)
-            return dh, consume(acc, 0, self.reduce(dg))
+            return _with(dh, dextra), consume(acc, 0, self.reduce(dg))
         nxt = None
         if not self.keep_gathered:
             prev, g = tie(read(acc, n - 2), g, on_cpu)
             nxt = self.gather(prev, at_row(saved.amax, n - 2))
         pend, dh = saved.pullback(n - 1, g)(dh)
+        if dextra:   # the caller's reduce-scatter (the head's) finished during the last unit's backward
+            pend, dextra = tie(pend, dextra, on_cpu)
 
         def body(carry, i):  # units n-2 .. 1
             dh, g, pend, acc = carry
@@ -191,7 +216,7 @@ class StagePasses:
         one = self.reduce(pend)  # unit 1's reduce-scatter, during unit 0's backward ...
         dg, dh = saved.pullback(0, g)(dh)
         dg, one = lax.optimization_barrier((dg, one))  # ... finished before unit 0's, not combined with it
-        return dh, consume(consume(acc, 1, one), 0, self.reduce(dg))
+        return _with(dh, dextra), consume(consume(acc, 1, one), 0, self.reduce(dg))
 
 
 def _unreduced_bwd(passes: StagePasses, hs, dh, shards):
@@ -214,8 +239,10 @@ def _unreduced_bwd(passes: StagePasses, hs, dh, shards):
 
 
 def pipelined_stage(passes: StagePasses):
-    """(h, stacked shards) -> h with its own VJP: `passes.forward`, then `passes.backward` whose consumer
-    stacks each unit's reduced gradient shard into the stage's gradient."""
+    """(h, stacked shards, extra) -> (h, extra) with its own VJP: `passes.forward`, then `passes.backward`
+    whose consumer stacks each unit's reduced gradient shard into the stage's gradient. `extra` (a list
+    of arrays, maybe empty) comes out unchanged, tied to the last unit: the caller's gather of it runs
+    while that unit computes, and the reduce-scatter of its gradient while that unit's backward does."""
     def read(acc, i):
         return at_row(acc[0], i)
 
@@ -224,18 +251,20 @@ def pipelined_stage(passes: StagePasses):
         return shards, jax.tree.map(lambda a, x: lax.dynamic_update_index_in_dim(a, x, i, 0), grads, shard)
 
     @jax.custom_vjp
-    def stage(h, shards):
-        return passes.forward(h, shards, False)[0]
+    def stage(h, shards, extra):
+        return passes.forward(h, shards, False, extra)[0]
 
-    def stage_fwd(h, shards):
-        out, hs = passes.forward(h, shards, True)
+    def stage_fwd(h, shards, extra):
+        out, hs = passes.forward(h, shards, True, extra)
         return out, (hs, shards)
 
-    def stage_bwd(res, dh):
+    def stage_bwd(res, dout):
         hs, shards = res
+        dh, dextra = dout
         if any_unreduced(shards):
-            return _unreduced_bwd(passes, hs, dh, shards)
-        dh, (_, grads) = passes.backward(hs, dh, (shards, jax.tree.map(jnp.zeros_like, shards)), read, put)
-        return dh, grads
+            return (*_unreduced_bwd(passes, hs, dh, shards), dextra)
+        (dh, dextra), (_, grads) = passes.backward(hs, dh, (shards, jax.tree.map(jnp.zeros_like, shards)), read, put,
+                                                   dextra)
+        return dh, grads, dextra
     stage.defvjp(stage_fwd, stage_bwd)
     return stage

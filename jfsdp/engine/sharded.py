@@ -26,7 +26,7 @@ from jfsdp.engine.fsdp import Comm, any_unreduced, checkpoint_policy, scan_stage
 from jfsdp.engine.layout import is_layout, tree_shapes
 from jfsdp.engine.params import ParamLayout
 from jfsdp.engine.parallel import layout as tp_layout, support, tensor as tp, vocab
-from jfsdp.engine.pipeline import StagePasses, pipelined_stage
+from jfsdp.engine.pipeline import StagePasses, after, pipelined_stage
 
 
 class FSDP(ParamLayout):
@@ -97,14 +97,15 @@ class FSDP(ParamLayout):
         return apply
 
     # ---- the sharded forward: runs inside shard_map on local shards
-    def _stage(self, j, h, shards, layouts):
-        """Stage j: the prefetch pipeline, expert parallelism, or the plain scan of its units."""
+    def _stage(self, j, h, shards, layouts, extra=None):
+        """Stage j (the prefetch pipeline, expert parallelism, or the plain scan): (h, extra tied or None)."""
         unit, moe = self.model.stages[j].unit, self.moe_stages[j]
         layouts = self.unit_layouts[j]
         ep = moe is not None and moe.mode in ("ep", "adaptive")   # local experts, or capacity by load (moe_adaptive.py)
-        if not ep and (any_unreduced(shards) or (self.prefetch and self.stage_sizes[j] > 1)):
+        if not ep and (any_unreduced(shards) or self.prefetches(j)):
             # grad_sync='once' runs the passes (prefetching or not) for their in-place gradient sum
-            return pipelined_stage(self.stage_passes(j, prefetch=bool(self.prefetch)))(h, shards)
+            h, ahead = pipelined_stage(self.stage_passes(j, prefetch=bool(self.prefetch)))(h, shards, extra or [])
+            return h, (None if extra is None else ahead)
 
         def compute(h, shards):
             if ep:
@@ -115,7 +116,10 @@ class FSDP(ParamLayout):
                     return unit.apply({"params": params}, h)
             return self.unit_apply(unit)(unshard_tree(shards, layouts, self.comm), h)
         keeps_shape = tree_shapes(self.h_shapes[j]) == tree_shapes(self.h_shapes[j + 1])
-        return scan_stage(compute, h, shards, self.policy, keeps_shape)
+        return scan_stage(compute, h, shards, self.policy, keeps_shape), extra
+
+    def prefetches(self, j) -> bool:   # stage j runs the prefetch pipeline (MoE 'ep'/'adaptive' stages never do)
+        return getattr(self.moe_stages[j], "mode", None) not in ("ep", "adaptive") and bool(self.prefetch) and self.stage_sizes[j] > 1
 
     def stage_passes(self, j, prefetch: bool = True) -> StagePasses:
         """Stage j's pipelined forward and backward passes (pipeline.py), for the prefetch pipeline
@@ -156,28 +160,25 @@ class FSDP(ParamLayout):
 
     def forward(self, params, inputs):
         """The model's outputs for one device's inputs, from shards (inside shard_map)."""
-        # The root is gathered where it is used: a leaf that only the embedding reads (an untied
-        # embedding table) when the step starts, for the lookup alone (its backward pass needs no
-        # weights); a leaf that only the head reads after the last unit, kept for the head's
-        # backward. A leaf both read (a tied embedding) is, as FSDP does with a shared parameter,
-        # gathered once for both uses and kept from the embedding to the head's backward, with one
-        # gradient reduced for it.
-        root_l, stage_l = self.split(self.layouts)
-        root_p, stage_p = self.split(params)
-        layouts, treedef = jax.tree.flatten(root_l, is_leaf=is_layout)
-        shards = treedef.flatten_up_to(root_p)
-        embed_reads, head_reads = self.root_use
-        gathered = {}
+        # The root is gathered where it is used: a leaf only the embedding reads (an untied table) when
+        # the step starts, for the lookup alone (its backward needs no weights); a leaf only the head
+        # reads while the last unit computes (the pipeline ties it there; else once h exists, never
+        # hoisted to the start of the step), kept for the head's backward. A leaf both read (a tied
+        # embedding) is gathered once for both uses, as FSDP does with a shared parameter, and kept
+        # to the head's backward, with one gradient reduced for it.
+        (root_l, stage_l), (root_p, stage_p) = self.split(self.layouts), self.split(params)
+        shards = jax.tree.structure(root_l, is_leaf=is_layout).flatten_up_to(root_p)
+        (embed_reads, head_reads), gathered = self.root_use, {}
         root = lambda reads: self.root_tree(shards, reads, gathered)
         h = vocab.embed(self, root(embed_reads), inputs)
-        for j, (shards_j, layouts_j) in enumerate(zip(stage_p, stage_l)):
-            h = self._stage(j, h, shards_j, layouts_j)
         late = sorted(head_reads - set(gathered))
-        if late:   # gathered once h exists, not hoisted to the start of the step by XLA's scheduler
-            h, held = lax.optimization_barrier((h, [shards[i] for i in late]))
-            shards = list(shards)
-            for i, x in zip(late, held):
-                shards[i] = x
+        held, last = [shards[i] for i in late], len(stage_p) - 1
+        for j, (shards_j, layouts_j) in enumerate(zip(stage_p, stage_l)):
+            ahead = held if late and j == last and self.prefetches(j) else None
+            h, ahead = self._stage(j, h, shards_j, layouts_j, ahead)
+        if late:
+            h, held = (h, ahead) if ahead is not None else after(h, held)
+            shards = [dict(zip(late, held)).get(i, x) for i, x in enumerate(shards)]
         return self.head(root(head_reads), h)
 
     def head(self, root, h):
