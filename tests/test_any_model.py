@@ -544,3 +544,110 @@ def test_nnx_scan_keeps_its_scan_and_equals_single_device():
     with jax.default_device(jax.devices()[0]):
         ref_losses, ref_final, _ = ref.run_steps(plain, loss, params.to_pure_dict(), data)
     assert_close(losses, ref_losses, sharded.gather(state.params), ref_final)
+
+
+# ---- tensor parallelism from the logical axis names the model carries (docs/tensor-parallel.md)
+def tensor_mesh(spec, t):
+    r, s = jfsdp.parse_mesh(spec)
+    return jfsdp.make_mesh(spec, devices=jax.devices()[: r * s * t], tensor=t)
+
+
+def train_steps(sharded, data, loss_fn, **init):
+    opt = jfsdp_optimizer()
+    state = jfsdp.init_state(sharded, opt, **init)
+    step = jfsdp.make_train_step(sharded, opt, loss_fn)
+    losses = []
+    for b in data:
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
+    return losses, state, step
+
+
+def test_linen_tensor_parallel_as_is_equals_single_device_and_gathers_one_tth(linen_reference):
+    """The Linen decoder as it is on 2x2 x tensor 2: its kernels' logical names (heads, mlp) put them on
+    `tensor`; losses and final parameters (norm scales, embeddings, biases included) are the single-device
+    trainer's. From the compiled step: each tensor-parallel leaf's FSDP all-gathers and reduce-scatters
+    over `fsdp` move 1/T of what the T = 1 plan's do (the planner's formula for that plan, which
+    test_linen_as_is_equals_single_device checks against its compiled step), every other leaf's the same."""
+    from jfsdp.engine.parallel.logical import LogicalTensorLayout
+    from jfsdp.planning import hlo, memory
+    variables, data, ref_losses, ref_final = linen_reference
+    rules, t = {"heads": "tensor", "mlp": "tensor"}, 2   # the vocabulary (61) does not divide by 2
+    m = tensor_mesh("2x2", t)
+    sharded = jfsdp.fully_shard(linen_ex.Decoder(LCFG), m, data[0], units=linen_ex.DecoderBlock, logical_rules=rules)
+    losses, state, step = train_steps(sharded, data, linen_ex.loss_fn, params=variables["params"])
+    assert_close(losses, ref_losses, sharded.gather(state.params), ref_final)
+
+    layouts = jax.tree_util.tree_flatten_with_path(sharded.layouts, is_leaf=lambda x: hasattr(x, "shards"))[0]
+    tp = {jax.tree_util.keystr(p): l for p, l in layouts if isinstance(l, LogicalTensorLayout)}
+    assert len(tp) == 6 * LCFG.layers and all(k.startswith("['block_") for k in tp)   # q k v out up down
+    plain = jfsdp.fully_shard(linen_ex.Decoder(LCFG), mesh("2x2"), data[0], units=linen_ex.DecoderBlock)
+    want = memory.comm_formula(plain)
+    s = sharded.shards
+    tp_bytes = sum(int(np.prod(l.full_shape)) * 4 * (s - 1) / s for l in tp.values())
+    got = hlo.per_axes(step.lower(state, data[0]).compile().as_text(), tuple(m.shape.items()))
+    fsdp = lambda kind: got.get((kind, ("fsdp",)), {}).get("wire_bytes", 0)
+    # each unit leaf gathered twice (forward; backward, ZeRO-3 with the gather recognized by remat's policy),
+    # reduced once
+    assert fsdp("all-gather") == want["all-gather"] - (1 - 1 / t) * 2 * tp_bytes, (got, want)
+    assert fsdp("reduce-scatter") == want["reduce-scatter"] - (1 - 1 / t) * tp_bytes, (got, want)
+    # nothing FSDP does spans `tensor`: the TP collectives are XLA's, over `tensor` alone
+    assert not [k for k in got if k[0] in ("all-gather", "reduce-scatter") and "tensor" in k[1] and len(k[1]) > 1]
+    assert got[("all-gather", ("tensor",))]["count"] > 0
+
+
+def test_nnx_tensor_parallel_as_is_equals_single_device(nnx_reference, tmp_path):
+    """The NNX decoder as it is on 1x2 x tensor 2, with rules that put `embed` on `tensor` too: a kernel
+    split on its input dimension, the tied embedding (a root leaf both the lookup and the head read) on
+    its width, a bias split with its layer's outputs. Then its checkpoint resumes on a T = 1 plan."""
+    from jfsdp.io.checkpoint import Checkpointer
+    data, ref_losses, ref_final = nnx_reference
+    units = (nnx_ex.LocalBlock, nnx_ex.GlobalBlock)
+    rules = (("heads", "tensor"), ("mlp", "tensor"), ("embed", "tensor"))
+    sharded = jfsdp.fully_shard(nnx_model(), tensor_mesh("1x2", 2), data[0], units=units, remat="dots",
+                                logical_rules=rules)
+    losses, state, _ = train_steps(sharded, data, nnx_ex.loss_fn)
+    final = sharded.gather(state.params)
+    assert_close(losses, ref_losses, final, ref_final)
+    ckpt = Checkpointer(tmp_path / "ckpt", async_save=False)
+    ckpt.save(len(data), state, {}, plan=sharded)
+    plain = jfsdp.fully_shard(nnx_model(), mesh("1x4"), data[0], units=units)
+    restored = ckpt.restore(len(data), jfsdp.abstract_state(plain, jfsdp_optimizer()))
+    for path, a, b in ref.paired(final, plain.gather(restored.params)):
+        np.testing.assert_array_equal(a, b, err_msg=path)
+
+
+class NamedBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(6, kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp")))(x)
+
+
+class NamedModel(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return NamedBlock()(x)
+
+
+@pytest.mark.parametrize("model,t,kw,match", [
+    (NamedModel(), 2, {"logical_rules": {"mlp": "model"}}, "the mesh has no axis 'model'"),
+    (NamedModel(), 1, {"logical_rules": {"mlp": "tensor"}}, "the mesh has no axis 'tensor'"),
+    (NamedModel(), 2, {"logical_rules": {"mlp": "fsdp"}}, "maps a name to 'tensor' or None"),
+    (NamedModel(), 2, {"logical_rules": {"heads": "tensor"}}, r"put no parameter on 'tensor'.*'embed', 'mlp'"),
+    (Outer(), 2, {}, "put no parameter on 'tensor'.*none"),
+    (NamedModel(), 4, {}, r"tensor 4 does not divide dimension 1 \('mlp', 6\) of parameter \['NamedBlock_0'\]"),
+    (NamedModel(), 2, {"tensor_plan": jfsdp.TensorPlan({"a": "colwise"})}, "logical_rules="),
+    (NamedModel(), 2, {"strategy": "no_shard"}, "no_shard is not supported"),
+])
+def test_tensor_parallel_bad_input_is_one_config_error(model, t, kw, match):
+    units = NamedBlock if isinstance(model, NamedModel) else Plain
+    with pytest.raises(jfsdp.ConfigError, match=match) as e:
+        jfsdp.fully_shard(model, tensor_mesh("1x2", t), {"inputs": X}, units=units, **kw)
+    assert "\n" not in str(e.value)
+
+
+def test_the_planner_refuses_an_as_is_model_at_tensor_2():
+    from jfsdp.planning import memory
+    sharded = jfsdp.fully_shard(NamedModel(), tensor_mesh("1x2", 2), {"inputs": X}, units=NamedBlock)
+    with pytest.raises(jfsdp.ConfigError, match="does not model a model given as it is with tensor parallelism"):
+        memory.comm_formula(sharded)
