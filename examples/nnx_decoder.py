@@ -4,7 +4,9 @@
 
 The model knows nothing of jfsdp: an `nnx.List` of blocks of two kinds that alternate, local
 (sliding-window) attention and global attention, each called as `layer(x, positions, mask)` with
-rotary positions and its own mask; dropout draws from the model's own `nnx.Rngs`. jfsdp is told
+rotary positions and its own mask; dropout draws from the model's own `nnx.Rngs`; its kernels, a bias and
+the embedding carry logical axis names (`nnx.with_partitioning`), which tensor parallelism reads
+(docs/tensor-parallel.md). jfsdp is told
 which classes are the FSDP units (`units=(LocalBlock, GlobalBlock)`) and takes the module with its
 weights. On a machine without accelerators the script fakes 8 CPU devices.
 """
