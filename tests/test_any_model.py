@@ -599,13 +599,15 @@ def test_linen_tensor_parallel_as_is_equals_single_device_and_gathers_one_tth(li
 def test_nnx_tensor_parallel_as_is_equals_single_device(nnx_reference, tmp_path):
     """The NNX decoder as it is on 1x2 x tensor 2, with rules that put `embed` on `tensor` too: a kernel
     split on its input dimension, the tied embedding (a root leaf both the lookup and the head read) on
-    its width, a bias split with its layer's outputs. Then its checkpoint resumes on a T = 1 plan."""
+    its width, a bias split with its layer's outputs; and the activations between units split on their
+    sequence (sequence parallelism). Then its checkpoint resumes on a T = 1 plan."""
     from jfsdp.io.checkpoint import Checkpointer
     data, ref_losses, ref_final = nnx_reference
     units = (nnx_ex.LocalBlock, nnx_ex.GlobalBlock)
-    rules = (("heads", "tensor"), ("mlp", "tensor"), ("embed", "tensor"))
+    rules = (("heads", "tensor"), ("mlp", "tensor"), ("embed", "tensor"), ("sequence", "tensor"))
     sharded = jfsdp.fully_shard(nnx_model(), tensor_mesh("1x2", 2), data[0], units=units, remat="dots",
                                 logical_rules=rules)
+    assert sharded.sequence_parallel
     losses, state, _ = train_steps(sharded, data, nnx_ex.loss_fn)
     final = sharded.gather(state.params)
     assert_close(losses, ref_losses, final, ref_final)

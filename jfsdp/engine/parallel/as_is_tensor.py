@@ -5,8 +5,9 @@ The same engine (the same `fully_shard`, `init_state`, `make_train_step`, checkp
 - the step's `shard_map` is manual over `data` and `fsdp` only: `tensor` is XLA's (partial-auto);
 - the parameters are laid out from their logical axis names (`logical.lay_out`); a tensor-parallel
   leaf is gathered over `fsdp` and assembled whole, split on `tensor` (`LogicalTensorLayout.unshard`);
-- the batch's rows lie on (`data`, `fsdp`); each unit's float inputs and outputs (batch, sequence, ...)
-  are constrained to lie split on `tensor` along the sequence (sequence parallelism between units).
+- the batch's rows lie on (`data`, `fsdp`); with a rule ('sequence', 'tensor'), each unit's float inputs
+  and outputs (batch, sequence, ...) are constrained to lie split on `tensor` along the sequence
+  (sequence parallelism between units; off by default: docs/tensor-parallel.md has what XLA makes of it).
 Each (data, fsdp) program computes the loss of its rows whole, which stands for its T tensor ranks: the
 loss is weighted by T (`loss_weight`) so that the engine's mean over all R·S·T devices, and its gradient
 scale 1/(R·S·T), are the mean and the gradient of the mean.
@@ -18,7 +19,7 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from jfsdp.config.errors import ConfigError
-from jfsdp.config.mesh import AXES, DATA_AXIS, FSDP_AXIS
+from jfsdp.config.mesh import AXES, DATA_AXIS, FSDP_AXIS, TENSOR_AXIS
 from jfsdp.engine.fsdp import unshard
 from jfsdp.engine.parallel import logical
 
@@ -27,7 +28,7 @@ LATER = "is not supported for a model given as it is with tensor parallelism yet
 
 class TensorAsIs:
     """The T > 1 side of `AsIs` (a mixin: `AsIs(TensorAsIs, FSDP)`)."""
-    loss_weight = 1
+    loss_weight, sequence_parallel = 1, False
 
     def set_tensor(self, logical_rules, strategy, mp_policy):
         """Check what T > 1 supports, read the rules; at T = 1 only the rules' axes are checked."""
@@ -44,6 +45,7 @@ class TensorAsIs:
         if mp_policy.float8 is not None:
             raise ConfigError(f"float8 {LATER}")
         self.loss_weight = self.tensor
+        self.sequence_parallel = (logical.SEQUENCE, TENSOR_AXIS) in self.logical_rules
         self.batch_spec, self.loss_axes = P(AXES), AXES
         self.batch_sharding = NamedSharding(self.mesh, self.batch_spec)
 
@@ -60,8 +62,8 @@ class TensorAsIs:
         return layout.unshard(x, self.comm) if hasattr(layout, "unshard") else unshard(x, layout, self.comm)
 
     def sequence_split(self, tree):
-        """Sequence parallelism at a unit's boundary (nothing at T = 1)."""
-        if self.tensor == 1:
+        """Sequence parallelism at a unit's boundary, where a rule maps 'sequence' to `tensor`."""
+        if self.tensor == 1 or not self.sequence_parallel:
             return tree
         return jax.tree.map(lambda x: logical.sequence_split(x, self.tensor), tree)
 

@@ -11,6 +11,8 @@ The model's modules are not modified: they reshape to their full head counts, so
 collective can run inside them. The step's `shard_map` is manual over `data` and `fsdp` only, and
 `tensor` is left to XLA's SPMD partitioner (partial-auto): inside, every value has its whole size on
 `tensor`, and XLA splits the work and inserts the collectives over `tensor` where the shardings meet.
+The activations between units are (batch, sequence, ...): a rule ('sequence', 'tensor') splits them on
+`tensor` along the sequence (sequence parallelism), at every unit call's boundary.
 The placement:
 - a tensor-parallel leaf (`LogicalTensorLayout`) is stored as its T slices on the named dimension, axis 0
   of the stored array on `tensor`, each slice FSDP-sharded over `fsdp` like any leaf; its gather over
@@ -40,6 +42,8 @@ from jfsdp.engine.layout import Layout, is_layout
 from jfsdp.engine.parallel.layout import TensorLayout
 
 DEFAULT_RULES = (("mlp", TENSOR_AXIS), ("heads", TENSOR_AXIS), ("kv", TENSOR_AXIS), ("vocab", TENSOR_AXIS))
+SEQUENCE = "sequence"   # the logical name of axis 1 of the activations between units: ('sequence', 'tensor') turns
+                        # sequence parallelism on (`sequence_split`)
 
 
 def check_rules(rules, mesh) -> tuple:
