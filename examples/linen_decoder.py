@@ -61,7 +61,8 @@ class DecoderBlock(nn.Module):
         c = self.cfg
         y = nn.LayerNorm(name="ln_attn")(x) + sinusoid(positions, c.width)
         y = nn.MultiHeadDotProductAttention(c.heads, kernel_init=nn.with_logical_partitioning(
-            nn.initializers.normal(0.02), ("embed", "heads", "kv")), name="attn")(y, y, mask=mask, deterministic=True)
+            nn.initializers.normal(0.02), ("embed", "heads", "kv")), out_kernel_init=nn.with_logical_partitioning(
+            nn.initializers.normal(0.02), ("heads", "kv", "embed")), name="attn")(y, y, mask=mask, deterministic=True)
         x = x + nn.Dropout(c.dropout)(y, deterministic=deterministic)
         y = dense(c.mlp, ("embed", "mlp"), "up")(nn.LayerNorm(name="ln_mlp")(x))
         y = dense(c.width, ("mlp", "embed"), "down")(nn.gelu(y))

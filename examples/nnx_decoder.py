@@ -4,7 +4,9 @@
 
 The model knows nothing of jfsdp: an `nnx.List` of blocks of two kinds that alternate, local
 (sliding-window) attention and global attention, each called as `layer(x, positions, mask)` with
-rotary positions and its own mask; dropout draws from the model's own `nnx.Rngs`. jfsdp is told
+rotary positions and its own mask; dropout draws from the model's own `nnx.Rngs`; its kernels, a bias and
+the embedding carry logical axis names (`nnx.with_partitioning`), which tensor parallelism reads
+(docs/tensor-parallel.md). jfsdp is told
 which classes are the FSDP units (`units=(LocalBlock, GlobalBlock)`) and takes the module with its
 weights. On a machine without accelerators the script fakes 8 CPU devices.
 """
@@ -40,6 +42,15 @@ class Config:
     dropout: float = 0.0
 
 
+KERNEL, EMBED = nnx.initializers.lecun_normal(), nnx.initializers.variance_scaling(1.0, "fan_in", "normal", out_axis=0)
+
+
+def named(init, names):
+    """`init` whose parameter carries logical axis names (for tensor parallelism: docs/tensor-parallel.md);
+    not placed on a mesh when it is made (eager_sharding=False), jfsdp places it."""
+    return nnx.with_partitioning(init, names, eager_sharding=False)
+
+
 def rotate(x, positions):
     """Rotary position embedding over the last axis (pairs i, i + d/2)."""
     d = x.shape[-1]
@@ -56,9 +67,11 @@ class Block(nnx.Module):
         d, h = cfg.width, cfg.heads
         self.heads = h
         self.norm1, self.norm2 = nnx.RMSNorm(d, rngs=rngs), nnx.RMSNorm(d, rngs=rngs)
-        self.qkv = nnx.Linear(d, 3 * d, use_bias=False, rngs=rngs)
-        self.out = nnx.Linear(d, d, use_bias=False, rngs=rngs)
-        self.up, self.down = nnx.Linear(d, cfg.mlp, rngs=rngs), nnx.Linear(cfg.mlp, d, rngs=rngs)
+        self.qkv = nnx.Linear(d, 3 * d, use_bias=False, kernel_init=named(KERNEL, ("embed", "heads")), rngs=rngs)
+        self.out = nnx.Linear(d, d, use_bias=False, kernel_init=named(KERNEL, ("heads", "embed")), rngs=rngs)
+        self.up = nnx.Linear(d, cfg.mlp, kernel_init=named(KERNEL, ("embed", "mlp")),
+                             bias_init=named(nnx.initializers.zeros_init(), ("mlp",)), rngs=rngs)
+        self.down = nnx.Linear(cfg.mlp, d, kernel_init=named(KERNEL, ("mlp", "embed")), rngs=rngs)
         self.drop = nnx.Dropout(cfg.dropout, rngs=rngs)
 
     def attend(self, x, positions, mask, deterministic):
@@ -91,7 +104,7 @@ class LocalBlock(Block):
 
 class Decoder(nnx.Module):
     def __init__(self, cfg: Config, rngs: nnx.Rngs):
-        self.embed = nnx.Embed(cfg.vocab, cfg.width, rngs=rngs)
+        self.embed = nnx.Embed(cfg.vocab, cfg.width, embedding_init=named(EMBED, ("vocab", "embed")), rngs=rngs)
         self.layers = nnx.List([(LocalBlock if i % 2 == 0 else GlobalBlock)(cfg, rngs) for i in range(cfg.layers)])
         self.norm = nnx.RMSNorm(cfg.width, rngs=rngs)
         self.training = False

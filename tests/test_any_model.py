@@ -253,33 +253,6 @@ def test_dropout_changes_the_loss_and_differs_per_step():
     assert np.isfinite(float(loss(state.params, data[0])))
 
 
-# ---- checkpoints
-def test_nnx_saved_on_1x8_resumes_on_2x4(tmp_path):
-    from jfsdp.io.checkpoint import Checkpointer
-    data = batches(NCFG) + batches(NCFG)[:1]
-    opt = jfsdp_optimizer()
-    units = (nnx_ex.LocalBlock, nnx_ex.GlobalBlock)
-    a = jfsdp.fully_shard(nnx_model(), mesh("1x8"), data[0], units=units, remat="full")
-    step_a = jfsdp.make_train_step(a, opt, nnx_ex.loss_fn)
-    state = jfsdp.init_state(a, opt)
-    for b in data[:2]:
-        state, _ = step_a(state, b)
-    ckpt = Checkpointer(tmp_path / "ckpt", async_save=False)
-    ckpt.save(2, state, {}, plan=a)
-    never_stopped = []
-    for b in data[2:]:
-        state, m = step_a(state, b)
-        never_stopped.append(float(m["loss"]))
-    b2 = jfsdp.fully_shard(nnx_model(), mesh("2x4"), data[0], units=units, remat="full")
-    resumed = ckpt.restore(2, jfsdp.abstract_state(b2, opt))
-    step_b = jfsdp.make_train_step(b2, opt, nnx_ex.loss_fn)
-    losses = []
-    for b in data[2:]:
-        resumed, m = step_b(resumed, b)
-        losses.append(float(m["loss"]))
-    np.testing.assert_allclose(losses, never_stopped, rtol=1e-5)
-
-
 # ---- bad input: one ConfigError line each
 class Plain(nn.Module):
     @nn.compact
@@ -544,3 +517,121 @@ def test_nnx_scan_keeps_its_scan_and_equals_single_device():
     with jax.default_device(jax.devices()[0]):
         ref_losses, ref_final, _ = ref.run_steps(plain, loss, params.to_pure_dict(), data)
     assert_close(losses, ref_losses, sharded.gather(state.params), ref_final)
+
+
+# ---- tensor parallelism from the logical axis names the model carries (docs/tensor-parallel.md)
+def tensor_mesh(spec, t):
+    r, s = jfsdp.parse_mesh(spec)
+    return jfsdp.make_mesh(spec, devices=jax.devices()[: r * s * t], tensor=t)
+
+
+def train_steps(sharded, data, loss_fn, **init):
+    opt = jfsdp_optimizer()
+    state = jfsdp.init_state(sharded, opt, **init)
+    step = jfsdp.make_train_step(sharded, opt, loss_fn)
+    losses = []
+    for b in data:
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
+    return losses, state, step
+
+
+def test_linen_tensor_parallel_as_is_equals_single_device_and_gathers_one_tth(linen_reference):
+    """The Linen decoder as it is on 2x2 x tensor 2: its kernels' logical names (heads, mlp) put them on
+    `tensor`; losses and final parameters (norm scales, embeddings, biases included) are the single-device
+    trainer's. From the compiled step: each tensor-parallel leaf's FSDP all-gathers and reduce-scatters
+    over `fsdp` move 1/T of what the T = 1 plan's do (the planner's formula for that plan, which
+    test_linen_as_is_equals_single_device checks against its compiled step), every other leaf's the same."""
+    from jfsdp.engine.parallel.logical import LogicalTensorLayout
+    from jfsdp.planning import hlo, memory
+    variables, data, ref_losses, ref_final = linen_reference
+    rules, t = {"heads": "tensor", "mlp": "tensor"}, 2   # the vocabulary (61) does not divide by 2
+    m = tensor_mesh("2x2", t)
+    sharded = jfsdp.fully_shard(linen_ex.Decoder(LCFG), m, data[0], units=linen_ex.DecoderBlock, logical_rules=rules)
+    losses, state, step = train_steps(sharded, data, linen_ex.loss_fn, params=variables["params"])
+    assert_close(losses, ref_losses, sharded.gather(state.params), ref_final)
+
+    layouts = jax.tree_util.tree_flatten_with_path(sharded.layouts, is_leaf=lambda x: hasattr(x, "shards"))[0]
+    tp = {jax.tree_util.keystr(p): l for p, l in layouts if isinstance(l, LogicalTensorLayout)}
+    assert len(tp) == 6 * LCFG.layers and all(k.startswith("['block_") for k in tp)   # q k v out up down
+    plain = jfsdp.fully_shard(linen_ex.Decoder(LCFG), mesh("2x2"), data[0], units=linen_ex.DecoderBlock)
+    want = memory.comm_formula(plain)
+    s = sharded.shards
+    tp_bytes = sum(int(np.prod(l.full_shape)) * 4 * (s - 1) / s for l in tp.values())
+    got = hlo.per_axes(step.lower(state, data[0]).compile().as_text(), tuple(m.shape.items()))
+    fsdp = lambda kind: got.get((kind, ("fsdp",)), {}).get("wire_bytes", 0)
+    # each unit leaf gathered twice (forward; backward, ZeRO-3 with the gather recognized by remat's policy),
+    # reduced once
+    assert fsdp("all-gather") == want["all-gather"] - (1 - 1 / t) * 2 * tp_bytes, (got, want)
+    assert fsdp("reduce-scatter") == want["reduce-scatter"] - (1 - 1 / t) * tp_bytes, (got, want)
+    # nothing FSDP does spans `tensor`: the TP collectives are XLA's, over `tensor` alone
+    assert not [k for k in got if k[0] in ("all-gather", "reduce-scatter") and "tensor" in k[1] and len(k[1]) > 1]
+    assert got[("all-gather", ("tensor",))]["count"] > 0
+
+
+def test_nnx_tensor_parallel_as_is_equals_single_device_and_resumes_at_tensor_1(nnx_reference, tmp_path):
+    """The NNX decoder as it is on 1x2 x tensor 2, with rules that put `embed` on `tensor` too: a kernel
+    split on its input dimension, the tied embedding (a root leaf both the lookup and the head read) on
+    its width, a bias split with its layer's outputs; and the activations between units split on their
+    sequence (sequence parallelism). Saved before its last step, it resumes on a 1x4 plan (T = 1, another
+    S): the same last step, the reference's parameters (Adam's moments restored too)."""
+    from jfsdp.io.checkpoint import Checkpointer
+    data, ref_losses, ref_final = nnx_reference
+    units = (nnx_ex.LocalBlock, nnx_ex.GlobalBlock)
+    rules = (("heads", "tensor"), ("mlp", "tensor"), ("embed", "tensor"), ("sequence", "tensor"))
+    sharded = jfsdp.fully_shard(nnx_model(), tensor_mesh("1x2", 2), data[0], units=units, remat="dots",
+                                logical_rules=rules)
+    assert sharded.sequence_parallel
+    ckpt = Checkpointer(tmp_path / "ckpt", async_save=False)
+    opt, last = jfsdp_optimizer(), len(data) - 1
+    state = jfsdp.init_state(sharded, opt)
+    step = jfsdp.make_train_step(sharded, opt, nnx_ex.loss_fn)
+    losses = []
+    for i, b in enumerate(data):
+        if i == last:
+            ckpt.save(last, state, {}, plan=sharded)
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
+    assert_close(losses, ref_losses, sharded.gather(state.params), ref_final)
+    plain = jfsdp.fully_shard(nnx_model(), mesh("1x4"), data[0], units=units, remat="dots")
+    resumed = ckpt.restore(last, jfsdp.abstract_state(plain, opt))
+    resumed, m = jfsdp.make_train_step(plain, opt, nnx_ex.loss_fn)(resumed, data[last])
+    assert float(m["loss"]) == pytest.approx(losses[last], rel=1e-5)
+    ref.close(plain.gather(resumed.params), jax.device_get(ref_final), ref.PARAM_RTOL, "resumed",
+              ref.param_atol(STEPS))
+
+
+class NamedBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(6, kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp")))(x)
+
+
+class NamedModel(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return NamedBlock()(x)
+
+
+@pytest.mark.parametrize("model,t,kw,match", [
+    (NamedModel(), 2, {"logical_rules": {"mlp": "model"}}, "the mesh has no axis 'model'"),
+    (NamedModel(), 1, {"logical_rules": {"mlp": "tensor"}}, "the mesh has no axis 'tensor'"),
+    (NamedModel(), 2, {"logical_rules": {"mlp": "fsdp"}}, "maps a name to 'tensor' or None"),
+    (NamedModel(), 2, {"logical_rules": {"heads": "tensor"}}, r"put no parameter on 'tensor'.*'embed', 'mlp'"),
+    (Outer(), 2, {}, "put no parameter on 'tensor'.*none"),
+    (NamedModel(), 4, {}, r"tensor 4 does not divide dimension 1 \('mlp', 6\) of parameter \['NamedBlock_0'\]"),
+    (NamedModel(), 2, {"tensor_plan": jfsdp.TensorPlan({"a": "colwise"})}, "logical_rules="),
+    (NamedModel(), 2, {"strategy": "no_shard"}, "no_shard is not supported"),
+])
+def test_tensor_parallel_bad_input_is_one_config_error(model, t, kw, match):
+    units = NamedBlock if isinstance(model, NamedModel) else Plain
+    with pytest.raises(jfsdp.ConfigError, match=match) as e:
+        jfsdp.fully_shard(model, tensor_mesh("1x2", t), {"inputs": X}, units=units, **kw)
+    assert "\n" not in str(e.value)
+
+
+def test_the_planner_refuses_an_as_is_model_at_tensor_2():
+    from jfsdp.planning import memory
+    sharded = jfsdp.fully_shard(NamedModel(), tensor_mesh("1x2", 2), {"inputs": X}, units=NamedBlock)
+    with pytest.raises(jfsdp.ConfigError, match="does not model a model given as it is with tensor parallelism"):
+        memory.comm_formula(sharded)

@@ -24,11 +24,13 @@ from jax.sharding import PartitionSpec as P
 
 from jfsdp.config.errors import ConfigError
 from jfsdp.config.mesh import AXES, mesh_shape
-from jfsdp.engine.fsdp import is_unreduced, unshard, unshard_tree
+from jfsdp.engine.fsdp import is_unreduced, unshard_tree
 from jfsdp.engine.flax_models import Found, UnitMatcher, adapt
 from jfsdp.engine.float8_any import mark_units, unit_compute
 from jfsdp.engine.model_tree import path_text, scanned_units, subtree, with_subtree, without
 from jfsdp.engine.layout import is_layout, listing, paths
+from jfsdp.engine.parallel.as_is_tensor import TensorAsIs
+from jfsdp.engine.parallel.logical import linen_names, nnx_names
 from jfsdp.engine.sharded import FSDP
 from jfsdp.engine.unit_call import call_unit
 
@@ -53,16 +55,17 @@ def _where(error) -> str:
     return f" at {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].name})" if frames else ""
 
 
-class AsIs(FSDP):
+class AsIs(TensorAsIs, FSDP):
     """A Flax model as it is, placed on a mesh with a strategy. Build it with `fully_shard(model, mesh,
     example_batch, units=...)`."""
     as_is = True   # the planner sees it as root + stages through jfsdp.planning.as_is.AsIsView
 
     def __init__(self, model, mesh, example_batch, units, call, strategy, mp_policy, remat, seed=0,
-                 rng_streams=("dropout",), init=None):
+                 rng_streams=("dropout",), init=None, logical_rules=None):
         self.model, self.mesh = adapt(model, call, rng_streams, init), mesh
         self.shards = mesh_shape(mesh)[1] if strategy.sharded else 1
         self.set_strategy(strategy, mp_policy, remat)
+        self.set_tensor(logical_rules, strategy, mp_policy)   # T > 1: parallel/as_is_tensor.py
         self.prefetch, self.moe, self.moe_stages = False, None, ()
         self.seed = seed
         self.example_batch = _abstract(example_batch if isinstance(example_batch, Mapping)
@@ -94,8 +97,9 @@ class AsIs(FSDP):
                     raise ConfigError(f"the model has variable collections {', '.join(others)} besides 'params' (e.g. "
                                       "batch statistics it writes during training): not supported, only 'params'")
                 params = _unboxed(variables.get("params", {}))
+                self.names = linen_names(variables.get("params", {}))   # logical axis names, for T > 1
             else:
-                params = _abstract(m.params())
+                params, self.names = _abstract(m.params()), nnx_names(m.params_state)
                 jax.eval_shape(lambda b: m.trace_units(b, self.matcher, found), self.example_batch)
         except ConfigError:
             raise
@@ -160,7 +164,7 @@ class AsIs(FSDP):
                          [jax.tree.map(lambda _: (n,), l, is_leaf=is_layout) for l, n in zip(stage_l, self.stage_sizes)])
         leads = jax.tree.leaves(lead, is_leaf=lambda x: isinstance(x, tuple))
         for (k, l), n in zip(want.items(), leads):
-            shape = (*n, *(l.stored_shape if stored else l.shape))
+            shape = (*n, *(l.stored_full_shape if stored else l.full_shape))
             if np.shape(got[k]) != shape:
                 raise ConfigError(f"{what}{k} has shape {np.shape(got[k])}, expected {shape}")
         return jax.tree.unflatten(jax.tree.structure(self.layouts, is_leaf=is_layout), [got[k] for k in want])
@@ -182,7 +186,7 @@ class AsIs(FSDP):
         """The shards as ShapeDtypeStructs carrying their shardings (from the layouts: no initializer runs)."""
         root_l, stage_l = self.split(self.layouts)
         root_s, stage_s = self.split(self.param_shardings)
-        sds = lambda lead: lambda l, s: jax.ShapeDtypeStruct((*lead, *l.stored_shape), l.dtype, sharding=s)
+        sds = lambda lead: lambda l, s: jax.ShapeDtypeStruct((*lead, *l.stored_full_shape), l.dtype, sharding=s)
         return self.join(jax.tree.map(sds(()), root_l, root_s, is_leaf=is_layout),
                          [jax.tree.map(sds((n,)), l, s, is_leaf=is_layout)
                           for l, s, n in zip(stage_l, stage_s, self.stage_sizes)])
@@ -208,14 +212,16 @@ class AsIs(FSDP):
         lay = jax.tree.leaves(self.layouts, is_leaf=is_layout)
         keys = [self.unit_of[jax.tree_util.keystr(p)] for p, _ in flat]
         # the root is gathered once per step; a unit's leaves stay shards until the unit is called
-        tree = jax.tree.unflatten(treedef, [x if u is not None else unshard(x, l, self.comm)
+        tree = jax.tree.unflatten(treedef, [x if u is not None else self.gather_root(x, l)
                                             for (_, x), l, u in zip(flat, lay, keys)])
 
         def hook(path, shards, fn, inputs):
             ls = jax.tree.unflatten(jax.tree.structure(shards, is_leaf=is_unreduced), self._unit_layouts(path, shards))
             if self.mp.float8 is not None:
                 return call_unit(unit_compute(fn, ls, self.comm), shards, inputs, self.policy)
-            return call_unit(lambda s, i: fn(unshard_tree(s, ls, self.comm), i), shards, inputs, self.policy)
+            inputs = self.sequence_split(inputs)   # T > 1: the residual stream split on its sequence
+            return self.sequence_split(call_unit(lambda s, i: fn(unshard_tree(s, ls, self.comm), i), shards, inputs,
+                                                 self.policy))
         key = self._step_key(rows)
         units = set(self.units)
         if self.model.kind == "linen":
@@ -249,7 +255,7 @@ class AsIs(FSDP):
     def batch_loss(self, loss_fn, params, batch):
         batch = dict(batch)
         rows = batch.pop(RNG_ROWS, None)
-        return self.scalar_loss(loss_fn(self.forward(params, batch, rows), batch))
+        return self.scalar_loss(loss_fn(self.forward(params, batch, rows), batch)) * self.loss_weight
 
     def step_batch(self, batch, step):
         """The batch with the rows that carry each step's random numbers to the devices (step, row)."""

@@ -36,7 +36,8 @@ def resolve_strategy(strategy, reshard_after_forward) -> Strategy:
 
 def fully_shard(model, mesh, example_inputs, *, units=None, call: Callable | None = None, strategy="full_shard",
                 mp_policy=None, remat="none", reshard_after_forward=None, prefetch=None, moe=None, seed: int = 0,
-                rng_streams=("dropout",), init: Callable | None = None, tensor_plan=None, async_tp=None):
+                rng_streams=("dropout",), init: Callable | None = None, tensor_plan=None, async_tp=None,
+                logical_rules=None):
     """Apply FSDP to a model from outside.
 
     A Flax model as it is (docs/any-model.md): `model` is an unbound Linen module or an NNX module
@@ -59,7 +60,9 @@ def fully_shard(model, mesh, example_inputs, *, units=None, call: Callable | Non
     Tensor parallelism: on a mesh with a `tensor` axis (`make_mesh(spec, tensor=T)`), a `Stacked` model
     takes `tensor_plan=jfsdp.TensorPlan({regex: 'colwise' | 'rowwise' | 'replicate'})`; Megatron-SP runs
     inside the units (docs/tensor-parallel.md). `async_tp` decomposes its collectives into rings of
-    matmuls that overlap their transfers (None: on GPUs)."""
+    matmuls that overlap their transfers (None: on GPUs). A model given as it is takes it from the logical
+    axis names its parameters carry, mapped by `logical_rules` ((name, 'tensor' or None) pairs; default
+    mlp, heads, kv, vocab -> tensor), XLA partitioning the units over `tensor` (parallel/logical.py)."""
     strategy = resolve_strategy(strategy, reshard_after_forward)
     mp_policy = mp_policy or MixedPrecision()
     if not isinstance(model, (Stacked, Staged)):
@@ -73,13 +76,17 @@ def fully_shard(model, mesh, example_inputs, *, units=None, call: Callable | Non
                               "model's own loop, which the prefetch pipeline cannot reorder; use jfsdp.Stacked for it")
         if moe is not None:
             raise ConfigError("moe= applies to jfsdp.Stacked / jfsdp.Staged models")
-        if tensor_size(mesh) > 1 or tensor_plan is not None:
-            raise ConfigError("tensor parallelism for a model given as it is is not supported yet "
-                              "(docs/tensor-parallel.md): use jfsdp.Stacked with a tensor_plan")
+        if tensor_plan is not None or async_tp:
+            raise ConfigError("a model given as it is takes tensor parallelism from its logical axis names: pass "
+                              "logical_rules= (e.g. {'mlp': 'tensor'}), not tensor_plan= or async_tp= "
+                              "(docs/tensor-parallel.md)")
         if not isinstance(example_inputs, Mapping) and not hasattr(example_inputs, "shape"):
             raise ConfigError("example_inputs must be a batch dict of arrays or ShapeDtypeStructs (or an inputs array), "
                               f"got {type(example_inputs).__name__}")
-        return AsIs(model, mesh, example_inputs, units, call, strategy, mp_policy, remat, seed, rng_streams, init)
+        return AsIs(model, mesh, example_inputs, units, call, strategy, mp_policy, remat, seed, rng_streams, init,
+                    logical_rules)
+    if logical_rules is not None:
+        raise ConfigError("logical_rules= describes a model given as it is; a jfsdp.Stacked model takes tensor_plan=")
     if units is not None or call is not None or init is not None:
         raise ConfigError("units=, call= and init= describe a model given as it is; a jfsdp.Stacked / Staged model "
                           "names its units itself")

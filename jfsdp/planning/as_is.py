@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jfsdp.config.errors import ConfigError
 from jfsdp.config.policy import REMAT_POLICIES, wire_dtype
 from jfsdp.engine.layout import is_layout, stored_bytes
 from jfsdp.engine.model_tree import subtree, without
@@ -92,6 +93,10 @@ def view(plan):
     that what it traced is kept), the plan itself otherwise."""
     if not getattr(plan, "as_is", False) or isinstance(plan, AsIsView):
         return plan
+    if plan.tensor > 1:
+        raise ConfigError("the planner does not model a model given as it is with tensor parallelism (T > 1) yet: "
+                          "XLA chooses its collectives over 'tensor' (docs/limits.md); compile the step and read "
+                          "jfsdp.planning.memory.measure / comm_measured instead")
     if not isinstance(plan.__dict__.get("planner_view"), AsIsView):
         plan.planner_view = AsIsView(plan)
     return plan.planner_view
