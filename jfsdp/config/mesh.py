@@ -12,7 +12,7 @@ import re
 
 from jfsdp.config.errors import ConfigError
 
-DATA_AXIS, FSDP_AXIS, TENSOR_AXIS = "data", "fsdp", "tensor"
+DATA_AXIS, FSDP_AXIS, CONTEXT_AXIS, TENSOR_AXIS = "data", "fsdp", "context", "tensor"
 AXES = (DATA_AXIS, FSDP_AXIS)   # the axes the batch's rows are split over
 
 

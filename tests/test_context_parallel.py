@@ -1,0 +1,109 @@
+"""Context parallelism (jfsdp/engine/parallel/context.py): ring attention over a `context` axis against
+the whole sequence's causal grouped-query attention computed in float64 without jfsdp, the zigzag load
+balance counted, and the ring's collective-permutes read from the compiled program."""
+import functools
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jfsdp.config.errors import ConfigError
+from jfsdp.engine.parallel.context import Kernel, ring_attention, unzigzag, zigzag, zigzag_order
+from jfsdp.planning import hlo
+from models.attention import blockwise_attention_bwd, blockwise_attention_fwd
+
+# ring (fp32) against float64, relative to the largest magnitude. Floor, the worst of out/dq/dk/dv over
+# C = 2, 4, 8 with and without zigzag, native (AVX2) and --xla_cpu_max_isa=SSE4_2: 4.7e-7 (one device's
+# blockwise attention: 3.4e-7), 2026-11-26; docs/context-parallel.md. A wrong mask, a lost hop or a
+# gradient left on the wrong rank is an error of order 1.
+RTOL = 2e-6
+BLOCK = 4
+KERNEL = Kernel(lambda q, k, v, causal: blockwise_attention_fwd(q, k, v, causal=causal, block=BLOCK),
+                lambda q, k, v, o, lse, do, causal: blockwise_attention_bwd(q, k, v, o, lse, do, causal=causal,
+                                                                             block=BLOCK))
+
+
+def attention64(q, k, v, do):
+    """Causal GQA attention and its gradients for cotangent do, in float64 numpy."""
+    q, k, v, do = (np.asarray(x, np.float64) for x in (q, k, v, do))
+    b, t, h, d = q.shape
+    g = h // k.shape[2]
+    kr, vr = np.repeat(k, g, 2), np.repeat(v, g, 2)
+    s = np.where(np.tril(np.ones((t, t), bool)), np.einsum("bqhd,bkhd->bhqk", q, kr) / np.sqrt(d), -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    dp = np.einsum("bqhd,bkhd->bhqk", do, vr)
+    ds = p * (dp - np.sum(dp * p, -1, keepdims=True)) / np.sqrt(d)
+    per_kv = lambda x: x.reshape(b, t, k.shape[2], g, d).sum(3)
+    return (np.einsum("bhqk,bkhd->bqhd", p, vr), np.einsum("bhqk,bkhd->bqhd", ds, kr),
+            per_kv(np.einsum("bhqk,bqhd->bkhd", ds, q)), per_kv(np.einsum("bhqk,bqhd->bkhd", p, do)))
+
+
+def ring_program(context, zz, grads=True):
+    """jit of (q, k, v, do) -> ring output and (dq, dk, dv), all in sequence order, on `context` devices."""
+    mesh = Mesh(np.array(jax.devices()[:context]), ("context",))
+    ring = jax.shard_map(functools.partial(ring_attention, kernel=KERNEL, zigzag=zz), mesh=mesh,
+                         in_specs=(P(None, "context"),) * 3, out_specs=P(None, "context"), check_vma=False)
+    there = (lambda x: zigzag(x, context)) if zz else (lambda x: x)
+    back = (lambda x: unzigzag(x, context)) if zz else (lambda x: x)
+
+    def run(q, k, v, do):
+        o, vjp = jax.vjp(lambda *a: back(ring(*map(there, a))), q, k, v)
+        return (o, *vjp(do)) if grads else o
+    return jax.jit(run)
+
+
+def inputs(t, b=2, h=4, kv=2, d=8):
+    ks = jax.random.split(jax.random.key(0), 4)
+    return (jax.random.normal(ks[0], (b, t, h, d)), jax.random.normal(ks[1], (b, t, kv, d)),
+            jax.random.normal(ks[2], (b, t, kv, d)), jax.random.normal(ks[3], (b, t, h, d)))
+
+
+@pytest.mark.parametrize("context", [2, 4])
+@pytest.mark.parametrize("zz", [True, False], ids=["zigzag", "contiguous"])
+def test_ring_attention_equals_full_causal_attention(context, zz):
+    """Output and dq, dk, dv of ring attention (GQA 4:2) equal the full sequence's in float64; the
+    compiled program's collective-permutes are the ring's: forward C - 1 hops of the K and V blocks,
+    backward C - 1 hops of K, V, dK, dV and one of dK, dV home, each one local K (or V) block."""
+    q, k, v, do = inputs(8 * context)
+    compiled = ring_program(context, zz).lower(q, k, v, do).compile()
+    for name, got, want in zip(("out", "dq", "dk", "dv"), compiled(q, k, v, do), attention64(q, k, v, do)):
+        err = np.max(np.abs(np.asarray(got, np.float64) - want)) / np.max(np.abs(want))
+        assert err < RTOL, (name, err)
+    block = k.size // context * k.dtype.itemsize                 # one rank's K (or V) block, bytes
+    perms = [c for c in hlo.collectives(compiled.as_text()) if c.kind == "collective-permute"]
+    assert len(perms) == 2 * (context - 1) + 4 * (context - 1) + 2
+    assert all(c.result_bytes == block for c in perms)
+
+
+def test_ring_forward_collective_permutes():
+    """Forward alone: exactly (C - 1) hops of the K and V blocks, at C = 4."""
+    q, k, v, do = inputs(16)
+    text = ring_program(4, True, grads=False).lower(q, k, v, do).compile().as_text()
+    perms = [c for c in hlo.collectives(text) if c.kind == "collective-permute"]
+    assert [c.result_bytes for c in perms] == [k.size // 4 * 4] * (2 * 3)
+
+
+def _unmasked_pairs(order, context):
+    """Unmasked (query, key) pairs of a causal mask that each rank computes when rank r holds the tokens
+    order[r*n:(r+1)*n] (their positions)."""
+    pos = order.reshape(context, -1)
+    return [int((pos[r][:, None] >= order[None, :]).sum()) for r in range(context)]
+
+
+@pytest.mark.parametrize("context", [2, 4, 8])
+def test_zigzag_balances_the_causal_work(context):
+    """With zigzag every rank has the same number of unmasked pairs; in contiguous blocks the last rank
+    has (2C - 1) / C^2 of them (C = 8: 23%, where 1/C = 12.5% would be balanced); counted over positions."""
+    t = 16 * context
+    z, plain = _unmasked_pairs(zigzag_order(t, context), context), _unmasked_pairs(np.arange(t), context)
+    total = t * (t + 1) // 2
+    assert sum(z) == sum(plain) == total and len(set(z)) == 1
+    n = t // context
+    assert plain[-1] == n * n * (context - 1) + n * (n + 1) // 2 and plain[-1] > 1.4 * total / context
+    x = np.arange(3 * t).reshape(3, t)
+    assert (unzigzag(zigzag(x, context), context) == x).all() and not (zigzag(x, context) == x).all()
+    with pytest.raises(ConfigError, match="2\\*C"):
+        zigzag_order(t + 2, context)
