@@ -4,6 +4,7 @@ balance counted, and the ring's collective-permutes read from the compiled progr
 import functools
 
 import jax
+import jfsdp
 import numpy as np
 import pytest
 from jax.sharding import Mesh
@@ -107,3 +108,32 @@ def test_zigzag_balances_the_causal_work(context):
     assert (unzigzag(zigzag(x, context), context) == x).all() and not (zigzag(x, context) == x).all()
     with pytest.raises(ConfigError, match="2\\*C"):
         zigzag_order(t + 2, context)
+
+
+def test_mesh_context_axis():
+    """make_mesh(spec, context=C): axes (data, fsdp, context[, tensor]), `tensor` innermost; C = 1 is the mesh
+    made without it (the same devices in the same places, so the same programs); bad sizes refused."""
+    from jfsdp import plan
+    devs = jax.devices()
+    for spec, t in (("2x8", 1), ("2x4", 2)):
+        base, same = jfsdp.make_mesh(spec, tensor=t), jfsdp.make_mesh(spec, tensor=t, context=1)
+        assert base == same and base.axis_names == same.axis_names and (base.devices == same.devices).all()
+    m = jfsdp.make_mesh("2x2", devices=devs[:16], tensor=2, context=2)
+    assert m.axis_names == ("data", "fsdp", "context", "tensor") and dict(m.shape) == {
+        "data": 2, "fsdp": 2, "context": 2, "tensor": 2}
+    assert (m.devices.reshape(-1) == np.array(devs[:16])).all() and jfsdp.context_size(m) == 2
+    assert jfsdp.make_mesh("1x4", devices=devs[:8], context=2).axis_names == ("data", "fsdp", "context")
+    spec = jfsdp.MeshSpec(2, 2, tensor=2, context=2)
+    assert spec.devices == 16 and spec.describe() == (
+        "2x2 --context 2 --tensor 2 (2 replicas x 2 shards x 2 context-parallel ranks x 2 tensor-parallel ranks)")
+    spec.check_seq_len(64)
+    with pytest.raises(ConfigError, match="multiple of 8"):
+        spec.check_seq_len(36)
+    with pytest.raises(ConfigError, match="needs 12 devices but 16"):
+        jfsdp.make_mesh("1x2", context=3, tensor=2)
+    with pytest.raises(ConfigError, match="context-parallel size"):
+        jfsdp.make_mesh("1x2", context=0)
+    with pytest.raises(ConfigError, match="not supported by fully_shard yet"):
+        jfsdp.fully_shard(None, jfsdp.make_mesh("1x2", devices=devs[:4], context=2), None)
+    assert plan.main(["--model", "llama-test", "--mesh", "1x2", "--context", "2", "--seq-len", "64"]) == 2
+    assert plan.main(["--model", "llama-test", "--mesh", "1x2", "--context", "3", "--seq-len", "64"]) == 2

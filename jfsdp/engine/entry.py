@@ -10,7 +10,7 @@ import flax.linen as nn
 from flax import nnx
 
 from jfsdp.config.errors import ConfigError
-from jfsdp.config.mesh import tensor_size
+from jfsdp.config.mesh import context_size, tensor_size
 from jfsdp.config.policy import MixedPrecision, Strategy
 from jfsdp.engine.as_is import AsIs
 from jfsdp.engine.layout import Stacked, Staged, check_model
@@ -62,6 +62,9 @@ def fully_shard(model, mesh, example_inputs, *, units=None, call: Callable | Non
     matmuls that overlap their transfers (None: on GPUs)."""
     strategy = resolve_strategy(strategy, reshard_after_forward)
     mp_policy = mp_policy or MixedPrecision()
+    if context_size(mesh) > 1:
+        raise ConfigError(f"a mesh with context {context_size(mesh)} is not supported by fully_shard yet: only ring "
+                          "attention exists (jfsdp.engine.parallel.context); docs/context-parallel.md")
     if not isinstance(model, (Stacked, Staged)):
         if not isinstance(model, (nn.Module, nnx.Module)):
             check_model(model)   # neither form: the error names both
