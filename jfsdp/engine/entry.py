@@ -36,7 +36,8 @@ def resolve_strategy(strategy, reshard_after_forward) -> Strategy:
 
 def fully_shard(model, mesh, example_inputs, *, units=None, call: Callable | None = None, strategy="full_shard",
                 mp_policy=None, remat="none", reshard_after_forward=None, prefetch=None, moe=None, seed: int = 0,
-                rng_streams=("dropout",), init: Callable | None = None, tensor_plan=None, async_tp=None):
+                rng_streams=("dropout",), init: Callable | None = None, tensor_plan=None, async_tp=None,
+                context_attention=None):
     """Apply FSDP to a model from outside.
 
     A Flax model as it is (docs/any-model.md): `model` is an unbound Linen module or an NNX module
@@ -62,9 +63,6 @@ def fully_shard(model, mesh, example_inputs, *, units=None, call: Callable | Non
     matmuls that overlap their transfers (None: on GPUs)."""
     strategy = resolve_strategy(strategy, reshard_after_forward)
     mp_policy = mp_policy or MixedPrecision()
-    if context_size(mesh) > 1:
-        raise ConfigError(f"a mesh with context {context_size(mesh)} is not supported by fully_shard yet: only ring "
-                          "attention exists (jfsdp.engine.parallel.context); docs/context-parallel.md")
     if not isinstance(model, (Stacked, Staged)):
         if not isinstance(model, (nn.Module, nnx.Module)):
             check_model(model)   # neither form: the error names both
@@ -76,6 +74,9 @@ def fully_shard(model, mesh, example_inputs, *, units=None, call: Callable | Non
                               "model's own loop, which the prefetch pipeline cannot reorder; use jfsdp.Stacked for it")
         if moe is not None:
             raise ConfigError("moe= applies to jfsdp.Stacked / jfsdp.Staged models")
+        if context_size(mesh) > 1 or context_attention is not None:
+            raise ConfigError("context parallelism for a model given as it is is not supported yet "
+                              "(docs/context-parallel.md): use jfsdp.Stacked with context_attention")
         if tensor_size(mesh) > 1 or tensor_plan is not None:
             raise ConfigError("tensor parallelism for a model given as it is is not supported yet "
                               "(docs/tensor-parallel.md): use jfsdp.Stacked with a tensor_plan")
@@ -92,4 +93,5 @@ def fully_shard(model, mesh, example_inputs, *, units=None, call: Callable | Non
                           f"got {type(example_inputs).__name__}")
     if async_tp and tensor_size(mesh) == 1:
         raise ConfigError("async_tp=True needs a mesh with a tensor axis of size > 1 (make_mesh(spec, tensor=T))")
-    return FSDP(model, mesh, example_inputs, strategy, mp_policy, remat, prefetch, moe, tensor_plan, async_tp)
+    return FSDP(model, mesh, example_inputs, strategy, mp_policy, remat, prefetch, moe, tensor_plan, async_tp,
+                context_attention)

@@ -27,13 +27,16 @@ from __future__ import annotations
 import functools
 from typing import Callable, NamedTuple
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from jfsdp.config.errors import ConfigError
-from jfsdp.config.mesh import CONTEXT_AXIS
+from jfsdp.config.mesh import CONTEXT_AXIS, context_size, tensor_size
+from jfsdp.engine.layout import Stacked
 from jfsdp.engine.unit_call import tie
 
 _NEG = -1e30   # the log-sum-exp of an empty (wholly masked) row: exp(_NEG - l) is 0 for any finite l
@@ -167,3 +170,69 @@ def _ring_bwd(kernel, zigzag, axis, res, do):
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+# ---- the engine at C > 1 (jfsdp.engine.sharded): what it supports, and the unit's attention as a ring
+
+LATER = "is not supported with context parallelism yet (docs/context-parallel.md)"
+HOOKS = ("positions", "attend")
+
+
+def check(model, mesh, strategy, mp_policy, prefetch, moe, kernel):
+    """`kernel` (fully_shard's context_attention); ConfigError for what C > 1 does not support yet."""
+    c = context_size(mesh)
+    if c == 1:
+        if kernel is not None:
+            raise ConfigError("context_attention= needs a mesh with a context axis of size > 1 "
+                              "(make_mesh(spec, context=C))")
+        return None
+    if not isinstance(kernel, Kernel):
+        raise ConfigError(f"a mesh with context {c} needs context_attention=jfsdp.engine.parallel.context.Kernel(fwd, "
+                          "bwd): the per-block attention of the ring (models/factory.py's context_kernel for Llama)")
+    for what, bad in (("a jfsdp.Staged model", not isinstance(model, Stacked)), ("tensor parallelism",
+                      tensor_size(mesh) > 1), (f"strategy {strategy.value}", not strategy.sharded),
+                      ("the prefetch pipeline", bool(prefetch)), ("moe=", moe is not None),
+                      ("float8", mp_policy.float8 is not None)):
+        if bad:
+            raise ConfigError(f"{what} {LATER}")
+    return kernel
+
+
+def placement(batch_spec, loss_axes, context: int):
+    """(the batch's PartitionSpec, the axes the loss is averaged over): at C > 1 the sequence (dimension 1)
+    lies on `context`, in the zigzag order the data loader gave it (`zigzag`)."""
+    if context == 1:
+        return batch_spec, loss_axes
+    if len(batch_spec) > 1:
+        raise ConfigError(f"context parallelism with another axis on the sequence {LATER}")
+    return P(batch_spec[0], CONTEXT_AXIS), (*loss_axes, CONTEXT_AXIS)
+
+
+def with_ring(apply, kernel: Kernel, context: int):
+    """A unit's (params, h) -> h with its attention run as a ring over `context` on zigzag-ordered tokens:
+    the unit's modules' `positions(t)` give this rank's tokens' positions, and `attend(q, k, v)` runs
+    `ring_attention`. A unit that calls neither is refused: its attention would see this rank's tokens only.
+    At C = 1, `apply` itself."""
+    if context == 1:
+        return apply
+    def intercept(next_fun, args, kwargs, ctx):
+        if ctx.method_name not in HOOKS:
+            return next_fun(*args, **kwargs)
+        seen.add(ctx.method_name)
+        if ctx.method_name == "attend":
+            return ring_attention(*args, kernel, **kwargs)
+        t, c = args[0], lax.axis_size(CONTEXT_AXIS)
+        order = jnp.asarray(zigzag_order(t * c, c), jnp.float32).reshape(c, t)
+        return order[lax.axis_index(CONTEXT_AXIS)]
+
+    seen = set()
+
+    def run(params, h):
+        with nn.intercept_methods(intercept):
+            out = apply(params, h)
+        if seen != set(HOOKS):
+            raise ConfigError("context parallelism needs the unit's attention reachable: a module method "
+                              "positions(t) giving the tokens' positions (RoPE) and attend(q, k, v) doing causal "
+                              f"attention, as models/llama.py's Attention has; this unit called {sorted(seen) or 'neither'}")
+        return out
+    return run
