@@ -59,8 +59,8 @@ def model_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
                    "Megatron tensor and sequence parallelism inside each unit (docs/tensor-parallel.md)")
     g.add_argument("--context", type=int, default=d.context, metavar="C",
                    help="context-parallel size: a mesh axis of C devices between fsdp and tensor (R*S*C*T devices in "
-                   "all) over which each sequence is split, attention as a ring (docs/context-parallel.md; not wired "
-                   "into training yet: C > 1 is refused)")
+                   "all) over which each sequence is split, attention as a ring, weights sharded over fsdp x context "
+                   "(docs/context-parallel.md)")
     g.add_argument("--async-tp", default=d.async_tp, choices=ASYNC_TP,
                    help="with --tensor T > 1: run each TP all-gather and reduce-scatter as a ring of T-1 transfers, "
                    "each overlapping a block's matmul (a collective matmul; auto: on GPUs)")
@@ -256,9 +256,15 @@ def check_context_flags(c: TrainConfig) -> None:
         mesh_spec(c.mesh, max(c.tensor, 1), c.context).check_seq_len(c.seq_len)
     except ConfigError as e:
         fail(str(e))
-    if c.context > 1:
-        fail(f"--context {c.context}: context parallelism is not wired into training yet, only its ring attention "
-             "exists (docs/context-parallel.md)")
+    later = [flag for flag, on in [("--tensor > 1", c.tensor > 1),
+                                   (f"--precision {c.precision}", c.precision.startswith("fp8")),
+                                   ("--strategy no_shard", c.strategy.strip().lower() == "no_shard"),
+                                   ("--grad-accum > 1", c.grad_accum > 1), ("--update-in-backward", c.update_in_backward),
+                                   ("checkpoints (--ckpt-dir, --init-from)", bool(c.ckpt_dir or c.init_from)),
+                                   ("several processes", (c.num_processes or 1) > 1 or bool(c.coordinator))] if on]
+    if c.context > 1 and later:
+        fail(f"--context {c.context}: {', '.join(later)} {'is' if len(later) == 1 else 'are'} not supported with "
+             "context parallelism yet (docs/context-parallel.md)")
 
 
 def prefetches(c: TrainConfig) -> bool:

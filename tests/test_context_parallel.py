@@ -12,7 +12,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jfsdp.config.errors import ConfigError
-from jfsdp.engine.parallel.context import Kernel, ring_attention, unzigzag, zigzag, zigzag_order
+from jfsdp.config.sequence import unzigzag, zigzag, zigzag_order
+from jfsdp.engine.parallel.context import Kernel, ring_attention
 from jfsdp.planning import hlo
 from models.attention import blockwise_attention_bwd, blockwise_attention_fwd
 
@@ -191,3 +192,18 @@ def test_what_context_parallelism_refuses():
     plan = jfsdp.fully_shard(jfsdp.Stacked(root, unit, n), mesh, x, context_attention=kernel)
     with pytest.raises(ConfigError, match="attention reachable"):
         jax.eval_shape(plan.apply, plan.abstract_params(), x)
+
+
+def test_the_data_loader_gives_zigzag_order():
+    """Loader(context=C): each batch (training and validation) is the C = 1 batch with every sequence's
+    inputs and targets permuted by zigzag_order, so each target stays its input's next token."""
+    from jfsdp.io.corpus import Corpus
+    from jfsdp.io.data import Loader
+    tokens = np.arange(4000, dtype=np.int32)
+    corpus = Corpus(tokens[:3000], tokens[3000:], "count", False, 1)
+    plain, cp = Loader(corpus, 4, 16, seed=1), Loader(corpus, 4, 16, seed=1, context=2)
+    for a, b in [(plain.batch(3), cp.batch(3)), (plain.val_batches(1)[0], cp.val_batches(1)[0])]:
+        assert set(a) == set(b) == {"inputs", "targets"}
+        for k in a:
+            assert (b[k] == zigzag(a[k], 2)).all() and (b[k] != a[k]).any()
+        assert (b["targets"] == b["inputs"] + 1).all()

@@ -96,7 +96,8 @@ BAD = {
     "moe-buckets-without-adaptive": (["--model", "moe-test", "--moe-buckets", "64,128"], "apply to --moe adaptive"),
     "context-zero": (["--context", "0"], "--context must be at least 1"),
     "context-seq-len": (["--mesh", "1x2", "--context", "3", "--seq-len", "64"], "2*C = 6 equal chunks"),
-    "context-not-wired": (["--mesh", "1x2", "--context", "2", "--batch-size", "2"], "not wired into training yet"),
+    "context-with-tensor": (["--mesh", "1x2", "--context", "2", "--tensor", "2", "--batch-size", "2"],
+                            "--tensor > 1 is not supported with context parallelism yet"),
 }
 
 

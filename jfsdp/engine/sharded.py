@@ -35,7 +35,7 @@ class FSDP(ParamLayout):
 
     def __init__(self, model, mesh, example_inputs, strategy, mp_policy, remat, prefetch=None, moe=None,
                  tensor_plan=None, async_tp=None, context_attention=None):
-        self.context_attention = cp.check(model, mesh, strategy, mp_policy, prefetch, moe, context_attention)
+        self.context_attention, prefetch = cp.check(model, mesh, strategy, mp_policy, prefetch, moe, context_attention)
         prefetch = support.check(model, mesh, strategy, mp_policy, prefetch, moe, tensor_plan)
         super().__init__(model, mesh, example_inputs, sharded=strategy.sharded, tensor_plan=tensor_plan,
                          shards=mesh_shape(mesh)[1] * context_size(mesh) if strategy.sharded else 1)

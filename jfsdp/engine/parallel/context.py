@@ -10,9 +10,9 @@ dK, dV home; dQ stays local. Only this rank's block is saved for the backward pa
 others again (a data dependency on the cotangent keeps XLA from reusing the forward's received blocks).
 
 Load balance ("zigzag"): with a causal mask, the rank holding the end of the sequence would do all the
-work. The sequence is cut into 2C chunks and rank r holds chunks r and 2C-1-r (`zigzag_order`; the data
-loader applies it once, and the positions that RoPE needs travel with the tokens: they are the order
-itself). Then at every step but the first, every rank computes exactly two (L x L) unmasked blocks, L =
+work. The sequence is cut into 2C chunks and rank r holds chunks r and 2C-1-r (jfsdp/config/sequence.py;
+the data loader applies it once, and the positions that RoPE needs travel with the tokens: they are the
+order itself). Then at every step but the first, every rank computes exactly two (L x L) unmasked blocks, L =
 T / 2C: if the K/V block comes from an earlier rank (s < r) its first chunk is seen by both local query
 chunks; if from a later rank, both of its chunks are seen by the second local query chunk. The chunk
 pair (second queries, first keys) is common to both cases; the other pair is chosen by a select, not a
@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from jfsdp.config.errors import ConfigError
 from jfsdp.config.mesh import CONTEXT_AXIS, context_size, tensor_size
+from jfsdp.config.sequence import unzigzag, zigzag, zigzag_order  # noqa: F401 (the data loader's order, here too)
 from jfsdp.engine.layout import Stacked
 from jfsdp.engine.unit_call import tie
 
@@ -48,27 +49,6 @@ class Kernel(NamedTuple):
     bwd(q, k, v, o, lse, do, causal) -> (dq, dk, dv) fp32, given the merged o and lse of the whole row."""
     fwd: Callable
     bwd: Callable
-
-
-def zigzag_order(seq_len: int, context: int) -> np.ndarray:
-    """The sequence's positions in the order the ranks hold them: 2C chunks of L = T/2C tokens, rank r
-    holding chunks r and 2C-1-r, rank after rank. These are also the tokens' RoPE positions."""
-    if seq_len % (2 * context):
-        raise ConfigError(f"a sequence of {seq_len} tokens cannot be split over context {context}: context "
-                          f"parallelism cuts it into 2*C = {2 * context} equal chunks")
-    n = seq_len // (2 * context)
-    chunks = np.arange(seq_len).reshape(2 * context, n)
-    return np.concatenate([np.concatenate([chunks[r], chunks[2 * context - 1 - r]]) for r in range(context)])
-
-
-def zigzag(x, context: int, axis: int = 1):
-    """Tokens in sequence order -> the order the ranks hold them (numpy or jax arrays)."""
-    return x.take(zigzag_order(x.shape[axis], context), axis=axis)
-
-
-def unzigzag(x, context: int, axis: int = 1):
-    """The inverse of `zigzag`."""
-    return x.take(np.argsort(zigzag_order(x.shape[axis], context)), axis=axis)
 
 
 def ring_attention(q, k, v, kernel: Kernel, *, zigzag: bool = True, axis: str = CONTEXT_AXIS):
@@ -179,13 +159,14 @@ HOOKS = ("positions", "attend")
 
 
 def check(model, mesh, strategy, mp_policy, prefetch, moe, kernel):
-    """`kernel` (fully_shard's context_attention); ConfigError for what C > 1 does not support yet."""
+    """(`kernel`, fully_shard's context_attention; the prefetch option: off at C > 1, where the pipeline is
+    not supported yet, unless asked for); ConfigError for what C > 1 does not support yet."""
     c = context_size(mesh)
     if c == 1:
         if kernel is not None:
             raise ConfigError("context_attention= needs a mesh with a context axis of size > 1 "
                               "(make_mesh(spec, context=C))")
-        return None
+        return None, prefetch
     if not isinstance(kernel, Kernel):
         raise ConfigError(f"a mesh with context {c} needs context_attention=jfsdp.engine.parallel.context.Kernel(fwd, "
                           "bwd): the per-block attention of the ring (models/factory.py's context_kernel for Llama)")
@@ -195,7 +176,7 @@ def check(model, mesh, strategy, mp_policy, prefetch, moe, kernel):
                       ("float8", mp_policy.float8 is not None)):
         if bad:
             raise ConfigError(f"{what} {LATER}")
-    return kernel
+    return kernel, False
 
 
 def placement(batch_spec, loss_axes, context: int):
