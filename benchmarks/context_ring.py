@@ -3,6 +3,11 @@ sequence's causal GQA attention in float64, beside one device's blockwise attent
 and the collective-permutes of the compiled forward + backward program against the ring's formula.
 
     python benchmarks/context_ring.py [--contexts 2,4,8] [--seq-len 64] [--json FILE]
+    python benchmarks/context_ring.py --memory llama-small --seq-len 8192 --contexts 1,2,4 [--json FILE]
+
+The second form: the compiled train step's per-device memory (XLA's buffer assignment, fp32, remat full)
+of one model on the same N = max(contexts) devices, mesh 1x(N/C) with context C and N/C sequences, so
+that every device holds T/C tokens of one sequence while the state stays sharded over all N.
 
 Run it also with XLA_FLAGS=--xla_cpu_max_isa=SSE4_2 (docs/numerics.md): the floor must hold on both
 sides of an ISA change. docs/context-parallel.md keeps the figures."""
@@ -23,12 +28,15 @@ def main(argv=None) -> int:
     p.add_argument("--contexts", default="2,4,8")
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--block", type=int, default=4, help="the blockwise kernel's block")
+    p.add_argument("--memory", default=None, metavar="MODEL", help="the train step's memory instead (a models/ name)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     contexts = [int(c) for c in a.contexts.split(",")]
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + f" --xla_force_host_platform_device_count={max(contexts)}").strip()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if a.memory:
+        return memory(a, contexts)
     import jax
     import numpy as np
     from jax.sharding import Mesh, PartitionSpec as P
@@ -96,6 +104,35 @@ def main(argv=None) -> int:
     if a.json:
         with open(a.json, "w") as fh:
             json.dump({"shape": [*q.shape, k.shape[2]], "xla_flags": os.environ["XLA_FLAGS"], "rows": rows}, fh, indent=2)
+    return 0
+
+
+def memory(a, contexts) -> int:
+    import jax
+    import jax.numpy as jnp
+
+    import jfsdp
+    import models
+    from jfsdp.planning import hlo
+    from models import factory
+    n, cfg = max(contexts), models.get_config(a.memory)
+    rows = []
+    for c in contexts:
+        model, _, loss_fn = factory.language_model(cfg, "fused")
+        mesh = jfsdp.make_mesh(f"1x{n // c}", context=c)
+        tok = jax.ShapeDtypeStruct((n // c, a.seq_len), jnp.int32)
+        plan = jfsdp.fully_shard(model, mesh, tok, remat="full",
+                                 context_attention=factory.context_kernel() if c > 1 else None)
+        opt = jfsdp.adamw(1e-3, mask=plan.decay_mask())
+        batch = {k: jax.ShapeDtypeStruct(tok.shape, tok.dtype, sharding=plan.batch_sharding) for k in ("inputs", "targets")}
+        compiled = jfsdp.make_train_step(plan, opt, loss_fn).lower(jfsdp.abstract_state(plan, opt), batch).compile()
+        m = hlo.memory(compiled)
+        rows.append({"C": c, "mesh": f"1x{n // c}", "tokens_per_device": a.seq_len // c, **m})
+        print(f"{a.memory} T={a.seq_len} C={c} mesh 1x{n // c} --context {c}: {a.seq_len // c} tokens/device | "
+              f"argument {m['argument'] / 2**20:.1f} MiB, temp {m['temp'] / 2**20:.1f} MiB, total {m['total'] / 2**20:.1f} MiB")
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump({"model": a.memory, "seq_len": a.seq_len, "rows": rows}, fh, indent=2)
     return 0
 
 

@@ -181,6 +181,10 @@ def test_what_context_parallelism_refuses():
     for message, kw in refused.items():
         with pytest.raises(ConfigError, match=message):
             jfsdp.fully_shard(model, mesh, tok, **kw)
+    plan = jfsdp.fully_shard(model, mesh, tok, context_attention=kernel)   # 2 rows: one per data x fsdp device
+    plan.check_batch({"inputs": np.zeros((2, 16), np.int32)})
+    with pytest.raises(ConfigError, match="2\\*C = 4 equal chunks"):
+        plan.check_batch({"inputs": np.zeros((2, 18), np.int32)})
     with pytest.raises(ConfigError, match="needs a mesh with a context axis"):
         jfsdp.fully_shard(model, jfsdp.make_mesh("1x2", devices=jax.devices()[:2]), tok, context_attention=kernel)
     with pytest.raises(ConfigError, match="a model given as it is is not supported"):

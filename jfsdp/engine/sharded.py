@@ -67,9 +67,8 @@ class FSDP(ParamLayout):
         self.policy = checkpoint_policy(remat, strategy.reshard_after_forward or self.shards == 1)
         self.on_cpu = platform(self.mesh) == "cpu"
         # the batch's rows over (data, fsdp); with T > 1 its sequence over `tensor` too (sequence parallelism)
-        self.batch_spec = P(AXES) if self.tensor == 1 else P(AXES, TENSOR_AXIS)
-        self.loss_axes = AXES if self.tensor == 1 else (*AXES, TENSOR_AXIS)
-        self.batch_spec, self.loss_axes = cp.placement(self.batch_spec, self.loss_axes, self.context)
+        self.batch_spec, self.loss_axes = cp.placement(P(AXES) if self.tensor == 1 else P(AXES, TENSOR_AXIS),
+                                                       AXES if self.tensor == 1 else (*AXES, TENSOR_AXIS), self.context)
         self.batch_sharding = NamedSharding(self.mesh, self.batch_spec)
 
     def float8_layouts(self) -> list:
@@ -196,13 +195,14 @@ class FSDP(ParamLayout):
     def _check_rows(self, tree, grad_accum=1):
         if self.tensor > 1:
             support.check_sequence(tree, self.tensor, self.tensor_plan.sequence_dim)
-        rows = self.n_devices // (self.tensor * self.context)   # rows on data x fsdp; context, tensor: the sequence
+        rows, n = cp.batch_rows(tree, self.n_devices, self.tensor, self.context)   # rows on data x fsdp
         for x in jax.tree.leaves(tree):
             if not np.ndim(x):
                 raise ConfigError(f"every batch leaf needs a leading batch axis, got a scalar ({x!r})")
             b = np.shape(x)[0]
-            if b % self.n_devices:
-                raise ConfigError(f"batch size {b} does not divide over the {self.n_devices} devices of the mesh")
+            if b % n:
+                raise ConfigError(f"batch size {b} does not divide over the {n} devices of the mesh"
+                                  + (" that hold its rows (data x fsdp)" if self.context > 1 else ""))
             if (b // rows) % grad_accum:
                 raise ConfigError(f"per-device batch {b // rows} does not divide into "
                                   f"{grad_accum} gradient-accumulation micro-batches")

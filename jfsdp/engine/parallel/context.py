@@ -189,6 +189,20 @@ def placement(batch_spec, loss_axes, context: int):
     return P(batch_spec[0], CONTEXT_AXIS), (*loss_axes, CONTEXT_AXIS)
 
 
+def batch_rows(tree, n_devices: int, tensor: int, context: int) -> tuple:
+    """(the devices a batch's rows lie on, the count its batch size must divide): R*S, and all N devices as
+    before when C = 1 (tensor parallelism keeps its rule). At C > 1 a ConfigError unless every leaf's
+    sequence (dimension 1) is a multiple of 2C, the zigzag's chunks."""
+    rows = n_devices // (tensor * context)
+    if context == 1:
+        return rows, n_devices
+    for x in jax.tree.leaves(tree):
+        if np.ndim(x) >= 2 and np.shape(x)[1] % (2 * context):
+            raise ConfigError(f"a batch's sequence of {np.shape(x)[1]} tokens does not split over context {context}: "
+                              f"context parallelism cuts it into 2*C = {2 * context} equal chunks")
+    return rows, rows
+
+
 def with_ring(apply, kernel: Kernel, context: int):
     """A unit's (params, h) -> h with its attention run as a ring over `context` on zigzag-ordered tokens:
     the unit's modules' `positions(t)` give this rank's tokens' positions, and `attend(q, k, v)` runs
