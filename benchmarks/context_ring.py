@@ -9,6 +9,12 @@ The second form: the compiled train step's per-device memory (XLA's buffer assig
 of one model on the same N = max(contexts) devices, mesh 1x(N/C) with context C and N/C sequences, so
 that every device holds T/C tokens of one sequence while the state stays sharded over all N.
 
+    python benchmarks/context_ring.py --h100 --contexts 4 --seq-len 16384 [--json FILE]
+
+The third form: the ring's forward + backward (bf16, 32 query and 8 K/V heads of 128, one sequence)
+compiled for an H100 without one (jfsdp.planning.targets), and which of its collective-permutes XLA's
+schedule runs while attention computes (jfsdp.planning.hlo.overlap).
+
 Run it also with XLA_FLAGS=--xla_cpu_max_isa=SSE4_2 (docs/numerics.md): the floor must hold on both
 sides of an ISA change. docs/context-parallel.md keeps the figures."""
 from __future__ import annotations
@@ -29,6 +35,7 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--block", type=int, default=4, help="the blockwise kernel's block")
     p.add_argument("--memory", default=None, metavar="MODEL", help="the train step's memory instead (a models/ name)")
+    p.add_argument("--h100", action="store_true", help="the ring's schedule compiled for an H100 instead")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     contexts = [int(c) for c in a.contexts.split(",")]
@@ -37,6 +44,8 @@ def main(argv=None) -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     if a.memory:
         return memory(a, contexts)
+    if a.h100:
+        return h100(a, contexts)
     import jax
     import numpy as np
     from jax.sharding import Mesh, PartitionSpec as P
@@ -133,6 +142,41 @@ def memory(a, contexts) -> int:
     if a.json:
         with open(a.json, "w") as fh:
             json.dump({"model": a.memory, "seq_len": a.seq_len, "rows": rows}, fh, indent=2)
+    return 0
+
+
+def h100(a, contexts) -> int:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from jfsdp.engine.parallel.context import ring_attention
+    from jfsdp.planning import hlo, targets
+    from models.factory import context_kernel
+    rows = []
+    for c in contexts:
+        mesh = Mesh(np.array(targets.devices("h100", (1, c))), ("context",))
+        ring = jax.shard_map(functools.partial(ring_attention, kernel=context_kernel(block=512)), mesh=mesh,
+                             in_specs=(P(None, "context"),) * 3, out_specs=P(None, "context"), check_vma=False)
+
+        def grads(q, k, v, do):
+            return jax.vjp(ring, q, k, v)[1](do)
+        sh = NamedSharding(mesh, P(None, "context"))
+        q = jax.ShapeDtypeStruct((1, a.seq_len, 32, 128), jnp.bfloat16, sharding=sh)
+        kv = jax.ShapeDtypeStruct((1, a.seq_len, 8, 128), jnp.bfloat16, sharding=sh)
+        with targets.tracing_for("h100"):
+            compiled = jax.jit(grads).lower(q, kv, kv, q).compile(compiler_options=targets.compiler_options())
+        ov = [o for o in hlo.overlap(compiled.as_text(), c) if o.collective.kind == "collective-permute"]
+        s = hlo.overlap_summary(ov).get("collective-permute", {})
+        rows.append({"C": c, "seq_len": a.seq_len, **s, "memory": hlo.memory(compiled)})
+        print(f"C={c} T={a.seq_len}: collective-permute ops (XLA:GPU combines some) hidden {s.get('hidden_ops')} "
+              f"({s.get('hidden_bytes', 0) / 2**20:.0f} MiB), exposed {s.get('exposed_ops')} "
+              f"({s.get('exposed_bytes', 0) / 2**20:.0f} MiB)")
+        print(hlo.render_overlap(ov))
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump({"target": "h100", "rows": rows}, fh, indent=2)
     return 0
 
 
