@@ -8,8 +8,8 @@ import importlib
 
 _EXPORTS = {   # module -> the names it gives this package ("alias=name" where they differ)
     "config.errors": ("ConfigError",),
-    "config.mesh": ("AXES", "DATA_AXIS", "DATA=DATA_AXIS", "FSDP_AXIS", "MeshSpec", "TENSOR_AXIS", "make_mesh",
-                    "mesh_shape", "parse_mesh", "tensor_size"),
+    "config.mesh": ("AXES", "CONTEXT_AXIS", "DATA_AXIS", "DATA=DATA_AXIS", "FSDP_AXIS", "MeshSpec", "TENSOR_AXIS",
+                    "context_size", "make_mesh", "mesh_shape", "parse_mesh", "tensor_size"),
     "config.policy": ("REMAT", "Float8", "MixedPrecision", "Strategy"),
     "engine.layout": ("Layout", "Stacked", "Stage", "Staged", "stack_units", "unstack_units"),
     "engine.sharded": ("FSDP", "checkpoint_policy", "unshard"),

@@ -57,6 +57,10 @@ def model_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
     g.add_argument("--tensor", type=int, default=d.tensor, metavar="T",
                    help="tensor-parallel size: a third mesh axis of T consecutive devices (R*S*T devices in all), "
                    "Megatron tensor and sequence parallelism inside each unit (docs/tensor-parallel.md)")
+    g.add_argument("--context", type=int, default=d.context, metavar="C",
+                   help="context-parallel size: a mesh axis of C devices between fsdp and tensor (R*S*C*T devices in "
+                   "all) over which each sequence is split, attention as a ring, weights sharded over fsdp x context "
+                   "(docs/context-parallel.md)")
     g.add_argument("--async-tp", default=d.async_tp, choices=ASYNC_TP,
                    help="with --tensor T > 1: run each TP all-gather and reduce-scatter as a ring of T-1 transfers, "
                    "each overlapping a block's matmul (a collective matmul; auto: on GPUs)")
@@ -202,15 +206,17 @@ def check_flags(c: TrainConfig) -> int | None:
         fail(f"{'--resume' if c.resume else '--save-every'} needs --ckpt-dir")
     if c.tensor != 1:
         check_tensor_flags(c)
+    if c.context != 1:
+        check_context_flags(c)
     try:
         async_tp_option(c.async_tp, c.tensor)
     except ConfigError as e:
         fail(str(e))
     try:
-        n = mesh_spec(c.mesh, c.tensor).devices
+        n = mesh_spec(c.mesh, c.tensor, c.context).devices
     except ConfigError:
         return None
-    rows = n // c.tensor   # the batch's rows go over R*S devices; the sequence over T
+    rows = n // (c.tensor * c.context)   # the batch's rows go over R*S devices; the sequence over C*T
     if c.batch_size % rows:
         fail(f"--batch-size {c.batch_size} does not divide over the {rows} devices of mesh {c.mesh}")
     if (c.batch_size // rows) % c.grad_accum:
@@ -239,6 +245,26 @@ def check_tensor_flags(c: TrainConfig) -> None:
     if later:
         fail(f"--tensor {c.tensor}: {', '.join(later)} {'is' if len(later) == 1 else 'are'} not supported with tensor "
              "parallelism yet (docs/tensor-parallel.md)")
+
+
+def check_context_flags(c: TrainConfig) -> None:
+    """--context C: a positive integer whose 2C chunks (times T) divide --seq-len; C > 1 is refused until
+    context parallelism is wired into training."""
+    if c.context < 1:
+        fail(f"--context must be at least 1, got {c.context}")
+    try:
+        mesh_spec(c.mesh, max(c.tensor, 1), c.context).check_seq_len(c.seq_len)
+    except ConfigError as e:
+        fail(str(e))
+    later = [flag for flag, on in [("--tensor > 1", c.tensor > 1),
+                                   (f"--precision {c.precision}", c.precision.startswith("fp8")),
+                                   ("--strategy no_shard", c.strategy.strip().lower() == "no_shard"),
+                                   ("--grad-accum > 1", c.grad_accum > 1), ("--update-in-backward", c.update_in_backward),
+                                   ("checkpoints (--ckpt-dir, --init-from)", bool(c.ckpt_dir or c.init_from)),
+                                   ("several processes", (c.num_processes or 1) > 1 or bool(c.coordinator))] if on]
+    if c.context > 1 and later:
+        fail(f"--context {c.context}: {', '.join(later)} {'is' if len(later) == 1 else 'are'} not supported with "
+             "context parallelism yet (docs/context-parallel.md)")
 
 
 def prefetches(c: TrainConfig) -> bool:

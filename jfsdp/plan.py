@@ -43,6 +43,9 @@ def _args(argv):
     p.add_argument("--tensor", type=int, default=1, metavar="T",
                    help="tensor-parallel size (train.py's --tensor): mesh RxS x T devices, Megatron TP with sequence "
                    "parallelism over the innermost T (docs/tensor-parallel.md)")
+    p.add_argument("--context", type=int, default=1, metavar="C",
+                   help="context-parallel size (train.py's --context): mesh RxS x C (x T) devices, each sequence "
+                   "split over C (docs/context-parallel.md; not planned yet: C > 1 is refused)")
     p.add_argument("--strategy", default="full_shard")
     p.add_argument("--precision", default="bf16", help="fp32, bf16 (fp32 master, bf16 compute, fp32 reduce) or fp8 "
                    "(bf16 plus float8 unit matmuls and unit gathers at 1 byte per parameter) or fp8-rowwise (float8 "
@@ -199,7 +202,12 @@ def main(argv=None) -> int:
 
 def _plan(a) -> dict:
     """Check what needs no jax, set up the devices, then start jax and make the report."""
-    n = mesh_spec(a.mesh, a.tensor).devices
+    spec = mesh_spec(a.mesh, a.tensor, a.context)
+    n = spec.devices
+    if a.context > 1:
+        spec.check_seq_len(a.seq_len)
+        raise ConfigError(f"--context {a.context}: the planner does not plan context parallelism yet, only its ring "
+                          "attention exists (docs/context-parallel.md)")
     if a.tensor > 1 and a.seq_len % a.tensor:
         raise ConfigError(f"--tensor {a.tensor} does not divide --seq-len {a.seq_len} (sequence parallelism splits "
                           "the sequence)")

@@ -56,7 +56,8 @@ def _flash(q, k, v, causal, block, scale):
     return _flash_fwd(q, k, v, causal, block, scale)[0]
 
 
-def _flash_fwd(q, k, v, causal, block, scale):
+def _forward_f32(q, k, v, causal, block, scale):
+    """(o fp32 (B, T, H, D), lse fp32 blocked (n, B, K, G, block))."""
     b, t, h, d = q.shape
     kh = k.shape[2]
     n = _chunks(t, block)
@@ -84,11 +85,24 @@ def _flash_fwd(q, k, v, causal, block, scale):
     o, lse = lax.map(q_block, jnp.arange(n))
     # (n, B, K, G, bq, D) -> (B, T, H, D)
     o = jnp.moveaxis(o, 4, 2).reshape(n, b, block, h, d)
-    o = _unblock(o, t).astype(q.dtype)
+    return _unblock(o, t), lse
+
+
+def _flash_fwd(q, k, v, causal, block, scale):
+    o, lse = _forward_f32(q, k, v, causal, block, scale)
+    o = o.astype(q.dtype)
     return o, (q, k, v, o, lse)
 
 
 def _flash_bwd(causal, block, scale, res, do):
+    q, k, v = res[:3]
+    dq, dk, dv = _grads_f32(causal, block, scale, res, do)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+def _grads_f32(causal, block, scale, res, do):
+    """(dq, dk, dv) in fp32 from the output o and the per-query log-sum-exp lse, blocked as
+    `_forward_f32` returns it: (n, B, K, G, block)."""
     q, k, v, o, lse = res
     b, t, h, d = q.shape
     kh, g = k.shape[2], h // k.shape[2]
@@ -128,7 +142,7 @@ def _flash_bwd(causal, block, scale, res, do):
 
     dq = _unblock(lax.map(dq_block, jnp.arange(n)), t).reshape(b, t, h, d)
     dk, dv = lax.map(dkv_block, jnp.arange(n))
-    return dq.astype(q.dtype), _unblock(dk, t).astype(k.dtype), _unblock(dv, t).astype(v.dtype)
+    return dq, _unblock(dk, t), _unblock(dv, t)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -140,11 +154,39 @@ def blockwise_attention(q, k, v, *, causal: bool = True, block: int = 512, scale
     q: (B, T, H, D); k, v: (B, T, K, D) with K dividing H (grouped-query attention: each group of
     H/K query heads shares a K/V head, which is never repeated in memory). Returns (B, T, H, D) in
     q's dtype. `block`: query and key block length; the score tile is (B, H, block, block) fp32."""
+    block, scale = _check(q, k, v, block, scale)
+    return _flash(q, k, v, causal, block, scale)
+
+
+def _check(q, k, v, block, scale):
     b, t, h, d = q.shape
     if k.shape != v.shape or k.shape[0] != b or k.shape[1] != t or k.shape[3] != d or h % k.shape[2]:
         raise ValueError(f"blockwise_attention: q {q.shape}, k {k.shape}, v {v.shape}: expected k = v = (B, T, K, D) "
                          "with K dividing q's heads")
     if block < 1:
         raise ValueError(f"block must be positive, got {block}")
-    block = min(block, t)
-    return _flash(q, k, v, causal, block, float(scale if scale is not None else d ** -0.5))
+    return min(block, t), float(scale if scale is not None else d ** -0.5)
+
+
+# The two halves of the computation, for a caller that splits the keys into several sets and merges the
+# partial outputs itself by their log-sum-exp (ring attention, whose key blocks live on other devices).
+# The backward half takes the merged output and log-sum-exp, so that what it returns for one key set
+# is that set's exact share of the gradients of the whole attention.
+
+def blockwise_attention_fwd(q, k, v, *, causal: bool = True, block: int = 512, scale: float | None = None):
+    """(o, lse): the fp32 output (B, T, H, D) and the fp32 log-sum-exp of each query's scores (B, T, H)."""
+    block, scale = _check(q, k, v, block, scale)
+    b, t, h, _ = q.shape
+    o, lse = _forward_f32(q, k, v, causal, block, scale)
+    return o, _unblock(jnp.moveaxis(lse, -1, 2).reshape(-1, b, block, h), t)
+
+
+def blockwise_attention_bwd(q, k, v, o, lse, do, *, causal: bool = True, block: int = 512,
+                            scale: float | None = None):
+    """(dq, dk, dv) in fp32, for the attention whose output (all key sets merged) is o and whose
+    log-sum-exp is lse (B, T, H): the gradients through this key set's part of it."""
+    block, scale = _check(q, k, v, block, scale)
+    b, t, h, _ = q.shape
+    kh = k.shape[2]
+    lse = jnp.moveaxis(_blocks(lse.reshape(b, t, kh, h // kh), _chunks(t, block), block), 2, -1)
+    return _grads_f32(causal, block, scale, (q, k, v, o, lse), do)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import jfsdp
 from models import moe as moe_model
 from models import loss_fn as loss_fn_of, parts
+from models.attention import blockwise_attention_bwd, blockwise_attention_fwd
 from models.llama import LlamaConfig
 from models.moe import MoEConfig
 
@@ -69,3 +70,13 @@ def tensor_plan(cfg):
     rules = {**LLAMA_TP_RULES, **({} if cfg.tie_embeddings else {r"^root/output/kernel$": "colwise"})}
     return jfsdp.TensorPlan(rules, sequence_dim=1,
                             divides={"heads": cfg.n_heads, "KV heads": cfg.n_kv_heads, "FFN width": cfg.ffn_dim})
+
+
+def context_kernel(block: int = 512):
+    """The per-block attention of context parallelism's ring (jfsdp.engine.parallel.context) for the Llama
+    models: blockwise attention's two halves (models/attention.py), which give the log-sum-exp that the
+    ring's merge needs. fully_shard's `context_attention` at C > 1."""
+    from jfsdp.engine.parallel.context import Kernel   # here: importing this module must not start jax
+    return Kernel(lambda q, k, v, causal: blockwise_attention_fwd(q, k, v, causal=causal, block=block),
+                  lambda q, k, v, o, lse, do, causal: blockwise_attention_bwd(q, k, v, o, lse, do, causal=causal,
+                                                                               block=block))

@@ -70,11 +70,13 @@ class RMSNorm(nn.Module):
         return (y * scale.astype(jnp.float32)).astype(x.dtype)
 
 
-def rotary(x, theta: float):
-    """Rotate pairs (i, i + hd/2) of each head by a position-dependent angle (the Llama/HF layout)."""
+def rotary(x, theta: float, positions=None):
+    """Rotate pairs (i, i + hd/2) of each head by a position-dependent angle (the Llama/HF layout).
+    `positions` (T,): each token's position (default 0..T-1)."""
     t, hd = x.shape[1], x.shape[-1]
     inv_freq = 1.0 / theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd)
-    angles = jnp.arange(t, dtype=jnp.float32)[:, None] * inv_freq[None, :]  # (T, hd/2)
+    pos = jnp.arange(t, dtype=jnp.float32) if positions is None else positions.astype(jnp.float32)
+    angles = pos[:, None] * inv_freq[None, :]  # (T, hd/2)
     cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[None, :, None, :]
     sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[None, :, None, :]
     x32 = x.astype(jnp.float32)
@@ -116,15 +118,23 @@ class Attention(nn.Module):
         q = _dense(c.n_heads * hd, "wq", c.init_std)(x).reshape(b, t, -1, hd)
         k = _dense(c.n_kv_heads * hd, "wk", c.init_std)(x).reshape(b, t, -1, hd)
         v = _dense(c.n_kv_heads * hd, "wv", c.init_std)(x).reshape(b, t, -1, hd)
-        q, k = rotary(q, c.rope_theta), rotary(k, c.rope_theta)
-        # grouped-query attention natively: k and v keep their n_kv_heads, no repeat
-        impl = attention_impl(c, q.dtype, t)
-        if impl == "blockwise":
-            out = blockwise_attention(q, k, v, causal=True)
-        else:
-            out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
-        out = out.reshape(b, t, -1)
+        pos = self.positions(t)
+        q, k = rotary(q, c.rope_theta, pos), rotary(k, c.rope_theta, pos)
+        out = self.attend(q, k, v).reshape(b, t, -1)
         return _dense(c.dim, "wo", c.init_std)(out)
+
+    # Two methods rather than inline code, so that a caller who splits the sequence over devices (context
+    # parallelism, which intercepts them) can give each part its tokens' positions and its own attention.
+    def positions(self, t: int):
+        """The positions of the t tokens this call sees: 0..t-1."""
+        return jnp.arange(t, dtype=jnp.float32)
+
+    def attend(self, q, k, v):
+        """Causal attention, grouped-query natively (k and v keep their n_kv_heads, no repeat)."""
+        impl = attention_impl(self.cfg, q.dtype, q.shape[1])
+        if impl == "blockwise":
+            return blockwise_attention(q, k, v, causal=True)
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
 
 
 class FeedForward(nn.Module):

@@ -94,6 +94,10 @@ BAD = {
     "moe-buckets-not-increasing": (["--model", "moe-test", "--moe", "adaptive", "--moe-buckets", "128,64"],
                                    "strictly increasing"),
     "moe-buckets-without-adaptive": (["--model", "moe-test", "--moe-buckets", "64,128"], "apply to --moe adaptive"),
+    "context-zero": (["--context", "0"], "--context must be at least 1"),
+    "context-seq-len": (["--mesh", "1x2", "--context", "3", "--seq-len", "64"], "2*C = 6 equal chunks"),
+    "context-with-tensor": (["--mesh", "1x2", "--context", "2", "--tensor", "2", "--batch-size", "2"],
+                            "--tensor > 1 is not supported with context parallelism yet"),
 }
 
 
@@ -254,7 +258,7 @@ def test_an_xla_abort_is_one_line_and_the_checkpoint_survives(tmp_path):
 def test_help_documents_every_flag():
     r = run_train("--help")
     assert r.returncode == 0
-    for flag in ("--mesh", "--tensor", "--strategy", "--model", "--precision", "--remat", "--steps", "--batch-size",
+    for flag in ("--mesh", "--tensor", "--context", "--strategy", "--model", "--precision", "--remat", "--steps", "--batch-size",
                  "--seq-len", "--grad-accum", "--lr", "--warmup", "--clip", "--seed", "--data", "--eval-every",
                  "--metrics-out", "--ckpt-dir", "--save-every", "--resume", "--profile", "--cpu-devices"):
         assert flag in r.stdout, flag

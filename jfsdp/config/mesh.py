@@ -1,7 +1,9 @@
 """The device mesh: `RxS` = R replicas (axis `data`) of S shards (axis `fsdp`), and with `tensor=T` > 1 a
 third axis `tensor` of size T, innermost, so that a tensor-parallel group is T consecutive devices (one
-NVLink node): mesh axes (data, fsdp, tensor), R*S*T devices. A fourth axis, `context`, will go between
-`fsdp` and `tensor`. With T = 1 the mesh is the two-axis mesh it always was (the same programs, bit for bit).
+NVLink node): mesh axes (data, fsdp, tensor), R*S*T devices. With `context=C` > 1 an axis `context` of size
+C goes between `fsdp` and `tensor` (context parallelism: the sequence split over it, docs/context-parallel.md):
+(data, fsdp, context[, tensor]), R*S*C*T devices. An axis of size 1 is left out, so with T = C = 1 the mesh
+is the two-axis mesh it always was (the same programs, bit for bit).
 
 Parsing and validating a spec needs no jax, so the command lines check `--mesh` and count the devices
 it needs before jax starts; `make_mesh` imports jax when it is called."""
@@ -12,32 +14,53 @@ import re
 
 from jfsdp.config.errors import ConfigError
 
-DATA_AXIS, FSDP_AXIS, TENSOR_AXIS = "data", "fsdp", "tensor"
+DATA_AXIS, FSDP_AXIS, CONTEXT_AXIS, TENSOR_AXIS = "data", "fsdp", "context", "tensor"
 AXES = (DATA_AXIS, FSDP_AXIS)   # the axes the batch's rows are split over
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshSpec:
-    """R replicas x S shards (x T tensor-parallel ranks)."""
+    """R replicas x S shards (x C context-parallel ranks) (x T tensor-parallel ranks)."""
     replicas: int
     shards: int
     tensor: int = 1
+    context: int = 1
 
     @property
     def devices(self) -> int:
-        return self.replicas * self.shards * self.tensor
+        return self.replicas * self.shards * self.context * self.tensor
 
     @property
     def axes(self) -> tuple:
-        """The mesh's axis names: (data, fsdp), and `tensor` last when T > 1."""
-        return AXES + ((TENSOR_AXIS,) if self.tensor > 1 else ())
+        """The mesh's axis names: (data, fsdp), then `context` when C > 1 and `tensor` when T > 1."""
+        return AXES + ((CONTEXT_AXIS,) if self.context > 1 else ()) + ((TENSOR_AXIS,) if self.tensor > 1 else ())
+
+    @property
+    def shape(self) -> tuple:
+        """The sizes of `axes`, in their order."""
+        return ((self.replicas, self.shards) + ((self.context,) if self.context > 1 else ())
+                + ((self.tensor,) if self.tensor > 1 else ()))
 
     def describe(self) -> str:
         """'2x8 (2 replicas x 8 shards)': the spec and what its axes are."""
-        if self.tensor > 1:
-            return (f"{self.replicas}x{self.shards} --tensor {self.tensor} ({self.replicas} replicas x {self.shards} "
-                    f"shards x {self.tensor} tensor-parallel ranks)")
-        return f"{self.replicas}x{self.shards} ({self.replicas} replicas x {self.shards} shards)"
+        flags = "".join(f" --{n} {v}" for n, v in (("context", self.context), ("tensor", self.tensor)) if v > 1)
+        parts = [f"{self.replicas} replicas", f"{self.shards} shards"] + [
+            f"{v} {what} ranks" for v, what in ((self.context, "context-parallel"), (self.tensor, "tensor-parallel"))
+            if v > 1]
+        return f"{self.replicas}x{self.shards}{flags} ({' x '.join(parts)})"
+
+    def check_seq_len(self, seq_len: int) -> None:
+        """ConfigError unless the sequence splits over `context` (2C equal chunks, for the zigzag load balance)
+        and `tensor` (sequence parallelism): seq_len a multiple of 2C*T when C > 1, of T otherwise."""
+        if self.context > 1 and seq_len % (2 * self.context * self.tensor):
+            raise ConfigError(f"--seq-len {seq_len} does not split over --context {self.context}"
+                              + (f" and --tensor {self.tensor}" if self.tensor > 1 else "")
+                              + f": context parallelism cuts each sequence into 2*C = {2 * self.context} equal chunks"
+                              + (f", each split over T = {self.tensor}" if self.tensor > 1 else "")
+                              + f", so it must be a multiple of {2 * self.context * self.tensor}")
+        if seq_len % self.tensor:
+            raise ConfigError(f"--tensor {self.tensor} does not divide --seq-len {seq_len} (sequence parallelism "
+                              "splits the sequence)")
 
 
 def parse_mesh(spec: str) -> tuple[int, int]:
@@ -58,28 +81,34 @@ def check_tensor(tensor) -> int:
     return tensor
 
 
-def mesh_spec(spec: str, tensor: int = 1) -> MeshSpec:
-    """'2x8' -> MeshSpec(2, 8); with tensor=T, MeshSpec(2, 8, T)."""
-    return MeshSpec(*parse_mesh(spec), check_tensor(tensor))
+def check_context(context) -> int:
+    """The context-parallel size C: an integer of at least 1 (ConfigError otherwise)."""
+    if isinstance(context, bool) or not isinstance(context, int) or context < 1:
+        raise ConfigError(f"context (the context-parallel size) must be an integer of at least 1, got {context!r}")
+    return context
 
 
-def make_mesh(spec: str, devices=None, tensor: int = 1):
+def mesh_spec(spec: str, tensor: int = 1, context: int = 1) -> MeshSpec:
+    """'2x8' -> MeshSpec(2, 8); with tensor=T and context=C, MeshSpec(2, 8, T, C)."""
+    return MeshSpec(*parse_mesh(spec), check_tensor(tensor), check_context(context))
+
+
+def make_mesh(spec: str, devices=None, tensor: int = 1, context: int = 1):
     """A `data` x `fsdp` mesh over exactly R*S devices (all of `jax.devices()` unless given); with
-    tensor=T > 1, a `data` x `fsdp` x `tensor` mesh over R*S*T devices, `tensor` innermost (consecutive
-    devices). T = 1 is the two-axis mesh."""
+    context=C > 1 and/or tensor=T > 1, the `context` and `tensor` axes after them, `tensor` innermost
+    (consecutive devices): R*S*C*T devices. An axis of size 1 is left out: T = C = 1 is the two-axis mesh."""
     import jax
     import numpy as np
     from jax.sharding import Mesh
 
-    m = mesh_spec(spec, tensor)
+    m = mesh_spec(spec, tensor, context)
     devices = list(jax.devices() if devices is None else devices)
     if m.devices != len(devices):
-        what = f"{m.replicas}x{m.shards}" + (f" with tensor {m.tensor}" if m.tensor > 1 else "")
+        what = f"{m.replicas}x{m.shards}" + "".join(f" with {n} {v}" for n, v in (("context", m.context),
+                                                                                  ("tensor", m.tensor)) if v > 1)
         raise ConfigError(f"mesh {what} needs {m.devices} devices but {len(devices)} are present "
                           f"({devices[0].platform if devices else 'none'}); pass devices= to use a subset")
-    if m.tensor == 1:
-        return Mesh(np.array(devices).reshape(m.replicas, m.shards), AXES)
-    return Mesh(np.array(devices).reshape(m.replicas, m.shards, m.tensor), m.axes)
+    return Mesh(np.array(devices).reshape(m.shape), m.axes)
 
 
 def mesh_shape(mesh) -> tuple[int, int]:
@@ -90,6 +119,11 @@ def mesh_shape(mesh) -> tuple[int, int]:
 def tensor_size(mesh) -> int:
     """T: the size of the mesh's `tensor` axis (1 on a two-axis mesh)."""
     return mesh.shape.get(TENSOR_AXIS, 1)
+
+
+def context_size(mesh) -> int:
+    """C: the size of the mesh's `context` axis (1 on a mesh without one)."""
+    return mesh.shape.get(CONTEXT_AXIS, 1)
 
 
 def platform(mesh) -> str:

@@ -10,7 +10,7 @@ import flax.linen as nn
 from flax import nnx
 
 from jfsdp.config.errors import ConfigError
-from jfsdp.config.mesh import tensor_size
+from jfsdp.config.mesh import context_size, tensor_size
 from jfsdp.config.policy import MixedPrecision, Strategy
 from jfsdp.engine.as_is import AsIs
 from jfsdp.engine.layout import Stacked, Staged, check_model
@@ -37,7 +37,7 @@ def resolve_strategy(strategy, reshard_after_forward) -> Strategy:
 def fully_shard(model, mesh, example_inputs, *, units=None, call: Callable | None = None, strategy="full_shard",
                 mp_policy=None, remat="none", reshard_after_forward=None, prefetch=None, moe=None, seed: int = 0,
                 rng_streams=("dropout",), init: Callable | None = None, tensor_plan=None, async_tp=None,
-                logical_rules=None):
+                logical_rules=None, context_attention=None):
     """Apply FSDP to a model from outside.
 
     A Flax model as it is (docs/any-model.md): `model` is an unbound Linen module or an NNX module
@@ -76,6 +76,9 @@ def fully_shard(model, mesh, example_inputs, *, units=None, call: Callable | Non
                               "model's own loop, which the prefetch pipeline cannot reorder; use jfsdp.Stacked for it")
         if moe is not None:
             raise ConfigError("moe= applies to jfsdp.Stacked / jfsdp.Staged models")
+        if context_size(mesh) > 1 or context_attention is not None:
+            raise ConfigError("context parallelism for a model given as it is is not supported yet "
+                              "(docs/context-parallel.md): use jfsdp.Stacked with context_attention")
         if tensor_plan is not None or async_tp:
             raise ConfigError("a model given as it is takes tensor parallelism from its logical axis names: pass "
                               "logical_rules= (e.g. {'mlp': 'tensor'}), not tensor_plan= or async_tp= "
@@ -96,4 +99,5 @@ def fully_shard(model, mesh, example_inputs, *, units=None, call: Callable | Non
                           f"got {type(example_inputs).__name__}")
     if async_tp and tensor_size(mesh) == 1:
         raise ConfigError("async_tp=True needs a mesh with a tensor axis of size > 1 (make_mesh(spec, tensor=T))")
-    return FSDP(model, mesh, example_inputs, strategy, mp_policy, remat, prefetch, moe, tensor_plan, async_tp)
+    return FSDP(model, mesh, example_inputs, strategy, mp_policy, remat, prefetch, moe, tensor_plan, async_tp,
+                context_attention)

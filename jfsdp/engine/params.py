@@ -16,7 +16,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jfsdp.config.errors import ConfigError
-from jfsdp.config.mesh import FSDP_AXIS, tensor_size
+from jfsdp.config.mesh import CONTEXT_AXIS, FSDP_AXIS, context_size, tensor_size
 from jfsdp.engine.layout import (ROOT, STAGES, UNITS, Layout, Stacked, is_layout, listing, paths, stack_units,
                                  tree_shapes, unstack_units, zeros_like_tree)
 from jfsdp.engine.parallel import layout as tp_layout
@@ -47,10 +47,12 @@ class ParamLayout:
             self.param_specs = self.join(*tp_layout.specs(root_l, stage_l))
             self.param_shardings = jax.tree.map(lambda p: NamedSharding(self.mesh, p), self.param_specs)
             return
-        layout = lambda shape, x: Layout(tuple(shape), jnp.dtype(x.dtype), self.shards)
+        # with context parallelism every leaf lies on (`fsdp`, `context`) together (S*C shards, self.shards)
+        axes = (FSDP_AXIS, CONTEXT_AXIS) if context_size(self.mesh) > 1 else None
+        layout = lambda shape, x: Layout(tuple(shape), jnp.dtype(x.dtype), self.shards, axes=axes)
         per_unit = lambda t: jax.tree.map(lambda x: layout(x.shape[1:], x), t)
         self.layouts = self.join(jax.tree.map(lambda x: layout(x.shape, x), root), [per_unit(u) for u in stages])
-        row = FSDP_AXIS if sharded else None
+        row = (axes or FSDP_AXIS) if sharded else None
         root_l, stage_l = self.split(self.layouts)
         self.param_specs = self.join(jax.tree.map(lambda _: P(row), root_l, is_leaf=is_layout),
                                      [jax.tree.map(lambda _: P(None, row), l, is_leaf=is_layout) for l in stage_l])

@@ -19,13 +19,13 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jfsdp.config.errors import ConfigError
-from jfsdp.config.mesh import AXES, DATA_AXIS, TENSOR_AXIS, mesh_shape, platform, tensor_size
+from jfsdp.config.mesh import AXES, DATA_AXIS, TENSOR_AXIS, context_size, mesh_shape, platform, tensor_size
 from jfsdp.config.policy import resolve_prefetch
 from jfsdp.engine import accumulate, expert_parallel, float8, moe as moe_engine, moe_adaptive
 from jfsdp.engine.fsdp import Comm, any_unreduced, checkpoint_policy, scan_stage, unshard, unshard_tree
 from jfsdp.engine.layout import is_layout, tree_shapes
 from jfsdp.engine.params import ParamLayout
-from jfsdp.engine.parallel import layout as tp_layout, support, tensor as tp, vocab
+from jfsdp.engine.parallel import context as cp, layout as tp_layout, support, tensor as tp, vocab
 from jfsdp.engine.pipeline import StagePasses, after, pipelined_stage
 
 
@@ -34,10 +34,11 @@ class FSDP(ParamLayout):
     (`init`, `shard`, `gather`, `layouts`, `from_layers`, ...) is `ParamLayout`'s."""
 
     def __init__(self, model, mesh, example_inputs, strategy, mp_policy, remat, prefetch=None, moe=None,
-                 tensor_plan=None, async_tp=None):
+                 tensor_plan=None, async_tp=None, context_attention=None):
+        self.context_attention, prefetch = cp.check(model, mesh, strategy, mp_policy, prefetch, moe, context_attention)
         prefetch = support.check(model, mesh, strategy, mp_policy, prefetch, moe, tensor_plan)
-        super().__init__(model, mesh, example_inputs, shards=mesh_shape(mesh)[1] if strategy.sharded else 1,
-                         sharded=strategy.sharded, tensor_plan=tensor_plan)
+        super().__init__(model, mesh, example_inputs, sharded=strategy.sharded, tensor_plan=tensor_plan,
+                         shards=mesh_shape(mesh)[1] * context_size(mesh) if strategy.sharded else 1)
         self.set_strategy(strategy, mp_policy, remat)
         self.prefetch = resolve_prefetch(prefetch, strategy, remat, self.shards, on_gpu=platform(mesh) == "gpu")
         if self.tensor > 1:   # Megatron-SP around the units' tensor-parallel matmuls (parallel/tensor.py)
@@ -52,9 +53,9 @@ class FSDP(ParamLayout):
         """How this model runs on `self.mesh` with `self.shards` row-shards: the strategy, the precision,
         the remat policy, the communication (`Comm`) and the batch's placement. Shared by every way a
         model is described (`AsIs` too)."""
-        (r, s), self.tensor = mesh_shape(self.mesh), tensor_size(self.mesh)
+        (r, s), self.tensor, self.context = mesh_shape(self.mesh), tensor_size(self.mesh), context_size(self.mesh)
         self.strategy, self.mp, self.remat = strategy, mp_policy, remat
-        self.replicas, self.n_devices = r, r * s * self.tensor
+        self.replicas, self.n_devices = r, r * s * self.context * self.tensor
         if strategy.sharded:
             reduce_axes = (DATA_AXIS,) if r > 1 else ()
         else:
@@ -66,8 +67,8 @@ class FSDP(ParamLayout):
         self.policy = checkpoint_policy(remat, strategy.reshard_after_forward or self.shards == 1)
         self.on_cpu = platform(self.mesh) == "cpu"
         # the batch's rows over (data, fsdp); with T > 1 its sequence over `tensor` too (sequence parallelism)
-        self.batch_spec = P(AXES) if self.tensor == 1 else P(AXES, TENSOR_AXIS)
-        self.loss_axes = AXES if self.tensor == 1 else (*AXES, TENSOR_AXIS)
+        self.batch_spec, self.loss_axes = cp.placement(P(AXES) if self.tensor == 1 else P(AXES, TENSOR_AXIS),
+                                                       AXES if self.tensor == 1 else (*AXES, TENSOR_AXIS), self.context)
         self.batch_sharding = NamedSharding(self.mesh, self.batch_spec)
 
     def float8_layouts(self) -> list:
@@ -88,8 +89,8 @@ class FSDP(ParamLayout):
                 with nn.intercept_methods(self.tp_intercept), nn.intercept_methods(float8.interceptor):
                     return unit.apply({"params": params}, h)
             return apply
-        if self.mp.float8 is None:
-            return lambda params, h: unit.apply({"params": params}, h)
+        if self.mp.float8 is None:   # at C > 1 with its attention as a ring over `context` (parallel/context.py)
+            return cp.with_ring(lambda params, h: unit.apply({"params": params}, h), self.context_attention, self.context)
 
         def apply(params, h):
             with nn.intercept_methods(float8.interceptor):
@@ -102,8 +103,7 @@ class FSDP(ParamLayout):
         unit, moe = self.model.stages[j].unit, self.moe_stages[j]
         layouts = self.unit_layouts[j]
         ep = moe is not None and moe.mode in ("ep", "adaptive")   # local experts, or capacity by load (moe_adaptive.py)
-        if not ep and (any_unreduced(shards) or self.prefetches(j)):
-            # grad_sync='once' runs the passes (prefetching or not) for their in-place gradient sum
+        if not ep and (any_unreduced(shards) or self.prefetches(j)):   # (grad_sync='once': for the in-place sum)
             h, ahead = pipelined_stage(self.stage_passes(j, prefetch=bool(self.prefetch)))(h, shards, extra or [])
             return h, (None if extra is None else ahead)
 
@@ -195,13 +195,14 @@ class FSDP(ParamLayout):
     def _check_rows(self, tree, grad_accum=1):
         if self.tensor > 1:
             support.check_sequence(tree, self.tensor, self.tensor_plan.sequence_dim)
-        rows = self.n_devices // self.tensor   # the rows lie on data x fsdp; `tensor` splits the sequence
+        rows, n = cp.batch_rows(tree, self.n_devices, self.tensor, self.context)   # rows on data x fsdp
         for x in jax.tree.leaves(tree):
             if not np.ndim(x):
                 raise ConfigError(f"every batch leaf needs a leading batch axis, got a scalar ({x!r})")
             b = np.shape(x)[0]
-            if b % self.n_devices:
-                raise ConfigError(f"batch size {b} does not divide over the {self.n_devices} devices of the mesh")
+            if b % n:
+                raise ConfigError(f"batch size {b} does not divide over the {n} devices of the mesh"
+                                  + (" that hold its rows (data x fsdp)" if self.context > 1 else ""))
             if (b // rows) % grad_accum:
                 raise ConfigError(f"per-device batch {b // rows} does not divide into "
                                   f"{grad_accum} gradient-accumulation micro-batches")

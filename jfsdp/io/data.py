@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from jfsdp.config.errors import ConfigError
+from jfsdp.config.sequence import zigzag
 from jfsdp.io.corpus import (BOS, BYTE_VOCAB, DEFAULT_CORPUS, EOS, PAD, STDLIB_BYTES, Corpus, decode, encode,
                              load_tokenizer, load_tokens, stdlib_files)
 
@@ -36,10 +37,13 @@ class Loader:
     """Deterministic, seekable batches of {'inputs', 'targets'} (int32, (rows, seq_len)).
 
     `next()` returns the batch of the current step and advances; `state()` / `restore(state)` are the
-    position a checkpoint saves. `rows=(start, stop)` restricts reading to this process's rows."""
+    position a checkpoint saves. `rows=(start, stop)` restricts reading to this process's rows. With
+    `context` C > 1 (context parallelism) every sequence's tokens, inputs and targets alike, come in the
+    zigzag order of jfsdp/config/sequence.py, in which the context ranks hold them."""
 
-    def __init__(self, corpus: Corpus, batch_size: int, seq_len: int, seed: int = 0, rows=None):
+    def __init__(self, corpus: Corpus, batch_size: int, seq_len: int, seed: int = 0, rows=None, context: int = 1):
         self.corpus, self.batch_size, self.seq_len, self.seed = corpus, batch_size, seq_len, seed
+        self.context = context
         self.rows = rows or (0, batch_size)
         self.n_windows = len(corpus.train) // (seq_len + 1)
         if self.n_windows < 1:
@@ -68,7 +72,8 @@ class Loader:
 
     def _windows(self, tokens: np.ndarray, starts: np.ndarray) -> dict:
         chunk = np.asarray(tokens[starts[:, None] + np.arange(self.seq_len + 1)], dtype=np.int32)
-        return {"inputs": chunk[:, :-1], "targets": chunk[:, 1:]}
+        b = {"inputs": chunk[:, :-1], "targets": chunk[:, 1:]}
+        return {k: zigzag(x, self.context) for k, x in b.items()} if self.context > 1 else b
 
     def batch(self, step: int) -> dict:
         """This process's rows of the training batch of `step` (pure: no state is read or changed)."""

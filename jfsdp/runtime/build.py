@@ -93,8 +93,10 @@ def shard_model(c: TrainConfig, models, model: ModelChoice, mesh, strategy, mp) 
         module, moe, loss_fn = models.factory.language_model(model.config, c.loss, c.moe, c.moe_chunks, head=head,
                                                                      buckets=c.moe_buckets, capacity_cap=c.moe_capacity_cap)
         plan = models.factory.tensor_plan(model.config) if c.tensor > 1 else None
+        ring = models.factory.context_kernel() if c.context > 1 else None   # docs/context-parallel.md
         return jfsdp.fully_shard(module, mesh, example, strategy=strategy, mp_policy=mp, remat=c.remat, moe=moe,
-                                 tensor_plan=plan, async_tp=async_tp_option(c.async_tp, c.tensor))
+                                 tensor_plan=plan, async_tp=async_tp_option(c.async_tp, c.tensor),
+                                 context_attention=ring)
     logits_sharded = shard("head")
     sharded = shard(None) if c.loss == "fused" else logits_sharded
     return sharded, logits_sharded, loss_fn

@@ -10,6 +10,7 @@ class TrainConfig:
     # parallelism and model
     mesh: str = "2x8"
     tensor: int = 1                 # tensor-parallel size T (a third mesh axis; docs/tensor-parallel.md)
+    context: int = 1                # context-parallel size C (the sequence split over it; docs/context-parallel.md)
     async_tp: str = "auto"          # T > 1: the TP collectives as rings that overlap the matmuls (auto: on GPUs)
     strategy: str = "full_shard"
     model: str = "llama-tiny"

@@ -7,6 +7,7 @@ import time
 import jax
 import numpy as np
 
+from jfsdp.config.sequence import zigzag, zigzag_order
 from jfsdp.io import data as jdata
 from jfsdp.runtime import metrics as jm
 from jfsdp.runtime.config import TrainConfig
@@ -77,11 +78,14 @@ def sample(sharded, params, corpus, c: TrainConfig) -> None:
                   out_shardings=replicated)
     rng = np.random.default_rng(c.seed)
     buf = np.full((sharded.n_devices, T), jdata.PAD if corpus.is_bytes else 0, np.int32)
-    n_prompt = len(tokens)
+    n_prompt, context = len(tokens), c.context
+    where = np.argsort(zigzag_order(T, context)) if context > 1 else np.arange(T)   # a position's place in zigzag order
     for _ in range(c.gen_tokens):
         ctx = tokens[-T:]
         buf[:, : len(ctx)] = ctx
-        last_logits = np.asarray(fwd(params, jax.device_put(buf, sharded.batch_sharding), len(ctx) - 1), np.float64)
+        x = zigzag(buf, context) if context > 1 else buf   # the order the context ranks hold the tokens in
+        last_logits = np.asarray(fwd(params, jax.device_put(x, sharded.batch_sharding), int(where[len(ctx) - 1])),
+                                 np.float64)
         tokens.append(next_token(last_logits, corpus, c.temperature, rng))
         if tokens[-1] == corpus.eos:
             break

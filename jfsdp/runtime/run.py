@@ -33,7 +33,9 @@ def train(c: TrainConfig) -> int:
     (status 2)."""
     run = Run(c, time.perf_counter())
     run.describe()
-    if not c.no_fit_check:
+    if c.context > 1 and not c.no_fit_check:
+        note(f"no fit check: the planner does not estimate context parallelism (--context {c.context}) yet")
+    elif not c.no_fit_check:
         run.check_fit()
     run.start()
     return report(run, train_loop(run))
@@ -56,23 +58,23 @@ class Run:
             if c.prompt is not None and not self.corpus.can_decode:
                 raise jfsdp.ConfigError("--prompt needs text data; a token file has no tokenizer here")
             c, self.lead = build.report_from_lead(c)
-            devices = build.take_devices(c, r, s * c.tensor)
-            self.mesh = (distributed.make_mesh(c.mesh, devices=devices) if c.tensor == 1
-                         else jfsdp.make_mesh(c.mesh, devices=devices, tensor=c.tensor))
+            devices = build.take_devices(c, r, s * c.context * c.tensor)
+            self.mesh = (distributed.make_mesh(c.mesh, devices=devices) if c.tensor == c.context == 1
+                         else jfsdp.make_mesh(c.mesh, devices=devices, tensor=c.tensor, context=c.context))
             self.sharded, self.logits_sharded, self.loss_fn = build.shard_model(c, models, model, self.mesh,
                                                                                 self.strategy, mp)
             self.metric_fns = build.model_metrics(models, model)
             self.moe_variant = lambda metrics: build.moe_variant(self.sharded, metrics)
             self.trainable = build.trainable(c, self.sharded)
             rows = jdata.process_rows(self.sharded.batch_sharding, c.batch_size, c.seq_len)
-            self.loader = jdata.Loader(self.corpus, c.batch_size, c.seq_len, seed=c.seed, rows=rows)
+            self.loader = jdata.Loader(self.corpus, c.batch_size, c.seq_len, seed=c.seed, rows=rows, context=c.context)
             self.ckpt, self.resume_step = build.open_checkpoints(c)
             self.identity = build.identity(c, model)
             # an unwritable path is bad input
             self.out = jm.MetricsFile(c.metrics_out or None, append=self.resume_step is not None)
         self.c = c
         self.n_units = sum(self.sharded.stage_sizes)
-        self.n_dev = r * s * c.tensor
+        self.n_dev = r * s * c.context * c.tensor
         self.platform = devices[0].platform
         self.tokens_per_step = c.batch_size * c.seq_len
         flops = jm.moe_flops_per_token if model.is_moe else jm.llama_flops_per_token
@@ -86,7 +88,7 @@ class Run:
         """The run's first lines: model and mesh, processes, data, batch and schedule."""
         c, mcfg = self.c, self.model.config
         print(f"model {self.model.name}: {mcfg.num_params() / 1e6:.2f}M params, {self.n_units} units | mesh "
-              f"{MeshSpec(self.r, self.s, self.c.tensor).describe()} on {self.n_dev} {self.platform} devices | "
+              f"{MeshSpec(self.r, self.s, self.c.tensor, self.c.context).describe()} on {self.n_dev} {self.platform} devices | "
               f"{self.strategy.value}, {c.precision}, remat {c.remat}"
               + (" | async TP (collective matmuls)" if getattr(self.sharded, "async_tp", False) else ""))
         if jax.process_count() > 1:

@@ -1,0 +1,233 @@
+"""Context parallelism: ring attention over the mesh axis `context` (docs/context-parallel.md).
+
+Each sequence is split over `context` (size C). Inside the `shard_map`, a rank keeps its queries and
+passes its keys and values around the ring: at step s it attends to the K/V block of rank r - s, while the
+`ppermute` of the next block is in flight (it depends on nothing computed at step s, so XLA may overlap
+it). The partial outputs are merged by their log-sum-exp (the online softmax of FlashAttention, one block
+per device), so no device ever holds the whole sequence's keys. Forward: C - 1 hops of the K and V blocks.
+Backward: K, V and their gradient accumulators travel together (C - 1 hops), and one last hop brings each
+dK, dV home; dQ stays local. Only this rank's block is saved for the backward pass, which receives the
+others again (a data dependency on the cotangent keeps XLA from reusing the forward's received blocks).
+
+Load balance ("zigzag"): with a causal mask, the rank holding the end of the sequence would do all the
+work. The sequence is cut into 2C chunks and rank r holds chunks r and 2C-1-r (jfsdp/config/sequence.py;
+the data loader applies it once, and the positions that RoPE needs travel with the tokens: they are the
+order itself). Then at every step but the first, every rank computes exactly two (L x L) unmasked blocks, L =
+T / 2C: if the K/V block comes from an earlier rank (s < r) its first chunk is seen by both local query
+chunks; if from a later rank, both of its chunks are seen by the second local query chunk. The chunk
+pair (second queries, first keys) is common to both cases; the other pair is chosen by a select, not a
+branch, so all ranks run the same program. Without zigzag (contiguous blocks) a block from a later rank
+is wholly masked and its result dropped.
+
+The per-block attention is a caller's `Kernel` (the models' blockwise attention on CPU, for instance):
+jfsdp does not import models/. It needs the log-sum-exp of each query's scores, and a backward half that
+takes the merged output and log-sum-exp."""
+from __future__ import annotations
+
+import functools
+from typing import Callable, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from jfsdp.config.errors import ConfigError
+from jfsdp.config.mesh import CONTEXT_AXIS, context_size, tensor_size
+from jfsdp.config.sequence import unzigzag, zigzag, zigzag_order  # noqa: F401 (the data loader's order, here too)
+from jfsdp.engine.layout import Stacked
+from jfsdp.engine.unit_call import tie
+
+_NEG = -1e30   # the log-sum-exp of an empty (wholly masked) row: exp(_NEG - l) is 0 for any finite l
+
+
+class Kernel(NamedTuple):
+    """The per-block attention the ring runs.
+    fwd(q, k, v, causal) -> (o fp32 (B, T, H, D), lse fp32 (B, T, H));
+    bwd(q, k, v, o, lse, do, causal) -> (dq, dk, dv) fp32, given the merged o and lse of the whole row."""
+    fwd: Callable
+    bwd: Callable
+
+
+def ring_attention(q, k, v, kernel: Kernel, *, zigzag: bool = True, axis: str = CONTEXT_AXIS):
+    """Causal attention of this rank's queries over the whole sequence's keys, inside a `shard_map` whose
+    `axis` splits the sequence. q (B, T/C, H, D); k, v (B, T/C, K, D), K dividing H (grouped-query
+    attention). `zigzag`: the sequence was permuted by `zigzag_order` (else each rank holds a contiguous
+    block, rank order = sequence order). Returns (B, T/C, H, D) in q's dtype."""
+    if zigzag and q.shape[1] % 2:
+        raise ConfigError(f"zigzag ring attention needs an even number of local tokens, got {q.shape[1]}")
+    return _ring(kernel, zigzag, axis, q, k, v)
+
+
+def _ring_send(axis: str, context: int):
+    return functools.partial(lax.ppermute, axis_name=axis, perm=[(i, (i + 1) % context) for i in range(context)])
+
+
+def _merge(a, b):
+    """Two partial attentions of the same queries over disjoint key sets -> over their union."""
+    (oa, la), (ob, lb) = a, b
+    lse = jnp.logaddexp(la, lb)
+    return oa * jnp.exp(la - lse)[..., None] + ob * jnp.exp(lb - lse)[..., None], lse
+
+
+def _halves(x):
+    n = x.shape[1] // 2
+    return x[:, :n], x[:, n:]
+
+
+def _masked(lse, keep):
+    return jnp.where(keep, lse, _NEG)
+
+
+def _hop_fwd(kernel, zigzag, q, k, v, earlier):
+    """(o, lse) of the local queries over one K/V block that came from another rank; `earlier`: from a
+    rank before this one (traced)."""
+    if not zigzag:
+        o, lse = kernel.fwd(q, k, v, False)
+        return o, _masked(lse, earlier)
+    (q1, q2), (k1, k2), (v1, v2) = _halves(q), _halves(k), _halves(v)
+    oc, lc = kernel.fwd(q2, k1, v1, False)                 # seen in both cases
+    pick = lambda a, b: jnp.where(earlier, a, b)
+    ox, lx = kernel.fwd(pick(q1, q2), pick(k1, k2), pick(v1, v2), False)
+    common = (jnp.concatenate([jnp.zeros_like(oc), oc], 1), jnp.concatenate([jnp.full_like(lc, _NEG), lc], 1))
+    other = (jnp.concatenate([ox, ox], 1), jnp.concatenate([_masked(lx, earlier), _masked(lx, ~earlier)], 1))
+    return _merge(common, other)
+
+
+def _hop_bwd(kernel, zigzag, q, k, v, o, lse, do, earlier):
+    """(dq, dk, dv) fp32 through one K/V block from another rank."""
+    if not zigzag:
+        keep = lambda g: jnp.where(earlier, g, 0.0)
+        return tuple(map(keep, kernel.bwd(q, k, v, o, lse, do, False)))
+    (q1, q2), (k1, k2), (v1, v2) = _halves(q), _halves(k), _halves(v)
+    (o1, o2), (l1, l2), (do1, do2) = _halves(o), _halves(lse), _halves(do)
+    dqc, dkc, dvc = kernel.bwd(q2, k1, v1, o2, l2, do2, False)
+    pick = lambda a, b: jnp.where(earlier, a, b)
+    dqx, dkx, dvx = kernel.bwd(pick(q1, q2), pick(k1, k2), pick(v1, v2), pick(o1, o2), pick(l1, l2),
+                               pick(do1, do2), False)
+    zero = jnp.zeros_like
+    first = lambda g: jnp.concatenate([pick(g, zero(g)), pick(zero(g), g)], 1)   # x pair: first or second half
+    dq = first(dqx) + jnp.concatenate([zero(dqc), dqc], 1)
+    dk = first(dkx) + jnp.concatenate([dkc, zero(dkc)], 1)
+    dv = first(dvx) + jnp.concatenate([dvc, zero(dvc)], 1)
+    return dq, dk, dv
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _ring(kernel, zigzag, axis, q, k, v):
+    return _ring_fwd(kernel, zigzag, axis, q, k, v)[0]
+
+
+def _ring_fwd(kernel, zigzag, axis, q, k, v):
+    context, rank = lax.axis_size(axis), lax.axis_index(axis)
+    send = _ring_send(axis, context)
+    acc = kernel.fwd(q, k, v, True)          # the diagonal block: causal within this rank's tokens
+    kv = (k, v)
+    for s in range(1, context):
+        kv = send(kv)                         # now the block of rank r - s
+        acc = _merge(acc, _hop_fwd(kernel, zigzag, q, *kv, (rank - s) % context < rank))
+    o = acc[0].astype(q.dtype)
+    return o, (q, k, v, o, acc[1])
+
+
+def _ring_bwd(kernel, zigzag, axis, res, do):
+    q, k, v, o, lse = res
+    context, rank = lax.axis_size(axis), lax.axis_index(axis)
+    send = _ring_send(axis, context)
+    dq, dk, dv = kernel.bwd(q, k, v, o, lse, do, True)
+    # the backward ring sends K and V again, after the cotangent exists: otherwise XLA merges its hops
+    # with the forward's, and keeps all C - 1 blocks received in the forward pass alive until here
+    kv, dkv = tie((k, v), do.reshape(-1)[0]), (dk, dv)
+    for s in range(1, context):
+        kv, dkv = send((kv, dkv))             # K, V of rank r - s with the gradients gathered for them so far
+        g = _hop_bwd(kernel, zigzag, q, *kv, o, lse, do, (rank - s) % context < rank)
+        dq, dkv = dq + g[0], (dkv[0] + g[1], dkv[1] + g[2])
+    if context > 1:
+        dkv = send(dkv)                       # the block of rank r + 1 goes home
+    return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+# ---- the engine at C > 1 (jfsdp.engine.sharded): what it supports, and the unit's attention as a ring
+
+LATER = "is not supported with context parallelism yet (docs/context-parallel.md)"
+HOOKS = ("positions", "attend")
+
+
+def check(model, mesh, strategy, mp_policy, prefetch, moe, kernel):
+    """(`kernel`, fully_shard's context_attention; the prefetch option: off at C > 1, where the pipeline is
+    not supported yet, unless asked for); ConfigError for what C > 1 does not support yet."""
+    c = context_size(mesh)
+    if c == 1:
+        if kernel is not None:
+            raise ConfigError("context_attention= needs a mesh with a context axis of size > 1 "
+                              "(make_mesh(spec, context=C))")
+        return None, prefetch
+    if not isinstance(kernel, Kernel):
+        raise ConfigError(f"a mesh with context {c} needs context_attention=jfsdp.engine.parallel.context.Kernel(fwd, "
+                          "bwd): the per-block attention of the ring (models/factory.py's context_kernel for Llama)")
+    for what, bad in (("a jfsdp.Staged model", not isinstance(model, Stacked)), ("tensor parallelism",
+                      tensor_size(mesh) > 1), (f"strategy {strategy.value}", not strategy.sharded),
+                      ("the prefetch pipeline", bool(prefetch)), ("moe=", moe is not None),
+                      ("float8", mp_policy.float8 is not None)):
+        if bad:
+            raise ConfigError(f"{what} {LATER}")
+    return kernel, False
+
+
+def placement(batch_spec, loss_axes, context: int):
+    """(the batch's PartitionSpec, the axes the loss is averaged over): at C > 1 the sequence (dimension 1)
+    lies on `context`, in the zigzag order the data loader gave it (`zigzag`)."""
+    if context == 1:
+        return batch_spec, loss_axes
+    if len(batch_spec) > 1:
+        raise ConfigError(f"context parallelism with another axis on the sequence {LATER}")
+    return P(batch_spec[0], CONTEXT_AXIS), (*loss_axes, CONTEXT_AXIS)
+
+
+def batch_rows(tree, n_devices: int, tensor: int, context: int) -> tuple:
+    """(the devices a batch's rows lie on, the count its batch size must divide): R*S, and all N devices as
+    before when C = 1 (tensor parallelism keeps its rule). At C > 1 a ConfigError unless every leaf's
+    sequence (dimension 1) is a multiple of 2C, the zigzag's chunks."""
+    rows = n_devices // (tensor * context)
+    if context == 1:
+        return rows, n_devices
+    for x in jax.tree.leaves(tree):
+        if np.ndim(x) >= 2 and np.shape(x)[1] % (2 * context):
+            raise ConfigError(f"a batch's sequence of {np.shape(x)[1]} tokens does not split over context {context}: "
+                              f"context parallelism cuts it into 2*C = {2 * context} equal chunks")
+    return rows, rows
+
+
+def with_ring(apply, kernel: Kernel, context: int):
+    """A unit's (params, h) -> h with its attention run as a ring over `context` on zigzag-ordered tokens:
+    the unit's modules' `positions(t)` give this rank's tokens' positions, and `attend(q, k, v)` runs
+    `ring_attention`. A unit that calls neither is refused: its attention would see this rank's tokens only.
+    At C = 1, `apply` itself."""
+    if context == 1:
+        return apply
+    def intercept(next_fun, args, kwargs, ctx):
+        if ctx.method_name not in HOOKS:
+            return next_fun(*args, **kwargs)
+        seen.add(ctx.method_name)
+        if ctx.method_name == "attend":
+            return ring_attention(*args, kernel, **kwargs)
+        t, c = args[0], lax.axis_size(CONTEXT_AXIS)
+        order = jnp.asarray(zigzag_order(t * c, c), jnp.float32).reshape(c, t)
+        return order[lax.axis_index(CONTEXT_AXIS)]
+
+    seen = set()
+
+    def run(params, h):
+        with nn.intercept_methods(intercept):
+            out = apply(params, h)
+        if seen != set(HOOKS):
+            raise ConfigError("context parallelism needs the unit's attention reachable: a module method "
+                              "positions(t) giving the tokens' positions (RoPE) and attend(q, k, v) doing causal "
+                              f"attention, as models/llama.py's Attention has; this unit called {sorted(seen) or 'neither'}")
+        return out
+    return run
