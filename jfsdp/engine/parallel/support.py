@@ -13,7 +13,7 @@ import numpy as np
 
 from jfsdp.config.errors import ConfigError
 from jfsdp.config.mesh import tensor_size
-from jfsdp.engine.layout import Stacked
+from jfsdp.engine.layout import Stacked, Staged
 from jfsdp.engine.parallel.plan import TensorPlan
 
 LATER = "is not supported with tensor parallelism yet (docs/tensor-parallel.md)"
@@ -29,8 +29,8 @@ def check(model, mesh, strategy, mp_policy, prefetch, moe, tensor_plan):
     if not isinstance(tensor_plan, TensorPlan):
         raise ConfigError(f"a mesh with tensor {t} needs tensor_plan=jfsdp.TensorPlan(...) saying which layers are "
                           "colwise and rowwise (models/factory.py has the plan of jfsdp's Llama)")
-    if not isinstance(model, Stacked):
-        raise ConfigError(f"a jfsdp.{type(model).__name__} model {LATER}: use jfsdp.Stacked")
+    if not isinstance(model, (Stacked, Staged)):
+        raise ConfigError(f"a jfsdp.{type(model).__name__} model {LATER}: use jfsdp.Stacked or jfsdp.Staged")
     if not strategy.sharded:
         raise ConfigError(f"strategy no_shard {LATER}: use full_shard, shard_grad_op or hybrid_shard")
     if moe is not None:
