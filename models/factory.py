@@ -23,7 +23,7 @@ def language_model(cfg, loss="fused", moe="auto", moe_chunks="auto", backend=Non
     fused = loss == "fused"
     head = head or ("head_features" if fused else "head")
     loss_fn = (jfsdp.lm_loss(vocab_major=cfg.tie_embeddings) if fused else
-               jfsdp.logits_loss() if isinstance(cfg, LlamaConfig) and not isinstance(cfg, MoEConfig) else loss_fn_of(cfg))
+               jfsdp.logits_loss() if isinstance(cfg, (LlamaConfig, MoEConfig)) else loss_fn_of(cfg))
     if isinstance(cfg, MoEConfig):
         if moe_chunks != "auto":
             try:
@@ -38,8 +38,7 @@ def language_model(cfg, loss="fused", moe="auto", moe_chunks="auto", backend=Non
         if (buckets is not None or capacity_cap is not None) and moe != "adaptive":
             raise jfsdp.ConfigError("--moe-buckets and --moe-capacity-cap apply to --moe adaptive")
         root, stages = moe_model.parts(cfg)
-        if fused:
-            loss_fn = moe_model.loss(loss_fn, cfg.aux_coef)
+        loss_fn = moe_model.loss(loss_fn, cfg.aux_coef)   # + the load-balancing loss
         return (jfsdp.Staged(root, stages, head_method=head),
                 jfsdp.MoE(mode=moe, chunks=moe_chunks, backend=backend, buckets=buckets, capacity_factor=capacity_cap),
                 loss_fn)
@@ -62,14 +61,21 @@ LLAMA_TP_RULES = {
 
 
 def tensor_plan(cfg):
-    """The `jfsdp.TensorPlan` of a Llama config: its rules, the sequence on axis 1 of h, and the sizes T
-    must divide (heads, KV heads, FFN width). ConfigError for a model that has none yet (MoE)."""
-    if isinstance(cfg, MoEConfig) or not hasattr(cfg, "n_kv_heads"):
-        raise jfsdp.ConfigError(f"tensor parallelism is not supported for {type(cfg).__name__} models yet "
-                                "(docs/tensor-parallel.md): only the Llama models have a tensor plan")
-    rules = {**LLAMA_TP_RULES, **({} if cfg.tie_embeddings else {r"^root/output/kernel$": "colwise"})}
-    return jfsdp.TensorPlan(rules, sequence_dim=1,
-                            divides={"heads": cfg.n_heads, "KV heads": cfg.n_kv_heads, "FFN width": cfg.ffn_dim})
+    """The `jfsdp.TensorPlan` of a Llama or MoE config: its rules, the sequence on axis 1 of h, and the
+    sizes T must divide (heads, KV heads, FFN width). An MoE model's root is a LlamaRoot under `lm`; its
+    attention and dense layers take the Llama rules, its experts and router none (they stay FSDP or
+    expert-parallel over fsdp x tensor: jfsdp/engine/parallel/moe_rows.py)."""
+    if not hasattr(cfg, "n_kv_heads"):
+        raise jfsdp.ConfigError(f"tensor parallelism is not supported for {type(cfg).__name__} models "
+                                "(docs/tensor-parallel.md): only the Llama and MoE models have a tensor plan")
+    moe = isinstance(cfg, MoEConfig)
+    root = "^root/lm/" if moe else "^root/"
+    rules = {k.replace("^root/", root): v for k, v in LLAMA_TP_RULES.items()
+             if not (moe and not cfg.n_dense_layers and "feed_forward" in k)}
+    rules.update({} if cfg.tie_embeddings else {root + "output/kernel$": "colwise"})
+    divides = {"heads": cfg.n_heads, "KV heads": cfg.n_kv_heads}
+    divides.update({"FFN width": cfg.ffn_dim} if not moe or cfg.n_dense_layers else {})
+    return jfsdp.TensorPlan(rules, sequence_dim=1, divides=divides)
 
 
 def context_kernel(block: int = 512):

@@ -247,6 +247,7 @@ def loss(inner, aux_coef: float):
         return inner(outputs["out"], batch) + aux_coef * jnp.mean(outputs["moe_stats"][:, AUX])
     fn.chunk = getattr(inner, "chunk", None)              # what jfsdp.planning.estimate reads of a fused loss
     fn.vocab_major = getattr(inner, "vocab_major", False)
+    fn.vocab_parallel = getattr(inner, "vocab_parallel", False)   # a loss that reduces over a split vocabulary
     return fn
 
 

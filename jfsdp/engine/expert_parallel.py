@@ -15,7 +15,7 @@ from jax import lax
 
 from jfsdp.config.mesh import FSDP_AXIS
 from jfsdp.engine.layout import is_layout
-from jfsdp.engine.moe import MoE, StageMoE, path_keys
+from jfsdp.engine.moe import MoE, StageMoE, expert_leaves, path_keys
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
@@ -57,9 +57,10 @@ def _chunks(n: int, k: int) -> list:
     return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
-def expert_parallel(buckets, compute, shards: int, chunks: int):
+def expert_parallel(buckets, compute, shards: int, chunks: int, axes=FSDP_AXIS):
     """buckets (E, n, d) on every device -> (E, n, d): each chunk of slots all-to-all'ed over `fsdp`
     to the devices holding its experts ((E/S, S*c, d) there), computed with the local experts, sent back.
+    `axes`: the experts' (fsdp, or fsdp x tensor at T > 1, their S = S·T devices; parallel/moe_rows.py).
 
     With k > 1 chunks the chunks form a software pipeline: chunk i+1's dispatch is issued next to
     chunk i's expert compute, and an optimization barrier ties the two together (chunk i+1's
@@ -70,10 +71,10 @@ def expert_parallel(buckets, compute, shards: int, chunks: int):
     parts = [buckets[:, a:b] for a, b in _chunks(buckets.shape[1], chunks)]
 
     def send(x):
-        return lax.all_to_all(x, FSDP_AXIS, 0, 1, tiled=True) if shards > 1 else x
+        return lax.all_to_all(x, axes, 0, 1, tiled=True) if shards > 1 else x
 
     def back(y):
-        return lax.all_to_all(y, FSDP_AXIS, 1, 0, tiled=True) if shards > 1 else y
+        return lax.all_to_all(y, axes, 1, 0, tiled=True) if shards > 1 else y
 
     outs = []
     x = send(parts[0])
@@ -87,7 +88,8 @@ def expert_parallel(buckets, compute, shards: int, chunks: int):
 
 def interceptor(stage: StageMoE, selector: MoE, shards: int, comm=None, layouts=None):
     """The flax method interceptor that runs the experts module expert-parallel."""
-    local_n = stage.site.n_experts // shards
+    local_n = stage.site.n_experts // shards   # shards: S, or S·T at T > 1 (the experts' own axes)
+    axes = jax.tree.leaves(expert_leaves(layouts, stage.site), is_leaf=is_layout)[0].gather_axes if layouts else FSDP_AXIS
     inside = []   # the local experts' own call passes through (it is the same module class)
 
     def hook(next_fun, args, kwargs, context):
@@ -103,5 +105,5 @@ def interceptor(stage: StageMoE, selector: MoE, shards: int, comm=None, layouts=
                 return clone.apply({"params": local}, x)
             finally:
                 inside.pop()
-        return expert_parallel(args[0], compute, shards, stage.chunks)
+        return expert_parallel(args[0], compute, shards, stage.chunks, axes)
     return hook

@@ -162,6 +162,11 @@ def expert_leaves(layouts, site: Site):
     return t
 
 
+def expert_shards(sharded) -> int:
+    """The devices an expert leaf is split over: S, or S·T at T > 1 (fsdp x tensor, parallel/moe_rows.py)."""
+    return sharded.shards * getattr(sharded, "tensor", 1)
+
+
 def _per_stage(value, n, name):
     if isinstance(value, (tuple, list)):
         if len(value) != n:
@@ -176,7 +181,7 @@ def costs(sharded, site: Site, layouts, n_units: int, backend: str | None = None
     parameters in gather mode and for its tokens in expert-parallel mode, with the backend's wire
     dtypes (XLA:CPU widens bf16 to f32: `memory.wire_dtype`). `recompute`: the backward pass runs the
     forward's collectives again whatever the remat (an adaptive variant: moe_adaptive.switch)."""
-    S = sharded.shards
+    S = expert_shards(sharded)
     f = (S - 1) / S if S > 1 else 0.0
     backend = backend or jax.default_backend()
     p = wire_dtype(sharded.mp.param_dtype or jnp.float32, backend).itemsize
@@ -235,7 +240,7 @@ def resolve(sharded, option: MoE | None, adaptive=None) -> list:
             raise ConfigError(f"stage {j}: moe chunks must be 'auto' or an integer of at least 1, got {k!r}")
         layouts = sharded.split(sharded.layouts)[1][j]
         cost = costs(sharded, site, layouts, st.n_units, option.backend)
-        S, E = sharded.shards, site.n_experts
+        S, E = expert_shards(sharded), site.n_experts
         ep_ok = sharded.strategy.sharded and E % S == 0
         cheaper = "ep" if cost["ep"] < cost["gather"] else "gather"
         figures = f"gather {cost['gather'] / 2**20:.2f} MiB vs all-to-all {cost['ep'] / 2**20:.2f} MiB per step"
@@ -253,8 +258,8 @@ def resolve(sharded, option: MoE | None, adaptive=None) -> list:
                 raise ConfigError(f"stage {j}: expert parallelism needs the experts sharded over fsdp; strategy "
                                   f"{sharded.strategy.value} keeps them whole (use gather mode or a sharded strategy)")
             if E % S:
-                raise ConfigError(f"stage {j}: expert parallelism needs the {E} experts to divide over the {S} fsdp "
-                                  f"shards (each device holds E/S whole experts); use gather mode or a mesh whose fsdp "
+                raise ConfigError(f"stage {j}: expert parallelism needs the {E} experts to divide over the {S} fsdp"
+                                  f"{' x tensor' if S > sharded.shards else ''} shards (each device holds E/S whole experts); use gather mode or a mesh whose fsdp "
                                   f"size divides {E}")
             if k != "auto" and k > site.buckets[1]:
                 raise ConfigError(f"stage {j}: {k} chunks for {site.buckets[1]} slots per device; use at most that many")

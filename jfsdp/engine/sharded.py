@@ -44,7 +44,7 @@ class FSDP(ParamLayout):
         if self.tensor > 1:   # Megatron-SP around the units' tensor-parallel matmuls (parallel/tensor.py)
             self.async_tp = support.async_tp(async_tp, platform(mesh))
             self.tp_intercept = tp.interceptor(tp_layout.tp_modules(self.split(self.layouts)[1]), tensor_plan.sequence_dim,
-                                               mp_policy.reduce_dtype, self.tensor, self.async_tp)
+                                               mp_policy.reduce_dtype, self.tensor, self.async_tp, moe)
             vocab.setup(self, self.split(self.layouts)[0], tensor_plan.sequence_dim)   # parallel/vocab.py
         self.moe, self.moe_stages = moe, moe_engine.resolve(self, moe, moe_adaptive.resolve_stage)   # None or its mode
         self.unit_layouts = self.float8_layouts()
@@ -82,18 +82,17 @@ class FSDP(ParamLayout):
                               "einsums run by jfsdp, not Dense matmuls); use moe=MoE('gather') or bf16")
         return float8.mark_stages(self.model, self.h_shapes, stage_l, self.mp.float8, self.mp.param_dtype)
 
-    def unit_apply(self, unit):
-        """(unit params, h) -> h: the unit's apply, its float8 matmuls intercepted when there are any."""
-        if self.tensor > 1:   # the TP interceptor first (flax calls the outermost first); float8 for other Dense
-            def apply(params, h):
-                with nn.intercept_methods(self.tp_intercept), nn.intercept_methods(float8.interceptor):
-                    return unit.apply({"params": params}, h)
-            return apply
-        if self.mp.float8 is None:   # at C > 1 with its attention as a ring over `context` (parallel/context.py)
+    def unit_apply(self, unit, extra=None):
+        """(unit params, h) -> h: the unit's apply under its interceptors, the outermost first (support.chain): TP's
+        at T > 1, float8's where it has matmuls to take, then `extra` (expert parallelism's)."""
+        hooks = ([self.tp_intercept] if self.tensor > 1 else []) + [float8.interceptor] * (self.tensor > 1 or
+                                                                                         self.mp.float8 is not None)
+        if not hooks and extra is None:   # at C > 1 with its attention as a ring over `context` (parallel/context.py)
             return cp.with_ring(lambda params, h: unit.apply({"params": params}, h), self.context_attention, self.context)
+        hook = support.chain(hooks + ([extra] if extra is not None else []))
 
         def apply(params, h):
-            with nn.intercept_methods(float8.interceptor):
+            with nn.intercept_methods(hook):
                 return unit.apply({"params": params}, h)
         return apply
 
@@ -111,9 +110,9 @@ class FSDP(ParamLayout):
             if ep:
                 unshard_one = lambda x, l: unshard(x, l, self.comm)
                 run = moe_adaptive if moe.mode == "adaptive" else expert_parallel
-                params = run.place_params(unshard_one, shards, layouts, moe, self.comm)
-                with nn.intercept_methods(run.interceptor(moe, self.moe, self.shards, self.comm, layouts)):
-                    return unit.apply({"params": params}, h)
+                params = run.place_params(unshard_one, shards, layouts, moe, self.comm)   # experts over fsdp x tensor
+                hook = run.interceptor(moe, self.moe, self.shards * self.tensor, self.comm, layouts)
+                return self.unit_apply(unit, hook)(params, h)
             return self.unit_apply(unit)(unshard_tree(shards, layouts, self.comm), h)
         keeps_shape = tree_shapes(self.h_shapes[j]) == tree_shapes(self.h_shapes[j + 1])
         return scan_stage(compute, h, shards, self.policy, keeps_shape), extra

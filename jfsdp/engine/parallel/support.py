@@ -4,8 +4,8 @@ Supported: a `jfsdp.Stacked` model with a `TensorPlan`, FULL_SHARD / SHARD_GRAD_
 (and its ZeRO-2 form), any remat policy, the prefetch pipeline, fp32 or bf16 mixed precision, tensorwise
 float8, gradient accumulation (both grad_sync modes), frozen parameters, a vocabulary-parallel root
 (parallel/vocab.py), checkpoints and Hugging Face import (io/tensor_rows.py), the in-backward update
-(train/update_in_backward.py). Refused until a later slice: NO_SHARD, `Staged` models, models given as
-they are, MoE, rowwise float8."""
+(train/update_in_backward.py), `Staged` models, MoE in gather or ep mode (parallel/moe_rows.py). Refused
+until a later slice: NO_SHARD, models given as they are, adaptive MoE, float8 with MoE, rowwise float8."""
 from __future__ import annotations
 
 import jax
@@ -33,8 +33,11 @@ def check(model, mesh, strategy, mp_policy, prefetch, moe, tensor_plan):
         raise ConfigError(f"a jfsdp.{type(model).__name__} model {LATER}: use jfsdp.Stacked or jfsdp.Staged")
     if not strategy.sharded:
         raise ConfigError(f"strategy no_shard {LATER}: use full_shard, shard_grad_op or hybrid_shard")
-    if moe is not None:
-        raise ConfigError(f"MoE {LATER}")
+    if moe is not None and "adaptive" in (moe.mode if isinstance(moe.mode, (tuple, list)) else (moe.mode,)):
+        raise ConfigError(f"MoE mode adaptive {LATER}: its load maximum (the switch's index) is taken over data x "
+                          "fsdp and its ep variants send over fsdp alone, not tensor; use gather, ep or auto")
+    if moe is not None and mp_policy.float8 is not None:
+        raise ConfigError(f"float8 with an MoE model {LATER}: use bf16 or fp32")
     if mp_policy.float8 is not None and mp_policy.float8.recipe == "rowwise":
         raise ConfigError(f"float8 with rowwise scaling {LATER}: use the tensorwise recipe (fp8)")
     return prefetch   # the prefetch pipeline gathers the TP-local units over `fsdp`; TP stays inside each unit
@@ -53,3 +56,12 @@ def check_sequence(tree, tensor: int, dim: int):
         if len(shape) <= dim or shape[dim] % tensor:
             raise ConfigError(f"a batch leaf of shape {shape}: sequence parallelism splits axis {dim} (the sequence) "
                               f"over tensor {tensor}, which must divide it")
+
+
+def chain(interceptors: list):
+    """Linen method interceptors as one, the first outermost (as nested `nn.intercept_methods` would run them)."""
+    def run(hooks, next_fun, args, kwargs, context):
+        if not hooks:
+            return next_fun(*args, **kwargs)
+        return hooks[0](lambda *a, **k: run(hooks[1:], next_fun, a, k, context), args, kwargs, context)
+    return lambda next_fun, args, kwargs, context: run(list(interceptors), next_fun, args, kwargs, context)

@@ -39,7 +39,9 @@ from jax.ad_checkpoint import checkpoint_name
 from jfsdp.config.errors import ConfigError
 from jfsdp.config.mesh import TENSOR_AXIS
 from jfsdp.engine import float8
+from jfsdp.engine.parallel import moe_rows
 from jfsdp.engine.parallel.plan import ROWWISE
+from jfsdp.engine.parallel.support import chain
 
 
 def gather_sequence(x, dim: int):
@@ -168,14 +170,15 @@ def ring_scatter_dense(mod, x, dim: int, tensor: int, out_dtype=None):
     return acc, compute_dtype(mod, x)
 
 
-def interceptor(modules: dict, sequence_dim: int, reduce_dtype=None, tensor: int = 1, collective_matmul=False):
+def interceptor(modules: dict, sequence_dim: int, reduce_dtype=None, tensor: int = 1, collective_matmul=False, moe=None):
     """A Linen method interceptor for a unit: `modules` is {module path: 'colwise' / 'rowwise'}
     (layout.tp_modules); the parent of every colwise layer gets its input gathered over the sequence.
     A rowwise layer's partial sums leave the matmul in `reduce_dtype` (the precision policy's, fp32 under
     bf16; None: the compute dtype), are reduce-scattered in it and cast back: the sum of the T partials
     is rounded once, as the single-device matmul rounds its accumulator once. (Rounding each partial
     to bf16 first, as Megatron does, put llama-test's outputs 5.2e-3 in L2 from the single-device bf16
-    model's, nearly as far as fp32's, 6.1e-3: docs/tensor-parallel.md.)"""
+    model's, nearly as far as fp32's, 6.1e-3: docs/tensor-parallel.md.) `moe`: an MoE model's jfsdp.MoE,
+    whose layer runs inside this interceptor on whole sequences of 1/T of the rows (moe_rows.py)."""
     gathers = {path[:-1] for path, kind in modules.items() if kind != ROWWISE}
     rings = {}   # collective matmul: {a gathering module's path: (the input it was given, its ring's blocks)}
     if () in gathers:
@@ -214,4 +217,4 @@ def interceptor(modules: dict, sequence_dim: int, reduce_dtype=None, tensor: int
         if mod.use_bias:   # replicated over `tensor`: added once, after the sum
             y = y + nn.meta.unbox(mod.get_variable("params", "bias")).astype(y.dtype)
         return y
-    return intercept
+    return intercept if moe is None else chain([intercept, moe_rows.interceptor(moe, sequence_dim, tensor)])

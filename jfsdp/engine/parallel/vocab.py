@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Mapping
 
 import flax.linen as nn
 import jax
@@ -167,6 +168,8 @@ def gather_features(plan, outputs):
     """The head method's outputs. A fused loss's (hidden states..., weight): with a vocabulary-parallel
     root the hidden states of the TP group's whole sequence (the logits of a plain head come whole on
     the sequence from its projection, whose input the root interceptor gathers)."""
+    if getattr(plan, "vocab_shard", None) and isinstance(outputs, Mapping):   # e.g. {'out': ..., 'moe_stats': ...}
+        return {k: gather_features(plan, v) for k, v in outputs.items()}
     if not getattr(plan, "vocab_shard", None) or not isinstance(outputs, (tuple, list)):
         return outputs
     *hidden, weight = outputs
