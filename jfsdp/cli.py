@@ -240,8 +240,7 @@ def check_tensor_flags(c: TrainConfig) -> None:
     if c.seq_len % c.tensor:
         fail(f"--tensor {c.tensor} does not divide --seq-len {c.seq_len} (sequence parallelism splits the sequence)")
     later = [flag for flag, on in [(f"--precision {c.precision}", c.precision == "fp8-rowwise"),
-                                   ("--strategy no_shard", c.strategy.strip().lower() == "no_shard"),
-                                   ("several processes", (c.num_processes or 1) > 1 or c.coordinator)] if on]
+                                   ("--strategy no_shard", c.strategy.strip().lower() == "no_shard")] if on]
     if later:
         fail(f"--tensor {c.tensor}: {', '.join(later)} {'is' if len(later) == 1 else 'are'} not supported with tensor "
              "parallelism yet (docs/tensor-parallel.md)")

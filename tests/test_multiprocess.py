@@ -77,14 +77,18 @@ def assert_same_losses(ours, ref):
 
 def test_two_processes_equal_one_through_a_resume(tmp_path_factory, tmp_path):
     """The launcher's 2 processes on 2x4 (hybrid sharding: fsdp inside a process, data across them):
-    4 steps, stop, then --resume on both processes for the rest; only process 0 reports, saves' lines
-    and writes the metrics; the losses are those of one process running straight through.
+    4 steps, stop, then --resume on both processes for the rest, on 2x2 with --tensor 2 (tensor
+    parallelism across processes; fp32: the losses of T = 2 and T = 1 agree to 1.8e-7 relative, measured);
+    only process 0 reports, saves' lines and writes the metrics; the losses are those of one process
+    running straight through on 2x4.
     (test_dead_peer_stops_the_others runs fsdp across the two processes, 1x8.)"""
     out, ckpt = tmp_path / "m.jsonl", tmp_path / "ckpt"
     p = launch("2x4", out, "--ckpt-dir", str(ckpt), "--save-every", "4", "--stop-after", "4")
     assert "fsdp axis: 4 devices per group, 2 groups, inside one process" in p.stdout, p.stdout
     assert p.stderr.count("checkpoint saved to") == 1, p.stderr                   # said once, by process 0
-    p = launch("2x4", out, "--ckpt-dir", str(ckpt), "--save-every", "4", "--resume", "--gen-tokens", "4")
+    # resumed under tensor parallelism: 2x2 x tensor 2, each tensor group inside a process
+    p = launch("2x2", out, "--tensor", "2", "--ckpt-dir", str(ckpt), "--save-every", "4", "--resume", "--gen-tokens", "4")
+    assert "tensor axis: 2 devices per group, 4 groups, inside one process" in p.stdout, p.stdout
     assert p.stderr.count("resumed from") == 1, p.stderr
     assert p.stdout.count("== summary") == 1 and p.stdout.count("== sample") == 1   # process 0 only
     # the resumed run evaluates again at its first step: drop that repeat, then compare

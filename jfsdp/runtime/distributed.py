@@ -34,7 +34,7 @@ import threading
 import time
 
 from jfsdp.config.errors import ConfigError
-from jfsdp.config.mesh import AXES, parse_mesh
+from jfsdp.config.mesh import parse_mesh
 from jfsdp.runtime.console import EXIT_BAD_INPUT
 
 DEFAULT_INIT_TIMEOUT = 60      # seconds to wait for the coordinator and for every process to join
@@ -154,38 +154,45 @@ def initialize(p: Processes, *, cpu: bool) -> None:
         watchdog.cancel()
 
 
-def make_mesh(spec: str, devices=None):
-    """A `data` x `fsdp` mesh over the devices of every process. One process: the devices in order.
-    More: JAX's hybrid-mesh utility with each process as a granule, so an `fsdp` group never
-    straddles processes when it fits in one (hybrid sharding: reduce-scatter over the fast links,
-    all-reduce of the shard across hosts), and an `fsdp` axis of several whole processes otherwise."""
+def make_mesh(spec: str, devices=None, tensor: int = 1):
+    """A `data` x `fsdp` mesh over the devices of every process (with tensor=T > 1, `data` x `fsdp` x
+    `tensor`, `tensor` innermost). One process: the devices in order. More: JAX's hybrid-mesh utility
+    with each process as a granule, so an `fsdp` group (with its T-device tensor groups) never straddles
+    processes when it fits in one (hybrid sharding: reduce-scatter over the fast links, all-reduce of
+    the shard across hosts), and an `fsdp` axis of several whole processes otherwise. A tensor group
+    always lies inside one process (its collectives run in every layer)."""
     import jax
     import numpy as np
     from jax.experimental import mesh_utils
     from jax.sharding import Mesh
 
-    from jfsdp.config.mesh import make_mesh as single_process_mesh
+    from jfsdp.config.mesh import make_mesh as single_process_mesh, mesh_spec
 
     r, s = parse_mesh(spec)
+    m = mesh_spec(spec, tensor)
     devices = list(jax.devices() if devices is None else devices)
     procs = sorted({d.process_index for d in devices})
     if len(procs) == 1:
-        return single_process_mesh(spec, devices=devices)
-    if r * s != len(devices):
-        raise ConfigError(f"mesh {r}x{s} needs {r * s} devices but the {len(procs)} processes have "
-                          f"{len(devices)} in all")
+        return single_process_mesh(spec, devices=devices, tensor=tensor)
+    if m.devices != len(devices):
+        raise ConfigError(f"mesh {r}x{s}{f' with tensor {tensor}' if tensor > 1 else ''} needs {m.devices} devices but "
+                          f"the {len(procs)} processes have {len(devices)} in all")
     local = len(devices) // len(procs)
     if any(sum(d.process_index == p for d in devices) != local for p in procs):
         raise ConfigError("every process must bring the same number of devices")
-    if local % s == 0:          # fsdp inside a process, data over local groups and processes
-        ici, dcn = (local // s, s), (len(procs), 1)
-    elif s % local == 0:        # fsdp spans s/local whole processes
-        ici, dcn = (1, local), (r, s // local)
+    if local % tensor:
+        raise ConfigError(f"--tensor {tensor} must divide the {local} devices of each process: a tensor group lies "
+                          "inside one process")
+    st = s * tensor             # an fsdp group's devices, each with its tensor group
+    if local % st == 0:         # fsdp inside a process, data over local groups and processes
+        ici, dcn = (local // st, st), (len(procs), 1)
+    elif st % local == 0:       # fsdp spans st/local whole processes
+        ici, dcn = (1, local), (r, st // local)
     else:
-        raise ConfigError(f"mesh {r}x{s}: the fsdp size {s} must divide, or be a multiple of, the {local} devices "
-                          "of each process")
+        raise ConfigError(f"mesh {r}x{s}: the fsdp size {s}{f' x tensor {tensor}' if tensor > 1 else ''} must divide, "
+                          f"or be a multiple of, the {local} devices of each process")
     grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, process_is_granule=True)
-    return Mesh(np.asarray(grid).reshape(r, s), AXES)
+    return Mesh(np.asarray(grid).reshape(m.replicas, m.shards, *([tensor] if tensor > 1 else [])), m.axes)
 
 
 def describe_mesh(mesh) -> list[str]:

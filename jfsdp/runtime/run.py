@@ -59,7 +59,7 @@ class Run:
                 raise jfsdp.ConfigError("--prompt needs text data; a token file has no tokenizer here")
             c, self.lead = build.report_from_lead(c)
             devices = build.take_devices(c, r, s * c.context * c.tensor)
-            self.mesh = (distributed.make_mesh(c.mesh, devices=devices) if c.tensor == c.context == 1
+            self.mesh = (distributed.make_mesh(c.mesh, devices=devices, tensor=c.tensor) if c.context == 1
                          else jfsdp.make_mesh(c.mesh, devices=devices, tensor=c.tensor, context=c.context))
             self.sharded, self.logits_sharded, self.loss_fn = build.shard_model(c, models, model, self.mesh,
                                                                                 self.strategy, mp)
