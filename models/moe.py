@@ -143,7 +143,7 @@ def route(logits, k: int, capacity: int):
 
 class MoEFeedForward(nn.Module):
     """Router, dispatch into per-expert buckets, `Experts`, combine. x (B, T, d) ->
-    (y (B, T, d), aux (B,), dropped (B,)).
+    (y (B, T, d), aux (B,), dropped (B,), capacity (B,), routed choices (B,): T*k).
 
     `capacity`: slots per expert per sequence; None: the config's capacity factor (`MoEConfig.capacity`).
     `load(x)`: the router's load before dispatch, (B, E) choices per expert per sequence. Together they
@@ -187,11 +187,13 @@ class MoEFeedForward(nn.Module):
         out = jnp.concatenate([out, jnp.zeros((b, 1, d), out.dtype)], axis=1)
         picked = out[rows, slot.reshape(b, t * k)].reshape(b, t, k, d)
         y = jnp.sum(picked * gate[..., None].astype(x.dtype), axis=2)
-        return y, aux, dropped, jnp.full((b,), cap, jnp.float32)
+        # routed choices per sequence: t * k of the whole sequence (a runner may call this layer on whole
+        # sequences while the block around it sees a part of each: sequence parallelism)
+        return y, aux, dropped, jnp.full((b,), cap, jnp.float32), jnp.full((b,), t * k, jnp.float32)
 
 
 def _add_stats(stats, aux, dropped, routed, capacity):
-    new = jnp.stack([aux, dropped, jnp.full_like(aux, routed), jnp.zeros_like(aux)], axis=-1)
+    new = jnp.stack([aux, dropped, routed, jnp.zeros_like(aux)], axis=-1)
     return (stats + new).at[:, CAPACITY].set(jnp.maximum(stats[:, CAPACITY], capacity))
 
 
@@ -204,8 +206,8 @@ class MoEBlock(nn.Module):
         x, stats = h
         c, lc = self.cfg, self.cfg.llama()
         x = x + Attention(lc, name="attention")(RMSNorm(c.norm_eps, name="attention_norm")(x))
-        y, aux, dropped, cap = MoEFeedForward(c, name="moe")(RMSNorm(c.norm_eps, name="ffn_norm")(x))
-        return x + y, _add_stats(stats, aux, dropped, x.shape[1] * c.top_k, cap)
+        y, aux, dropped, cap, routed = MoEFeedForward(c, name="moe")(RMSNorm(c.norm_eps, name="ffn_norm")(x))
+        return x + y, _add_stats(stats, aux, dropped, routed, cap)
 
 
 class DenseBlock(nn.Module):

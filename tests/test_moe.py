@@ -230,9 +230,17 @@ def test_tensor_parallel_matches_plain_moe(references):
     plan = jfsdp.fully_shard(model, mesh, jax.ShapeDtypeStruct(batch["inputs"].shape, jnp.int32), remat="full",
                              moe=option, tensor_plan=factory.tensor_plan(CFG))
     assert [s and (s.mode, s.site.buckets[:2]) for s in plan.moe_stages] == [None, ("ep", (8, 4 * SEQ))]
-    loss, grads = jax.jit(plan.loss_and_grad(loss_fn))(plan.shard(params), plan.put_batch(batch))
+    params, batch = plan.shard(params), plan.put_batch(batch)
+    loss, grads = jax.jit(plan.loss_and_grad(loss_fn))(params, batch)
     np.testing.assert_allclose(float(loss), want_loss, rtol=1e-5)
     ref.close(plan.gather(grads), want_grads, 1e-5, "grad")
+    # the metrics a trainer logs, on the sequence-split batch: no choice dropped of all the routed ones (t*k a
+    # sequence, counted by the layer, not by the block that sees n/T tokens), the reference's aux loss
+    routed = lambda out, _: jnp.mean(out["moe_stats"][:, moe.ROUTED])
+    got = jax.jit(jm.forward_metrics(plan, {**TRAIN_METRICS, "routed": routed}))(params, batch)
+    assert float(got["dropped"]) == 0.0 and float(got["routed"]) == CFG.n_layers * SEQ * CFG.top_k
+    want_aux = float(jnp.mean(mref.forward(CFG, references(CFG)[1], references(CFG)[0]["inputs"])[1]))
+    assert float(got["aux"]) == pytest.approx(want_aux, rel=1e-5)
 
 
 def test_config_errors():

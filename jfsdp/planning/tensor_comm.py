@@ -93,6 +93,13 @@ def tensor_comm(plan, rows: int, seq_len: int, fused: bool, backend: str | None 
     if t == 1 or plan.remat not in ("none", "full", "dots"):
         raise ConfigError("the tensor-parallel communication formula is written for T > 1 and remat none, full or "
                           "dots; read the compiled step's collectives (hlo.per_axes) for the rest")
+    if any(getattr(plan, "moe_stages", None) or ()):
+        raise ConfigError("the planner's communication formula at tensor > 1 covers dense Llama units, not MoE ones (their "
+                          "all-to-alls over tensor, experts over fsdp x tensor); an MoE model trains at --tensor > 1 "
+                          "(train.py's fit check reads the memory estimate) but jfsdp.plan does not plan it yet")
+    if len({tuple(jax.tree.leaves(h)[0].shape[2:]) for h in plan.h_shapes}) > 1:
+        raise ConfigError("the tensor-parallel communication formula takes one residual width for every stage; "
+                          "this model's stages change it: read the compiled step's collectives (hlo.per_axes)")
     backend = backend or jax.default_backend()
     pdt = plan.mp.param_dtype or jnp.float32
     cb = jnp.dtype(wire_dtype(pdt, backend)).itemsize                            # compute (and gather) dtype

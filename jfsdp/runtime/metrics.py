@@ -106,10 +106,12 @@ def forward_metrics(plan, fns: dict):
             x = fn(outputs, batch)
             if jnp.shape(x) != ():
                 raise ConfigError(f"metric '{name}' must return a scalar, got shape {jnp.shape(x)}")
-            out[name] = lax.psum(jnp.asarray(x).astype(jnp.float32), AXES) / plan.n_devices
+            out[name] = lax.psum(jnp.asarray(x).astype(jnp.float32), axes) / plan.n_devices
         return out
 
-    sharded = plan.shard_map(local, (plan.param_specs, P(AXES)), {name: P() for name in fns})
+    # at T > 1 the batch's sequence lies over `tensor` too, and the sum runs over it (as FSDP.loss's)
+    axes, spec = getattr(plan, "loss_axes", AXES), getattr(plan, "batch_spec", P(AXES))
+    sharded = plan.shard_map(local, (plan.param_specs, spec), {name: P() for name in fns})
 
     def fn(params, batch):
         plan.check_batch(batch)
