@@ -239,8 +239,16 @@ def test_tensor_parallel_matches_plain_moe(references):
     routed = lambda out, _: jnp.mean(out["moe_stats"][:, moe.ROUTED])
     got = jax.jit(jm.forward_metrics(plan, {**TRAIN_METRICS, "routed": routed}))(params, batch)
     assert float(got["dropped"]) == 0.0 and float(got["routed"]) == CFG.n_layers * SEQ * CFG.top_k
-    want_aux = float(jnp.mean(mref.forward(CFG, references(CFG)[1], references(CFG)[0]["inputs"])[1]))
-    assert float(got["aux"]) == pytest.approx(want_aux, rel=1e-5)
+    want_logits, want_aux = mref.forward(CFG, references(CFG)[1], references(CFG)[0]["inputs"])
+    assert float(got["aux"]) == pytest.approx(float(jnp.mean(want_aux)), rel=1e-5)
+    # the logits a sampler reads (train.py's plain head, vocabulary-parallel, the 259 entries padded to 260):
+    # whole, unpadded, beside the per-row router statistics
+    logits = jfsdp.fully_shard(factory.language_model(CFG, "plain", moe="ep", head="head")[0], mesh,
+                               jax.ShapeDtypeStruct(batch["inputs"].shape, jnp.int32), moe=option,
+                               tensor_plan=factory.tensor_plan(CFG))
+    out = jax.jit(logits.apply)(params, batch["inputs"])
+    assert out["moe_stats"].shape == (BATCH, 4)
+    np.testing.assert_allclose(out["out"], want_logits, atol=1e-5 * float(jnp.max(jnp.abs(want_logits))))
 
 
 def test_config_errors():

@@ -191,12 +191,26 @@ def loss(plan, loss_fn, outputs, batch):
 
 
 def out_spec(plan):
-    """The outputs' PartitionSpec for `apply`: a vocabulary-parallel head's logits are (rows, the whole
-    sequence, the vocabulary split over `tensor`)."""
-    return P(AXES, None, TENSOR_AXIS) if getattr(plan, "vocab_shard", None) else plan.batch_spec
+    """The outputs' PartitionSpecs for `apply`. At T > 1 a leaf of 3 or more dimensions is a per-token
+    output: a vocabulary-parallel head's logits are (rows, the whole sequence, the vocabulary split over
+    `tensor`), other heads' (rows, the sequence split over `tensor`). A leaf of fewer dimensions holds
+    per-row values that every tensor rank has (an MoE model's router statistics): its rows alone are split."""
+    if getattr(plan, "tensor", 1) == 1:
+        return plan.batch_spec
+    token = P(AXES, None, TENSOR_AXIS) if getattr(plan, "vocab_shard", None) else plan.batch_spec
+    return jax.tree.map(lambda a: token if len(a.shape) >= 3 else P(AXES), head_shapes(plan))
 
 
-def unpad(plan, logits):
-    """`apply`'s logits without the padded columns of the last share."""
+def head_shapes(plan):
+    """The head method's outputs as ShapeDtypeStructs (the whole model's shapes, traced, nothing computed)."""
+    m, root_l = plan.model, plan.split(plan.layouts)[0]
+    full = jax.tree.map(lambda l: jax.ShapeDtypeStruct(l.full_shape, l.dtype), root_l, is_leaf=is_layout)
+    return jax.eval_shape(lambda p, h: m.root.apply({"params": p}, h, method=m.head_method), full, plan.h_shapes[-1])
+
+
+def unpad(plan, outputs):
+    """`apply`'s outputs without the padded vocabulary columns of the last share (in its per-token leaves)."""
     shard = getattr(plan, "vocab_shard", None)
-    return logits if shard is None or shard.local * shard.tensor == shard.vocab else logits[..., :shard.vocab]
+    if shard is None or shard.local * shard.tensor == shard.vocab:
+        return outputs
+    return jax.tree.map(lambda x: x[..., :shard.vocab] if x.ndim >= 3 else x, outputs)
