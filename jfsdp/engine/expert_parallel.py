@@ -89,7 +89,8 @@ def expert_parallel(buckets, compute, shards: int, chunks: int, axes=FSDP_AXIS):
 def interceptor(stage: StageMoE, selector: MoE, shards: int, comm=None, layouts=None):
     """The flax method interceptor that runs the experts module expert-parallel."""
     local_n = stage.site.n_experts // shards   # shards: S, or S·T at T > 1 (the experts' own axes)
-    axes = jax.tree.leaves(expert_leaves(layouts, stage.site), is_leaf=is_layout)[0].gather_axes if layouts else FSDP_AXIS
+    axes = FSDP_AXIS if layouts is None else \
+        jax.tree.leaves(expert_leaves(layouts, stage.site), is_leaf=is_layout)[0].gather_axes
     inside = []   # the local experts' own call passes through (it is the same module class)
 
     def hook(next_fun, args, kwargs, context):

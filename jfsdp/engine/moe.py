@@ -258,8 +258,9 @@ def resolve(sharded, option: MoE | None, adaptive=None) -> list:
                 raise ConfigError(f"stage {j}: expert parallelism needs the experts sharded over fsdp; strategy "
                                   f"{sharded.strategy.value} keeps them whole (use gather mode or a sharded strategy)")
             if E % S:
-                raise ConfigError(f"stage {j}: expert parallelism needs the {E} experts to divide over the {S} fsdp"
-                                  f"{' x tensor' if S > sharded.shards else ''} shards (each device holds E/S whole experts); use gather mode or a mesh whose fsdp "
+                axes = "fsdp x tensor" if S > sharded.shards else "fsdp"
+                raise ConfigError(f"stage {j}: expert parallelism needs the {E} experts to divide over the {S} {axes} "
+                                  f"shards (each device holds E/S whole experts); use gather mode or a mesh whose {axes} "
                                   f"size divides {E}")
             if k != "auto" and k > site.buckets[1]:
                 raise ConfigError(f"stage {j}: {k} chunks for {site.buckets[1]} slots per device; use at most that many")
