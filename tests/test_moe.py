@@ -33,7 +33,10 @@ CFG = dataclasses.replace(models.get_config("moe-test"), capacity_factor=4.0)
 # the other cases without moe-test's dense first stage (compile time); the dense + MoE model runs on 2x4 EP k=2
 NO_DENSE = dataclasses.replace(CFG, n_dense_layers=0)
 FULL_CASE = ("2x4", "ep", 2)
-CASES = [(m, mode, k) for m in ("1x8", "2x4", "8x1") for mode, k in (("gather", 1), ("ep", 1), ("ep", 2))]
+# (8x1 ep with 2 chunks is left out: S = 1 sends nothing, and 2 chunks run on 1x8 and 2x4; its ~3 s went to
+# the T = 2 case, test_tensor_parallel_matches_plain_moe)
+CASES = [(m, mode, k) for m in ("1x8", "2x4", "8x1") for mode, k in (("gather", 1), ("ep", 1), ("ep", 2))
+         if (m, mode, k) != ("8x1", "ep", 2)]
 
 
 def _batch(seed=0):
