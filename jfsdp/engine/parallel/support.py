@@ -5,7 +5,8 @@ Supported: a `jfsdp.Stacked` model with a `TensorPlan`, FULL_SHARD / SHARD_GRAD_
 float8, gradient accumulation (both grad_sync modes), frozen parameters, a vocabulary-parallel root
 (parallel/vocab.py), checkpoints and Hugging Face import (io/tensor_rows.py), the in-backward update
 (train/update_in_backward.py), `Staged` models, MoE in gather or ep mode (parallel/moe_rows.py). Refused
-until a later slice: NO_SHARD, models given as they are, adaptive MoE, float8 with MoE, rowwise float8."""
+until a later slice: NO_SHARD, adaptive MoE, float8 with MoE, rowwise float8. (A model given as it is takes
+T > 1 through its logical axis names: parallel/logical.py.)"""
 from __future__ import annotations
 
 import jax
