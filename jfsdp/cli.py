@@ -247,8 +247,8 @@ def check_tensor_flags(c: TrainConfig) -> None:
 
 
 def check_context_flags(c: TrainConfig) -> None:
-    """--context C: a positive integer whose 2C chunks (times T) divide --seq-len; C > 1 is refused until
-    context parallelism is wired into training."""
+    """--context C: a positive integer whose 2C chunks (times T) divide --seq-len; what C > 1 does not
+    support yet is refused (docs/context-parallel.md)."""
     if c.context < 1:
         fail(f"--context must be at least 1, got {c.context}")
     try:
@@ -259,7 +259,7 @@ def check_context_flags(c: TrainConfig) -> None:
                                    (f"--precision {c.precision}", c.precision.startswith("fp8")),
                                    ("--strategy no_shard", c.strategy.strip().lower() == "no_shard"),
                                    ("--grad-accum > 1", c.grad_accum > 1), ("--update-in-backward", c.update_in_backward),
-                                   ("checkpoints (--ckpt-dir, --init-from)", bool(c.ckpt_dir or c.init_from)),
+                                   ("--init-from", bool(c.init_from)),
                                    ("several processes", (c.num_processes or 1) > 1 or bool(c.coordinator))] if on]
     if c.context > 1 and later:
         fail(f"--context {c.context}: {', '.join(later)} {'is' if len(later) == 1 else 'are'} not supported with "

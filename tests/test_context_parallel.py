@@ -12,6 +12,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jfsdp.config.errors import ConfigError
+from jfsdp.io import checkpoint as jckpt
 from jfsdp.config.sequence import unzigzag, zigzag, zigzag_order
 from jfsdp.engine.parallel.context import Kernel, ring_attention
 from jfsdp.planning import hlo
@@ -138,13 +139,14 @@ def test_mesh_context_axis():
     assert plan.main(["--model", "llama-test", "--mesh", "1x2", "--context", "3", "--seq-len", "64"]) == 2
 
 
-def test_training_on_1x2_context_2_equals_the_single_device_trainer():
+def test_training_on_1x2_context_2_equals_the_single_device_trainer(tmp_path):
     """jfsdp's Llama (llama-test, GQA 4:2) on mesh 1x2 with context 2 (4 devices; weights sharded over fsdp
     x context, sequences of 16 tokens split in zigzag order, attention as a ring), fp32: 3 AdamW steps give
     the single-device reference's losses (1e-5) and final parameters (the noise floor of
     tests/reference.py); the reference is test_equivalence's, computed once per worker. The data
     loader's part, the zigzag permutation of inputs and targets, is applied here once per batch (without
-    it the losses are 2e-3 off and the parameters 0.2)."""
+    it the losses are 2e-3 off and the parameters 0.2). After step 1 the state goes through checkpoints
+    saved under C = 2 and C = 1 (round_trip), and steps 2 and 3 run from what was read back."""
     from models import factory
     from tests import reference as ref
     from tests.test_equivalence import get_case
@@ -163,8 +165,36 @@ def test_training_on_1x2_context_2_equals_the_single_device_trainer():
     for b in case["batches"]:
         state, m = step(state, jax.device_put({k: zigzag(x, 2) for k, x in b.items()}, plan.batch_sharding))
         losses.append(float(m["loss"]))
+        if len(losses) == 1:   # resumed from there: saved at C = 2, read at C = 1, saved at C = 1, read at C = 2
+            state = round_trip(tmp_path, plan, state, opt, case, model)
     np.testing.assert_allclose(losses, case["ref_losses"], rtol=1e-5)
     ref.assert_params_close(jax.device_get(plan.gather(state.params)), case["ref_final"], case["init"])
+
+
+def round_trip(tmp_path, plan, state, opt, case, model):
+    """Saved at C = 2 (mesh 1x2 --context 2): the checkpoint holds the parameters and Adam's moments in
+    their usual layout, so a plan without a context axis (1x4 on the same devices, C = 1) reads the
+    saving plan's gathered state back bit for bit. That state, saved again at C = 1, is read back at
+    C = 2: the state to resume from, whose further steps the caller checks against the straight run."""
+    from tests import reference as ref
+    flat = jfsdp.fully_shard(model, jfsdp.make_mesh("1x4", devices=jax.devices()[:4]), case["batches"][0]["inputs"])
+    c = jckpt.Checkpointer(tmp_path, async_save=False)
+    c.save(1, state, {"model_config": "llama-test"}, plan=plan)
+    c.wait()
+    back = c.restore(1, jfsdp.abstract_state(flat, opt), plan=flat)
+    saved = jax.device_get(plan.gather(state.params))
+    for path, want, got in ref.paired(saved, jax.device_get(flat.gather(back.params))):
+        np.testing.assert_array_equal(got, want, err_msg=path)
+    # Adam's moments: both plans cut every row range into the same 4 shards, so the arrays compare as they are
+    moments = [jax.tree.leaves(jax.device_get(s.opt_state)) for s in (state, back)]
+    assert len(moments[0]) == len(moments[1]) > 2 * len(jax.tree.leaves(saved))
+    for want, got in zip(*moments):
+        np.testing.assert_array_equal(got, want)
+    c.save(2, back, {"model_config": "llama-test"}, plan=flat)
+    c.wait()
+    state = c.restore(2, jfsdp.abstract_state(plan, opt), plan=plan)
+    c.close()
+    return state
 
 
 def test_what_context_parallelism_refuses():

@@ -248,11 +248,15 @@ def test_an_xla_abort_is_one_line_and_the_checkpoint_survives(tmp_path):
     assert lines[-1] == ("error: XLA:CPU aborted the run: devices waited in a collective that not all of them "
                          "reached (all gather, op_id 1; 2 of 4 devices arrived); no checkpoint was lost: the last "
                          f"saved is {ck / '4'} (--resume continues from it)"), lines[-1]
-    # the checkpoint named is whole: the run resumes from it
-    r = subprocess.run([sys.executable, str(REPO / "train.py"), *args, "--resume", "--stop-after", "1"],
-                       capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
-    assert r.returncode == 0 and f"resumed from {ck / '4'} (step 4" in r.stderr, r.stderr[-3000:]
+    # the checkpoint named is whole: the run resumes from it, here under context parallelism (1x2 --context 2,
+    # the same 4 devices), and saves checkpoint 5 at C = 2 (tests/test_context_parallel.py checks losses
+    # resumed across C against the straight run's)
+    r = subprocess.run([sys.executable, str(REPO / "train.py"), "--mesh", "1x2", "--context", "2", *args[2:], "--resume",
+                        "--stop-after", "1"], capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+    assert r.returncode == 0 and f"resumed from {ck / '4'} (step 4, saved on mesh 1x4, " in r.stderr, r.stderr[-3000:]
     assert f"checkpoint saved to {ck / '5'}" in r.stderr
+    meta = json.loads((ck / "5" / "meta" / "metadata").read_text())
+    assert (meta["mesh"], meta["context"]) == ("1x2", 2)
 
 
 def test_help_documents_every_flag():

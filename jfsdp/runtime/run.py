@@ -154,7 +154,7 @@ class Run:
         if not isinstance(meta.get("loader"), dict) or "step" not in meta["loader"]:
             raise jckpt.CheckpointError(f"{ckpt.step_dir(step) / 'meta/metadata'}: no data position")
         self.loader.restore(meta["loader"])
-        tensor = f" --tensor {meta['tensor']}" if meta.get("tensor", 1) > 1 else ""
+        tensor = "".join(f" --{k} {meta[k]}" for k in ("tensor", "context") if meta.get(k, 1) > 1)
         note(f"resumed from {ckpt.step_dir(step)} (step {self.loader.step}, saved on mesh "
              f"{meta['mesh']}{tensor}, {meta['strategy']})")
         return state
@@ -163,7 +163,7 @@ class Run:
         """Start an asynchronous save of the current state (a non-finite state is never saved)."""
         c, ckpt = self.c, self.ckpt
         meta = {**self.identity, "loader": self.loader.state(), "mesh": c.mesh, "tensor": c.tensor,
-                "strategy": self.strategy.value, "model": self.model.name, "run": dataclasses.asdict(c),
+                "context": c.context, "strategy": self.strategy.value, "model": self.model.name, "run": dataclasses.asdict(c),
                 "jax": jax.__version__}
         try:
             return str(ckpt.save(step, self.state, meta, plan=self.sharded))
