@@ -258,7 +258,7 @@ def check_context_flags(c: TrainConfig) -> None:
     later = [flag for flag, on in [("--tensor > 1", c.tensor > 1),
                                    (f"--precision {c.precision}", c.precision.startswith("fp8")),
                                    ("--strategy no_shard", c.strategy.strip().lower() == "no_shard"),
-                                   ("--grad-accum > 1", c.grad_accum > 1), ("--update-in-backward", c.update_in_backward),
+                                   ("--update-in-backward", c.update_in_backward),
                                    ("--init-from", bool(c.init_from)),
                                    ("several processes", (c.num_processes or 1) > 1 or bool(c.coordinator))] if on]
     if c.context > 1 and later:
