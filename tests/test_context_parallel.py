@@ -147,7 +147,7 @@ def test_training_on_1x2_context_2_equals_the_single_device_trainer(tmp_path):
     loader's part, the zigzag permutation of inputs and targets, is applied here once per batch (without
     it the losses are 2e-3 off and the parameters 0.2). After step 1 the state goes through checkpoints
     saved under C = 2 and C = 1 (round_trip), and steps 2 and 3 run from what was read back, each with 2
-    gradient-accumulation micro-batches of 4 rows a device (grad_sync 'every', then 'once')."""
+    gradient-accumulation micro-batches of 4 rows a device (of 8) (grad_sync 'every', then 'once')."""
     from models import factory
     from tests import reference as ref
     from tests.test_equivalence import get_case
