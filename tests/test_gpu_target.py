@@ -32,7 +32,10 @@ CFG = dataclasses.replace(models.get_config("llama-test"), dim=256, ffn_dim=688,
 BATCH, SEQ = 8, 128
 
 
-def _case(n_layers, options=None, prefetch=None, precision="bf16", remat="full", strategy="full_shard", tied=True):
+def _case(n_layers, options=None, prefetch=None, precision="bf16", remat="full", strategy="full_shard", tied=True,
+          estimate=False):
+    """(cfg, plan, the planner's GPU estimate where `estimate` (only test_estimate_against_the_gpu_compile
+    reads it: None elsewhere, a trace saved per compile), compiled step, its HLO text)."""
     cfg = dataclasses.replace(CFG, n_layers=n_layers, tie_embeddings=tied)
     mesh = jfsdp.make_mesh(f"1x{S}", targets.devices("h100", f"1x{S}"))
     x = jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32)
@@ -42,7 +45,7 @@ def _case(n_layers, options=None, prefetch=None, precision="bf16", remat="full",
                                  mp_policy=jfsdp.MixedPrecision.parse(precision), prefetch=prefetch)
         opt, b, loss = jfsdp.adamw(1e-3), {"inputs": x, "targets": x}, models.loss_fn(cfg)
         compiled = targets.compile_step("h100", plan, opt, loss, b, overrides=options)
-        est = memory.estimate(plan, opt, loss, b, prefetch=True, backend="gpu")
+        est = memory.estimate(plan, opt, loss, b, prefetch=True, backend="gpu") if estimate else None
     return cfg, plan, est, compiled, compiled.as_text()
 
 
@@ -51,7 +54,7 @@ def h100():
     """{n_layers: case} as jfsdp compiles for GPUs by default (its prefetch pipeline, remat full, and
     its flags for it); 'plain': 8 layers on the plain scan with XLA's default options; 'flags': 4
     layers on the plain scan with jfsdp's XLA pipelining flags (what remat none / dots get)."""
-    cases = {4: _case(4), 8: _case(8)}
+    cases = {4: _case(4, estimate=True), 8: _case(8, estimate=True)}
     assert cases[4][1].prefetch and cases[8][1].prefetch  # the default on GPUs for remat full
     off = {k: None for k in xla_flags.GPU_FLAGS}
     cases["plain"] = _case(8, off, prefetch=False)
