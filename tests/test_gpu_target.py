@@ -32,7 +32,10 @@ CFG = dataclasses.replace(models.get_config("llama-test"), dim=256, ffn_dim=688,
 BATCH, SEQ = 8, 128
 
 
-def _case(n_layers, options=None, prefetch=None, precision="bf16", remat="full", strategy="full_shard", tied=True):
+def _case(n_layers, options=None, prefetch=None, precision="bf16", remat="full", strategy="full_shard", tied=True,
+          estimate=False):
+    """(cfg, plan, the planner's GPU estimate where `estimate` (only test_estimate_against_the_gpu_compile
+    reads it: None elsewhere, a trace saved per compile), compiled step, its HLO text)."""
     cfg = dataclasses.replace(CFG, n_layers=n_layers, tie_embeddings=tied)
     mesh = jfsdp.make_mesh(f"1x{S}", targets.devices("h100", f"1x{S}"))
     x = jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32)
@@ -42,20 +45,20 @@ def _case(n_layers, options=None, prefetch=None, precision="bf16", remat="full",
                                  mp_policy=jfsdp.MixedPrecision.parse(precision), prefetch=prefetch)
         opt, b, loss = jfsdp.adamw(1e-3), {"inputs": x, "targets": x}, models.loss_fn(cfg)
         compiled = targets.compile_step("h100", plan, opt, loss, b, overrides=options)
-        est = memory.estimate(plan, opt, loss, b, prefetch=True, backend="gpu")
+        est = memory.estimate(plan, opt, loss, b, prefetch=True, backend="gpu") if estimate else None
     return cfg, plan, est, compiled, compiled.as_text()
 
 
 @pytest.fixture(scope="module")
 def h100():
     """{n_layers: case} as jfsdp compiles for GPUs by default (its prefetch pipeline, remat full, and
-    its flags for it); 'plain': 8 layers on the plain scan with XLA's default options; 'flags': 4
-    layers on the plain scan with jfsdp's XLA pipelining flags (what remat none / dots get)."""
-    cases = {4: _case(4), 8: _case(8)}
+    its flags for it); 'plain': 8 layers on the plain scan with XLA's default options. (The plain scan
+    with jfsdp's XLA pipelining flags, what remat none / dots get, is compiled by
+    test_prefetch_under_every_policy_and_strategy under each of those policies.)"""
+    cases = {4: _case(4, estimate=True), 8: _case(8, estimate=True)}
     assert cases[4][1].prefetch and cases[8][1].prefetch  # the default on GPUs for remat full
     off = {k: None for k in xla_flags.GPU_FLAGS}
     cases["plain"] = _case(8, off, prefetch=False)
-    cases["flags"] = _case(4, prefetch=False)
     return cases
 
 
@@ -307,12 +310,11 @@ def test_prefetch_overlap_in_steady_state(h100):
         assert got["all-gather"]["hidden_bytes"] == pytest.approx((2 * n - 2) * unit_ag + head_ag, rel=0.01), msg
         assert got["reduce-scatter"]["exposed_bytes"] == pytest.approx(embed_rs + unit_rs, rel=0.01), msg
         assert got["reduce-scatter"]["hidden_bytes"] == pytest.approx((n - 1) * unit_rs + head_rs, rel=0.01), msg
-    # The contrasts: the plain scan with XLA's defaults leaves the scans' gathers exposed; with
-    # jfsdp's pipelining flags (the plain scan's GPU options) XLA hides the in-loop ones itself.
+    # The contrast: the plain scan with XLA's defaults leaves the scans' gathers exposed (with jfsdp's
+    # pipelining flags, the plain scan's GPU options, XLA hides the in-loop ones itself:
+    # test_prefetch_under_every_policy_and_strategy, under remat none, dots and ZeRO-2).
     plain = hlo.overlap(h100["plain"][-1], S)
     assert not any(o.hidden for o in _in_loops(plain, "all-gather"))
-    flags = hlo.overlap(h100["flags"][-1], S)
-    assert all(o.hidden for k in ("all-gather", "reduce-scatter") for o in _in_loops(flags, k))
 
 
 @pytest.mark.parametrize("remat,strategy,tied", [("dots", "full_shard", False), ("none", "full_shard", True),
@@ -324,7 +326,9 @@ def test_prefetch_under_every_policy_and_strategy(h100, remat, strategy, tied):
     of each pass that gathers (two under ZeRO-3, one under ZeRO-2), as with remat full; the head's is
     hidden behind the last unit's forward (an untied head, as Llama 3's, under remat dots: the
     output projection's gather is as large as a unit's here). Against the plain
-    scan with jfsdp's XLA flags (the 'flags' case's options): at most one gathered unit more memory."""
+    scan with jfsdp's XLA flags (what these policies get on GPUs by default): at most one gathered unit
+    more memory, and that plain scan's in-loop all-gathers and reduce-scatters hidden by XLA itself (its
+    pipelining flags; the contrast, XLA's defaults, is test_prefetch_overlap_in_steady_state's)."""
     _, plan, _, compiled, text = _case(4, prefetch=True, remat=remat, strategy=strategy, tied=tied)
     assert plan.prefetch
     ov = hlo.overlap(text, S)
@@ -343,7 +347,11 @@ def test_prefetch_under_every_policy_and_strategy(h100, remat, strategy, tied):
     unit_rs = _in_loops(ov, "reduce-scatter")[0].collective.wire_bytes
     rs = hlo.overlap_summary(ov)["reduce-scatter"]
     assert rs["exposed_bytes"] == pytest.approx(embed_rs + unit_rs, rel=0.01), hlo.render_overlap(ov)
-    plain = _case(4, prefetch=False, remat=remat, strategy=strategy, tied=tied)[3]
+    _, _, _, plain, plain_text = _case(4, prefetch=False, remat=remat, strategy=strategy, tied=tied)
+    flags = hlo.overlap(plain_text, S)
+    assert all(_in_loops(flags, k) for k in ("all-gather", "reduce-scatter")), hlo.render_overlap(flags)
+    assert all(o.hidden for k in ("all-gather", "reduce-scatter") for o in _in_loops(flags, k)), \
+        hlo.render_overlap(flags)
     extra = memory.measure(compiled)["total"] - memory.measure(plain)["total"]
     assert extra <= stored_bytes(plan.layouts["units"], jnp.bfloat16), extra
 
