@@ -71,9 +71,6 @@ def fully_shard(model, mesh, example_inputs, *, units=None, call: Callable | Non
         if units is None:
             raise ConfigError(f"a {type(model).__name__} given as it is needs units=: the module class (or classes, or a "
                               "predicate on a submodule's path) of its FSDP units, e.g. units=Block")
-        if prefetch:
-            raise ConfigError("prefetch=True is not supported for a model given as it is yet: its units run in the "
-                              "model's own loop, which the prefetch pipeline cannot reorder; use jfsdp.Stacked for it")
         if moe is not None:
             raise ConfigError("moe= applies to jfsdp.Stacked / jfsdp.Staged models")
         if context_size(mesh) > 1 or context_attention is not None:
@@ -87,7 +84,7 @@ def fully_shard(model, mesh, example_inputs, *, units=None, call: Callable | Non
             raise ConfigError("example_inputs must be a batch dict of arrays or ShapeDtypeStructs (or an inputs array), "
                               f"got {type(example_inputs).__name__}")
         return AsIs(model, mesh, example_inputs, units, call, strategy, mp_policy, remat, seed, rng_streams, init,
-                    logical_rules)
+                    logical_rules, prefetch)
     if logical_rules is not None:
         raise ConfigError("logical_rules= describes a model given as it is; a jfsdp.Stacked model takes tensor_plan=")
     if units is not None or call is not None or init is not None:
