@@ -79,23 +79,25 @@ class CallOrder:
         body = jax.checkpoint(fn, policy=self.policy or jax.checkpoint_policies.nothing_saveable, prevent_cse=True)
         how = {}
 
-        def gathered(own, pre, nxt):
+        def gathered(own, pre, nxt, inputs):
             g = unshard_tree(own, lay(k), comm) if first else pre
             if last:
-                return g, None
-            nxt, g = ordered(nxt, g, on_cpu)   # unit k+1's gather issued when unit k's parameters exist
-            return g, unshard_tree(nxt, lay(k + 1), comm)
+                return g, inputs, None
+            # unit k+1's gather issued when unit k starts (its parameters and inputs exist): tied to the
+            # parameters alone, every gather of the forward pass was issued at once at the top of the step
+            nxt, (g, inputs) = ordered(nxt, (g, inputs), on_cpu)
+            return g, inputs, unshard_tree(nxt, lay(k + 1), comm)
 
         def slot(g):
             return None if keep or last else jax.tree.map(jnp.zeros_like, g)
 
         @jax.custom_vjp
         def run(own, pre, nxt, prev, prev_slot, inputs):
-            g, ahead = gathered(own, pre, nxt)
+            g, inputs, ahead = gathered(own, pre, nxt, inputs)
             return body(g, inputs), ahead, slot(g)
 
         def run_fwd(own, pre, nxt, prev, prev_slot, inputs):
-            g, ahead = gathered(own, pre, nxt)
+            g, inputs, ahead = gathered(own, pre, nxt, inputs)
             out, vjp = jax.vjp(body, g, inputs)
             leaves, how["tdef"] = jax.tree.flatten(vjp)
             params = [] if keep else jax.tree.leaves(g)
@@ -115,7 +117,7 @@ class CallOrder:
                     g = dslot   # call k+1's backward re-gathered it
             dprev = None
             if not first and not keep:   # unit k-1's re-gather, in flight during this unit's backward
-                prev, g = ordered(prev, g, on_cpu)
+                prev, (g, dout) = ordered(prev, (g, dout), on_cpu)   # (when this backward starts)
                 dprev = unshard_tree(prev, lay(k - 1), comm)
             rs = None if last else reduce_tree(dahead, lay(k + 1), comm)   # unit k+1's, during this backward
             it, gl = iter(stored), jax.tree.leaves(g)
