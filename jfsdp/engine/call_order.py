@@ -141,6 +141,6 @@ def resolve(plan, prefetch) -> bool:
            "float8 units" if plan.mp.float8 is not None else
            "a tensor axis (T > 1)" if plan.tensor > 1 else None)
     if why and prefetch:
-        raise ConfigError(f"prefetch=True for a model given as it is is not supported with {why}; "
+        raise ConfigError(f"prefetch=True is not supported for a model given as it is with {why}; "
                           "pass prefetch=None or False")
     return False if why else resolve_prefetch(prefetch, plan.strategy, plan.remat, plan.shards, on_gpu=not plan.on_cpu)
