@@ -47,7 +47,8 @@ def fully_shard(model, mesh, example_inputs, *, units=None, call: Callable | Non
     reduce-scattered; everything else is the root. `call(model, batch) -> outputs` applies the model
     (default `model(batch['inputs'])`); `example_inputs` is the example batch (a dict of arrays or
     ShapeDtypeStructs; an array alone is `{'inputs': array}`). `seed` and `rng_streams` (Linen's
-    stream names) feed stochastic layers such as dropout.
+    stream names) feed stochastic layers such as dropout. `prefetch` (None: on GPUs, as for `Stacked`)
+    prefetches the units in the order the model calls them from its own Python loop (call_order.py).
 
     `Stacked` / `Staged` (docs/your-model.md): `example_inputs` (an array or ShapeDtypeStruct of
     `batch['inputs']`) fixes the parameter shapes. `prefetch` runs each stage as an explicit software
