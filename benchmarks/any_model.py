@@ -12,7 +12,9 @@ Every figure is from a compiled train step (AdamW, plain logits loss, donated st
 abstract inputs: nothing is allocated. XLA:CPU on fake CPU devices (fp32), and, with `--target h100`,
 XLA:GPU compiled for an H100 on this CPU machine (bf16; needs the gpu-target extra).
 
-1. per-device compiled bytes (argument + output + temp - alias), as-is and Stacked, FULL_SHARD, 1x8, beside
+1. per-device compiled bytes (argument + output + temp - alias), as-is and Stacked, FULL_SHARD, 1x8 (each
+   on its default: prefetch on the GPU target, `prefetch` in the row; there also `exposed`, the bytes and
+   ops of each collective kind with no matmul in flight in XLA:GPU's schedule, `hlo.overlap`), beside
    the planner's analytic estimate and communication formula for the same plan (`estimate_bytes`,
    `estimate_ratio` = estimate / compiled, `comm_formula` against `collectives`);
 2. the same against depth (4 -> 16 units): FULL_SHARD must stay flat beyond the kept activations;
