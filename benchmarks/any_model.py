@@ -12,7 +12,9 @@ Every figure is from a compiled train step (AdamW, plain logits loss, donated st
 abstract inputs: nothing is allocated. XLA:CPU on fake CPU devices (fp32), and, with `--target h100`,
 XLA:GPU compiled for an H100 on this CPU machine (bf16; needs the gpu-target extra).
 
-1. per-device compiled bytes (argument + output + temp - alias), as-is and Stacked, FULL_SHARD, 1x8, beside
+1. per-device compiled bytes (argument + output + temp - alias), as-is and Stacked, FULL_SHARD, 1x8 (each
+   on its default: prefetch on the GPU target, `prefetch` in the row; there also `exposed`, the bytes and
+   ops of each collective kind with no matmul in flight in XLA:GPU's schedule, `hlo.overlap`), beside
    the planner's analytic estimate and communication formula for the same plan (`estimate_bytes`,
    `estimate_ratio` = estimate / compiled, `comm_formula` against `collectives`);
 2. the same against depth (4 -> 16 units): FULL_SHARD must stay flat beyond the kept activations;
@@ -71,8 +73,7 @@ def plans(cfg, mesh, batch, strategy, remat, precision, as_is, loss="logits"):
                                  mp_policy=mp, rng_streams=(), **({"call": features} if fused else {}))
     root, unit, n = models.parts(cfg)
     stacked = jfsdp.Stacked(root, unit, n, **({"head_method": "head_features"} if fused else {}))
-    return jfsdp.fully_shard(stacked, mesh, batch["inputs"], strategy=strategy, remat=remat, mp_policy=mp,
-                             prefetch=False)
+    return jfsdp.fully_shard(stacked, mesh, batch["inputs"], strategy=strategy, remat=remat, mp_policy=mp)
 
 
 def compile_case(cfg, *, as_is, mesh_spec="1x8", strategy="full_shard", remat="full", batch=8, seq=256,
@@ -101,7 +102,12 @@ def compile_case(cfg, *, as_is, mesh_spec="1x8", strategy="full_shard", remat="f
     row = {"as_is": as_is, "n_layers": cfg.n_layers, "mesh": mesh_spec, "strategy": strategy, "remat": remat,
            "loss": loss_name,
            "target": target or "cpu", "total_bytes": m["total"], "temp_bytes": m["temp"],
-           "argument_bytes": m["argument"], "collectives": comm, "compile_s": round(seconds, 2)}
+           "argument_bytes": m["argument"], "collectives": comm, "compile_s": round(seconds, 2),
+           "prefetch": bool(plan.prefetch)}
+    if target:   # what XLA:GPU's schedule leaves exposed (no compute between a collective's start and done)
+        ov = hlo.overlap_summary(hlo.overlap(compiled.as_text(), plan.n_devices))
+        row["exposed"] = {k: {f: ov.get(k, {}).get(f, 0) for f in ("exposed_bytes", "exposed_ops", "hidden_ops")}
+                          for k in ("all-gather", "reduce-scatter")}
     if planner:   # the planner's analytic answers for the same plan (as-is plans too: jfsdp/planning/as_is.py)
         backend = "gpu" if target else "cpu"
         with targets.tracing_for(target) if target else contextlib.nullcontext():

@@ -29,8 +29,10 @@ def _example(name):
 
 linen_ex, nnx_ex = _example("linen_decoder"), _example("nnx_decoder")
 STEPS, BATCH, SEQ = 3, 16, 16
-GRID = [("1x8", "full_shard"), ("2x4", "full_shard"), ("8x1", "full_shard"), ("2x4", "shard_grad_op"),
-        ("2x4", "no_shard"), ("2x4", "hybrid_shard")]
+# (mesh, strategy, prefetch): the 2x4 FULL_SHARD and SHARD_GRAD_OP cases run prefetch in call order
+# (engine/call_order.py, the default on GPUs), the others each unit gathered when it is called
+GRID = [("1x8", "full_shard", None), ("2x4", "full_shard", True), ("8x1", "full_shard", None),
+        ("2x4", "shard_grad_op", True), ("2x4", "no_shard", None), ("2x4", "hybrid_shard", None)]
 
 
 def mesh(spec):
@@ -91,12 +93,13 @@ def linen_reference():
     return variables, data, losses, final
 
 
-@pytest.mark.parametrize("spec,strategy", GRID)
-def test_linen_as_is_equals_single_device(linen_reference, spec, strategy):
+@pytest.mark.parametrize("spec,strategy,prefetch", GRID)
+def test_linen_as_is_equals_single_device(linen_reference, spec, strategy, prefetch):
     variables, data, ref_losses, ref_final = linen_reference
     sharded = jfsdp.fully_shard(linen_ex.Decoder(LCFG), mesh(spec), data[0], units=linen_ex.DecoderBlock,
-                                strategy=strategy, remat="full" if strategy != "shard_grad_op" else "none")
-    assert len(sharded.units) == LCFG.layers
+                                strategy=strategy, remat="full" if strategy != "shard_grad_op" else "none",
+                                prefetch=prefetch)
+    assert len(sharded.units) == LCFG.layers and sharded.prefetch == bool(prefetch)
     opt = jfsdp_optimizer()
     state = jfsdp.init_state(sharded, opt, params=variables["params"])   # boxed, as init gives them
     step = jfsdp.make_train_step(sharded, opt, linen_ex.loss_fn)
@@ -188,12 +191,14 @@ def nnx_reference():
     return data, losses, final.to_pure_dict()
 
 
-@pytest.mark.parametrize("spec,strategy", GRID)
-def test_nnx_as_is_equals_single_device(nnx_reference, spec, strategy):
+@pytest.mark.parametrize("spec,strategy,prefetch", GRID)
+def test_nnx_as_is_equals_single_device(nnx_reference, spec, strategy, prefetch):
     data, ref_losses, ref_final = nnx_reference
     model = nnx_model()
     sharded = jfsdp.fully_shard(model, mesh(spec), data[0], units=(nnx_ex.LocalBlock, nnx_ex.GlobalBlock),
-                                strategy=strategy, remat="full" if strategy != "shard_grad_op" else "dots")
+                                strategy=strategy, remat="full" if strategy != "shard_grad_op" else "dots",
+                                prefetch=prefetch)
+    assert sharded.prefetch == bool(prefetch)
     assert [p for p in sharded.units] == [("layers", i) for i in range(NCFG.layers)]
     opt = jfsdp_optimizer()
     state = jfsdp.init_state(sharded, opt)   # the module's own weights
@@ -266,6 +271,13 @@ class Outer(nn.Module):
         return Plain()(Plain()(x))
 
 
+class Flip(nn.Module):
+    @nn.compact
+    def __call__(self, x, flip=False):
+        a, b = Plain(), Plain()
+        return a(b(x)) if flip else b(a(x))
+
+
 class Twice(nn.Module):
     @nn.compact
     def __call__(self, x):
@@ -333,8 +345,20 @@ def test_nnx_nested_units_and_abstract_model_without_constructor():
 
 
 def test_prefetch_and_update_in_backward_are_refused_with_reasons():
-    with pytest.raises(jfsdp.ConfigError, match="prefetch"):
-        jfsdp.fully_shard(Outer(), mesh("1x8"), {"inputs": X}, units=Plain, prefetch=True)
+    """prefetch=True where prefetch in call order cannot run: nothing to gather, units in the model's own
+    scan, or a step whose unit calls differ from the order fully_shard recorded (here the call flips it
+    when the batch has a key the example batch lacked)."""
+    with pytest.raises(jfsdp.ConfigError, match="nothing to gather"):
+        jfsdp.fully_shard(Outer(), mesh("1x8"), {"inputs": X}, units=Plain, prefetch=True, strategy="no_shard")
+    with pytest.raises(jfsdp.ConfigError, match="own scan"):
+        jfsdp.fully_shard(ref.ScanModel(2, nnx.Rngs(0)), mesh("1x8"), batches(NCFG)[0], units=ref.ScanBlock,
+                          prefetch=True)
+    assert not jfsdp.fully_shard(Outer(), mesh("1x8"), {"inputs": X}, units=Plain).prefetch   # CPU default
+    sharded = jfsdp.fully_shard(Flip(), mesh("1x8"), {"inputs": X}, units=Plain, prefetch=True,
+                                call=lambda m, b: m(b["inputs"], "flip" in b))
+    x = jnp.ones((8, 4))
+    with pytest.raises(jfsdp.ConfigError, match="order recorded"):
+        jax.jit(sharded.apply)(sharded.abstract_params(), {"inputs": x, "flip": x})
     sharded = jfsdp.fully_shard(Outer(), mesh("1x8"), {"inputs": X}, units=Plain, remat="full")
     with pytest.raises(jfsdp.ConfigError, match="update_in_backward"):
         jfsdp.make_train_step(sharded, jfsdp_optimizer(), lambda o, b: jnp.mean(o), update_in_backward=True)

@@ -24,7 +24,8 @@ from jax.sharding import PartitionSpec as P
 
 from jfsdp.config.errors import ConfigError
 from jfsdp.config.mesh import AXES, mesh_shape
-from jfsdp.engine.fsdp import is_unreduced, unshard_tree
+from jfsdp.engine import call_order
+from jfsdp.engine.fsdp import any_unreduced, is_unreduced, unshard_tree
 from jfsdp.engine.flax_models import Found, UnitMatcher, adapt
 from jfsdp.engine.float8_any import mark_units, unit_compute
 from jfsdp.engine.model_tree import path_text, scanned_units, subtree, with_subtree, without
@@ -61,7 +62,7 @@ class AsIs(TensorAsIs, FSDP):
     as_is = True   # the planner sees it as root + stages through jfsdp.planning.as_is.AsIsView
 
     def __init__(self, model, mesh, example_batch, units, call, strategy, mp_policy, remat, seed=0,
-                 rng_streams=("dropout",), init=None, logical_rules=None):
+                 rng_streams=("dropout",), init=None, logical_rules=None, prefetch=None):
         self.model, self.mesh = adapt(model, call, rng_streams, init), mesh
         self.shards = mesh_shape(mesh)[1] if strategy.sharded else 1
         self.set_strategy(strategy, mp_policy, remat)
@@ -80,6 +81,7 @@ class AsIs(TensorAsIs, FSDP):
                 self.leaf_layouts.setdefault(self.unit_of[k], []).append(l)
         if self.mp.float8 is not None:   # the selected unit kernels gathered and multiplied in float8
             self.leaf_layouts = mark_units(self)
+        self.prefetch = call_order.resolve(self, prefetch)   # in the order the model calls its units
 
     # ---- what the model is made of
     def _discover(self, retried=False):
@@ -215,7 +217,11 @@ class AsIs(TensorAsIs, FSDP):
         tree = jax.tree.unflatten(treedef, [x if u is not None else self.gather_root(x, l)
                                             for (_, x), l, u in zip(flat, lay, keys)])
 
+        order = self._call_order(params, tree) if self.prefetch and not any_unreduced(params) else None
+
         def hook(path, shards, fn, inputs):
+            if order is not None:
+                return order.call(path, fn, inputs)
             ls = jax.tree.unflatten(jax.tree.structure(shards, is_leaf=is_unreduced), self._unit_layouts(path, shards))
             if self.mp.float8 is not None:
                 return call_unit(unit_compute(fn, ls, self.comm), shards, inputs, self.policy)
@@ -230,6 +236,12 @@ class AsIs(TensorAsIs, FSDP):
         else:
             out = self.model.apply(tree, batch, hook, units, key, self.matcher.classes)
         return self.mp.cast_output(out)
+
+    def _call_order(self, params, tree):
+        shards = {u: subtree(tree, u) for u in self.units}
+        lays = {u: jax.tree.unflatten(jax.tree.structure(shards[u]), self.leaf_layouts[u]) for u in self.units}
+        return call_order.CallOrder(self.units, shards, lays, self.comm, self.policy, self.on_cpu,
+                                    self.shards > 1 and not self.strategy.reshard_after_forward)
 
     def _unit_layouts(self, path, shards):
         """The layouts of a unit's leaves; for a unit made inside the model's own NNX scan (path None),

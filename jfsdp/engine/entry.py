@@ -47,7 +47,8 @@ def fully_shard(model, mesh, example_inputs, *, units=None, call: Callable | Non
     reduce-scattered; everything else is the root. `call(model, batch) -> outputs` applies the model
     (default `model(batch['inputs'])`); `example_inputs` is the example batch (a dict of arrays or
     ShapeDtypeStructs; an array alone is `{'inputs': array}`). `seed` and `rng_streams` (Linen's
-    stream names) feed stochastic layers such as dropout.
+    stream names) feed stochastic layers such as dropout. `prefetch` (None: on GPUs, as for `Stacked`)
+    prefetches the units in the order the model calls them from its own Python loop (call_order.py).
 
     `Stacked` / `Staged` (docs/your-model.md): `example_inputs` (an array or ShapeDtypeStruct of
     `batch['inputs']`) fixes the parameter shapes. `prefetch` runs each stage as an explicit software
@@ -71,9 +72,6 @@ def fully_shard(model, mesh, example_inputs, *, units=None, call: Callable | Non
         if units is None:
             raise ConfigError(f"a {type(model).__name__} given as it is needs units=: the module class (or classes, or a "
                               "predicate on a submodule's path) of its FSDP units, e.g. units=Block")
-        if prefetch:
-            raise ConfigError("prefetch=True is not supported for a model given as it is yet: its units run in the "
-                              "model's own loop, which the prefetch pipeline cannot reorder; use jfsdp.Stacked for it")
         if moe is not None:
             raise ConfigError("moe= applies to jfsdp.Stacked / jfsdp.Staged models")
         if context_size(mesh) > 1 or context_attention is not None:
@@ -87,7 +85,7 @@ def fully_shard(model, mesh, example_inputs, *, units=None, call: Callable | Non
             raise ConfigError("example_inputs must be a batch dict of arrays or ShapeDtypeStructs (or an inputs array), "
                               f"got {type(example_inputs).__name__}")
         return AsIs(model, mesh, example_inputs, units, call, strategy, mp_policy, remat, seed, rng_streams, init,
-                    logical_rules)
+                    logical_rules, prefetch)
     if logical_rules is not None:
         raise ConfigError("logical_rules= describes a model given as it is; a jfsdp.Stacked model takes tensor_plan=")
     if units is not None or call is not None or init is not None:

@@ -1,0 +1,148 @@
+"""Prefetch in call order, for a model given as it is: unit i+1 gathered while unit i computes, unit i-1
+re-gathered while unit i's backward computes, unit i's reduce-scatter during unit i-1's backward.
+
+The model's own Python loop calls its units one by one (as_is.py intercepts each call), so there is no
+loop to pipeline as pipeline.py does for `Stacked`. Instead each unit call is one custom VJP that hands
+values to its neighbours through extra arguments and outputs; the order is the one the model called
+its units in when fully_shard traced it (`AsIs.units`), checked at every trace:
+
+- forward: call k takes unit k's gathered parameters from call k-1 (the first gathers its own), and
+  gathers unit k+1's shards, tied to unit k's gathered parameters so that the gather is issued when
+  unit k starts and is neither hoisted to the top of the step nor combined with another; it returns
+  them to call k+1. Two gathered units alive at most.
+- backward: call k+1's backward returns unit k's re-gathered parameters as the cotangent of a `slot`,
+  an output of call k that is zeros in the forward pass (never materialized: nothing reads it) and a
+  carrier of data in the backward. So unit k-1's gather is issued when unit k's backward starts. The
+  gradient of unit k+1's gathered parameters (the cotangent of what call k handed on) is
+  reduce-scattered inside call k's backward, in flight while unit k's backward computes, and unit k's
+  own gradient waits for it, which keeps XLA from deferring or combining the reduce-scatters.
+
+The ties are optimization barriers on GPUs and 0 * x data dependencies on CPU (pipeline.py's `tie`).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jfsdp.config.errors import ConfigError
+from jfsdp.config.policy import resolve_prefetch
+from jfsdp.engine.fsdp import reduce_tree, unshard_tree
+from jfsdp.engine.model_tree import path_text
+from jfsdp.engine.unit_call import tie as add_zero
+
+
+def _anchor(tree):
+    """One element of the largest float leaf (None if none): a handle on the moment it exists. One leaf,
+    not all, and a matrix: a leaf the unit's backward does not read (a block's last bias) is then not
+    gathered for it."""
+    leaves = [x for x in jax.tree.leaves(tree) if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating) and x.size]
+    return max(leaves, key=lambda x: x.size).reshape(-1)[0].astype(jnp.float32) if leaves else None
+
+
+def ordered(a, b, on_cpu: bool):
+    """(a, b) with nothing computed from the returned `a` starting before `b` exists."""
+    if not on_cpu:
+        return lax.optimization_barrier((a, b))
+    return add_zero(a, _anchor(b)), b
+
+
+class CallOrder:
+    """One forward trace's unit calls in the recorded order: `call(path, fn, inputs)` runs unit `path`
+    (`fn(gathered params, inputs) -> outputs`) as the next unit of `order`."""
+
+    def __init__(self, order, shards, layouts, comm, policy, on_cpu: bool, keep_gathered: bool):
+        self.order, self.shards, self.layouts = tuple(order), shards, layouts
+        self.comm, self.policy, self.on_cpu, self.keep = comm, policy, on_cpu, keep_gathered
+        self.k, self.pre, self.slot = 0, None, None
+
+    def call(self, path, fn, inputs):
+        n, k = len(self.order), self.k
+        if k >= n or tuple(path) != tuple(self.order[k]):
+            want = path_text(self.order[k]) if k < n else "none (all were called)"
+            raise ConfigError(f"prefetch in call order: the model called unit {path_text(path)} where the order recorded "
+                              f"when fully_shard traced it has {want}: a model that calls its units in an order that "
+                              "depends on its data, or skips one, cannot prefetch; pass prefetch=False")
+        first, last = k == 0, k == n - 1
+        nxt = None if last else self.shards[self.order[k + 1]]
+        prev = None if first or self.keep else self.shards[self.order[k - 1]]
+        own = self.shards[self.order[k]] if first or last else None
+        run = self._run(fn, k)
+        out, self.pre, self.slot = run(own, self.pre, nxt, prev, None if self.keep else self.slot, inputs)
+        self.k += 1
+        return out
+
+    def _run(self, fn, k):
+        n, L, comm, on_cpu, keep = len(self.order), self.layouts, self.comm, self.on_cpu, self.keep
+        lay = lambda j: L[self.order[j]]
+        first, last = k == 0, k == n - 1
+        body = jax.checkpoint(fn, policy=self.policy or jax.checkpoint_policies.nothing_saveable, prevent_cse=True)
+        how = {}
+
+        def gathered(own, pre, nxt, inputs):
+            if first:   # tied to its inputs: not hoisted out of a micro-batch loop (held through it)
+                own, inputs = ordered(own, inputs, on_cpu)
+            g = unshard_tree(own, lay(k), comm) if first else pre
+            if last:
+                return g, inputs, None
+            # unit k+1's gather issued when unit k starts (its parameters and inputs exist): tied to the
+            # parameters alone, every gather of the forward pass was issued at once at the top of the step
+            nxt, (g, inputs) = ordered(nxt, (g, inputs), on_cpu)
+            return g, inputs, unshard_tree(nxt, lay(k + 1), comm)
+
+        def slot(g):
+            return None if keep or last else jax.tree.map(jnp.zeros_like, g)
+
+        @jax.custom_vjp
+        def run(own, pre, nxt, prev, prev_slot, inputs):
+            g, inputs, ahead = gathered(own, pre, nxt, inputs)
+            return body(g, inputs), ahead, slot(g)
+
+        def run_fwd(own, pre, nxt, prev, prev_slot, inputs):
+            g, inputs, ahead = gathered(own, pre, nxt, inputs)
+            out, vjp = jax.vjp(body, g, inputs)
+            leaves, how["tdef"] = jax.tree.flatten(vjp)
+            params = [] if keep else jax.tree.leaves(g)
+            how["src"] = tuple(next((i for i, p in enumerate(params) if p is x), -1) for x in leaves)
+            stored = [x for x, s in zip(leaves, how["src"]) if s < 0]
+            return (out, ahead, slot(g)), (stored, own, prev)
+
+        def run_bwd(res, cts):
+            stored, own, prev = res
+            dout, dahead, dslot = cts
+            g = None
+            if not keep:
+                if last:   # nothing after it re-gathers it
+                    own, dout = ordered(own, dout, on_cpu)
+                    g = unshard_tree(own, lay(k), comm)
+                else:
+                    g = dslot   # call k+1's backward re-gathered it
+            dprev = None
+            if not first and not keep:   # unit k-1's re-gather, in flight during this unit's backward
+                prev, (g, dout) = ordered(prev, (g, dout), on_cpu)   # (when this backward starts)
+                dprev = unshard_tree(prev, lay(k - 1), comm)
+            rs = None if last else reduce_tree(dahead, lay(k + 1), comm)   # unit k+1's, during this backward
+            it, gl = iter(stored), jax.tree.leaves(g)
+            vjp = jax.tree.unflatten(how["tdef"], [next(it) if s < 0 else gl[s] for s in how["src"]])
+            dg, dinputs = vjp(dout)
+            if rs is not None:   # finished before unit k-1's backward takes unit k's gradient
+                dg, rs = ordered(dg, rs, on_cpu)
+            d_own = None if own is None else (reduce_tree(dg, lay(k), comm) if first else jax.tree.map(jnp.zeros_like, own))
+            d_pre = None if first else dg
+            d_prev = None if prev is None else jax.tree.map(jnp.zeros_like, prev)
+            return d_own, d_pre, rs, d_prev, dprev, dinputs
+
+        run.defvjp(run_fwd, run_bwd)
+        return run
+
+
+def resolve(plan, prefetch) -> bool:
+    """`fully_shard(prefetch=...)` for a model given as it is: as for `Stacked` (config/policy.py), where
+    its units run from its own Python loop; a ConfigError for prefetch=True where they cannot."""
+    why = ("its units run inside the model's own scan (only its own Python loop prefetches)" if plan.scanned else
+           "float8 units" if plan.mp.float8 is not None else
+           "a tensor axis (T > 1)" if plan.tensor > 1 else None)
+    if why and prefetch:
+        raise ConfigError(f"prefetch=True is not supported for a model given as it is with {why}; "
+                          "pass prefetch=None or False")
+    return False if why else resolve_prefetch(prefetch, plan.strategy, plan.remat, plan.shards, on_gpu=not plan.on_cpu)
