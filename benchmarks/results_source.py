@@ -55,6 +55,11 @@ PROVENANCE = {
                    "--target h100 --precision fp8 --async-tp off "
                    "--json benchmarks/results/plan_llama70b_tp8_fp8_h100.json",
         "device": H100_ON_CPU.replace("8 GPUs", "256 GPUs"), "date": "2026-11-26", "jax": "0.10.2"},
+    # docs/any-model.md and the session note of 2026-11-26: the command that wrote it
+    "any_model_llama1b.json": {
+        "command": "python benchmarks/any_model.py --model llama-1b --depths 16 --batch 8 --seq 2048 --attention auto "
+                   "--no-compile-time --target h100 --json benchmarks/results/any_model_llama1b.json",
+        "device": CPU_VM + "; the h100 rows " + H100_ON_CPU},
     # README "On GPUs", "Throughput": the machine the CPU rows ran on
     "throughput_cpu.json": {"device": CPU_VM + ", 8 fake XLA devices, shared with three other jobs"},
     # README "The optimizer inside the backward pass", the cost paragraph

@@ -1,0 +1,38 @@
+"""The page of docs/results/ for benchmarks/any_model.py at llama-1b: a Llama given as it is (its own
+Python loop) beside the same model as `jfsdp.Stacked`, on XLA:CPU and compiled for an H100 target, with
+the exposed collectives where the target schedules them. Every figure is computed from the JSON.
+Standard library only."""
+from __future__ import annotations
+
+from results_source import GIB, g, load, source, table
+
+NAME = "any_model_llama1b.json"
+KINDS = ("all-gather", "reduce-scatter")
+
+
+def _comm(r: dict, kind: str) -> str:
+    sent = r["collectives"][kind]["wire_bytes"] / GIB
+    if "exposed" not in r:
+        return f"{g(sent)} sent"
+    e = r["exposed"][kind]
+    return f"{g(e['exposed_bytes'] / GIB)} of {g(sent)} ({e['exposed_ops']} of {e['exposed_ops'] + e['hidden_ops']} ops)"
+
+
+def any_model_page() -> list[str]:
+    d = load(NAME)
+    m = d["model"]
+    out = ["# A model given as it is beside jfsdp.Stacked (llama-1b)", ""] + source(NAME, d)
+    out += [f"Llama with {m['n_layers']} blocks, width {m['dim']}, vocabulary {m['vocab_size']}, "
+            f"{'tied' if m['tie_embeddings'] else 'untied'} embeddings; global batch {d['batch']} x {d['seq']}, "
+            f"{d['loss']} loss. *As it is*: `models.llama.Llama` with its own Python loop, "
+            "`fully_shard(model, ..., units=LlamaBlock)`; *Stacked*: the same blocks as `jfsdp.Stacked`. "
+            "Memory: XLA's buffer assignment per device (GiB). Collectives: GiB each device sends per step; on "
+            "the H100 target, exposed = in flight while no matmul runs on XLA:GPU's schedule "
+            "(`jfsdp.planning.hlo.overlap`). Estimate: the planner's analytic figure over the compiled one. "
+            "The H100 rows are compiled for an H100 target on the CPU machine: nothing ran on a GPU.", ""]
+    rows = [["as it is" if r["as_is"] else "Stacked", r["target"], r["mesh"], r["strategy"], r["remat"],
+             "on" if r["prefetch"] else "off", g(r["total_bytes"] / GIB)] + [_comm(r, k) for k in KINDS]
+            + [g(r["estimate_ratio"], 3)] for r in d["rows"]]
+    head = ["model", "target", "mesh", "strategy", "remat", "prefetch", "memory",
+            "all-gathers (H100: exposed of sent)", "reduce-scatters (H100: exposed of sent)", "estimate / compiled"]
+    return out + table(head, rows, "llllllrrrr")
