@@ -55,25 +55,12 @@ def main(argv=None) -> int:
     from jfsdp.planning import hlo
     from models.attention import blockwise_attention
     from models.factory import context_kernel
+    from tests.test_context_parallel import attention64   # the test's float64 reference, without jfsdp
 
     def inputs(t, b=2, h=4, kv=2, d=8):
         ks = jax.random.split(jax.random.key(0), 4)
         return (jax.random.normal(ks[0], (b, t, h, d)), jax.random.normal(ks[1], (b, t, kv, d)),
                 jax.random.normal(ks[2], (b, t, kv, d)), jax.random.normal(ks[3], (b, t, h, d)))
-
-    def attention64(q, k, v, do):   # causal GQA attention and its gradients, float64 numpy, without jfsdp
-        q, k, v, do = (np.asarray(x, np.float64) for x in (q, k, v, do))
-        b, t, h, d = q.shape
-        g = h // k.shape[2]
-        kr, vr = np.repeat(k, g, 2), np.repeat(v, g, 2)
-        s = np.where(np.tril(np.ones((t, t), bool)), np.einsum("bqhd,bkhd->bhqk", q, kr) / np.sqrt(d), -np.inf)
-        p = np.exp(s - s.max(-1, keepdims=True))
-        p /= p.sum(-1, keepdims=True)
-        dp = np.einsum("bqhd,bkhd->bhqk", do, vr)
-        ds = p * (dp - np.sum(dp * p, -1, keepdims=True)) / np.sqrt(d)
-        per_kv = lambda x: x.reshape(b, t, k.shape[2], g, d).sum(3)
-        return (np.einsum("bhqk,bkhd->bqhd", p, vr), np.einsum("bhqk,bkhd->bqhd", ds, kr),
-                per_kv(np.einsum("bhqk,bqhd->bkhd", ds, q)), per_kv(np.einsum("bhqk,bqhd->bkhd", p, do)))
 
     q, k, v, do = inputs(a.seq_len)
     want = attention64(q, k, v, do)
