@@ -278,6 +278,28 @@ class Flip(nn.Module):
         return a(b(x)) if flip else b(a(x))
 
 
+class Rematted(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.remat(Plain)()(Plain()(x))
+
+
+class Leaf(nnx.Module):
+    def __init__(self, rngs):
+        self.d = nnx.Linear(4, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.d(x)
+
+
+class NNXRematted(nnx.Module):
+    def __init__(self, rngs):
+        self.a, self.b = Leaf(rngs), Leaf(rngs)
+
+    def __call__(self, x):
+        return self.b(nnx.remat(lambda m, x: m(x))(self.a, x))
+
+
 class Twice(nn.Module):
     @nn.compact
     def __call__(self, x):
@@ -359,6 +381,13 @@ def test_prefetch_and_update_in_backward_are_refused_with_reasons():
     x = jnp.ones((8, 4))
     with pytest.raises(jfsdp.ConfigError, match="order recorded"):
         jax.jit(sharded.apply)(sharded.abstract_params(), {"inputs": x, "flip": x})
+    # a unit called inside a transform of the model's own (here Linen's nn.remat) runs in another trace,
+    # which the gathered parameters handed from call to call cannot leave: refused, and off by default
+    with pytest.raises(jfsdp.ConfigError, match="CheckpointPlain_0 called inside a transform"):
+        jfsdp.fully_shard(Rematted(), mesh("1x8"), {"inputs": X}, units=Plain, prefetch=True)
+    # NNX: a unit made anew inside nnx.remat (or nnx.cond) is not followed at all; said at fully_shard
+    with pytest.raises(jfsdp.ConfigError, match="unit a .Leaf. is called inside an NNX transform"):
+        jfsdp.fully_shard(NNXRematted(nnx.Rngs(0)), mesh("1x8"), {"inputs": X}, units=Leaf)
     sharded = jfsdp.fully_shard(Outer(), mesh("1x8"), {"inputs": X}, units=Plain, remat="full")
     with pytest.raises(jfsdp.ConfigError, match="update_in_backward"):
         jfsdp.make_train_step(sharded, jfsdp_optimizer(), lambda o, b: jnp.mean(o), update_in_backward=True)

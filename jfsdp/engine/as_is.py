@@ -116,6 +116,7 @@ class AsIs(TensorAsIs, FSDP):
             raise ConfigError(f"units= matched no submodule that the model calls; the modules found are: "
                               f"{', '.join(classes) or 'none'} (traced twice, jax's caches cleared in between)")
         self.scanned = scanned_units(params, found)   # units inside the model's own scan: {path: iterations}
+        self.nested = [p for p in found.nested if p not in self.scanned]   # in its nn.remat, lax.cond...: no prefetch
         self.stage_sizes = tuple(self.scanned.values())
         twice = sorted({p for p in found.unit_calls if found.unit_calls.count(p) > 1 and p not in self.scanned})
         if twice:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax.core.tracers import current_trace
 from jax import lax
 
 from jfsdp.config.errors import ConfigError
@@ -52,12 +53,17 @@ class CallOrder:
     (`fn(gathered params, inputs) -> outputs`) as the next unit of `order`."""
 
     def __init__(self, order, shards, layouts, comm, policy, on_cpu: bool, keep_gathered: bool):
+        self.top = current_trace()   # every unit call must be made in it: gathered parameters cross calls
         self.order, self.shards, self.layouts = tuple(order), shards, layouts
         self.comm, self.policy, self.on_cpu, self.keep = comm, policy, on_cpu, keep_gathered
         self.k, self.pre, self.slot = 0, None, None
 
     def call(self, path, fn, inputs):
         n, k = len(self.order), self.k
+        if path is None or current_trace() != self.top:
+            raise ConfigError(f"prefetch in call order: unit {path_text(path) if path else '(in an NNX transform)'} "
+                              "was called inside a transform of the model's own (lax.cond, jax.checkpoint, ...), which "
+                              "the gathered parameters handed between unit calls cannot cross; pass prefetch=False")
         if k >= n or tuple(path) != tuple(self.order[k]):
             want = path_text(self.order[k]) if k < n else "none (all were called)"
             raise ConfigError(f"prefetch in call order: the model called unit {path_text(path)} where the order recorded "
@@ -140,6 +146,8 @@ def resolve(plan, prefetch) -> bool:
     """`fully_shard(prefetch=...)` for a model given as it is: as for `Stacked` (config/policy.py), where
     its units run from its own Python loop; a ConfigError for prefetch=True where they cannot."""
     why = ("its units run inside the model's own scan (only its own Python loop prefetches)" if plan.scanned else
+           f"unit {path_text(plan.nested[0])} called inside a transform of the model's own (nn.remat, lax.cond, ...: "
+           "fully_shard's remat= replaces nn.remat)" if plan.nested else
            "float8 units" if plan.mp.float8 is not None else
            "a tensor axis (T > 1)" if plan.tensor > 1 else None)
     if why and prefetch:

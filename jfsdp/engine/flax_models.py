@@ -18,9 +18,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.core.tracers import current_trace
 
 from jfsdp.config.errors import ConfigError
-from jfsdp.engine.model_tree import check_nesting, path_text, scanned_units, shared_parameter
+from jfsdp.engine.model_tree import check_nesting, path_text, scanned_units, shared_parameter, subtree
 from jfsdp.engine.unit_call import split_arguments
 
 
@@ -30,6 +31,15 @@ class Found:
     modules: dict = dataclasses.field(default_factory=dict)
     unit_calls: list = dataclasses.field(default_factory=list)
     unit_shapes: dict = dataclasses.field(default_factory=dict)   # path -> the unit's parameter shapes in a call
+    top: object = None                                          # the trace the model's call starts in
+    nested: list = dataclasses.field(default_factory=list)      # units called inside a transform of the model's own
+
+    def saw(self, path):
+        """Record a unit call; one made in another trace than the model's call (inside its nn.remat, nn.scan,
+        lax.cond, ...) is `nested` as well."""
+        self.unit_calls.append(path)
+        if current_trace() != self.top:
+            self.nested.append(path)
 
 
 class UnitMatcher:
@@ -66,6 +76,8 @@ class LinenModel:
     def init_variables(self, key, batch, matcher=None, found=None):
         """All the model's variables from its own initializers (boxed metadata as `init` gives it)."""
         hook = _linen_recorder(matcher, found) if found is not None else None
+        if found is not None:
+            found.top = current_trace()
         with (nn.intercept_methods(hook) if hook else contextlib.nullcontext()):
             return self.module.init(self._rngs(key), batch, method=self.call)
 
@@ -109,7 +121,7 @@ def _linen_recorder(matcher, found: Found):
         if stack:
             raise ConfigError(f"unit {path_text(path)} ({type(mod).__name__}) is nested inside unit "
                               f"{path_text(stack[-1])}: units must not contain other units")
-        found.unit_calls.append(path)
+        found.saw(path)
         stack.append(path)
         try:
             out = next_fun(*args, **kwargs)
@@ -174,8 +186,9 @@ class NNXModel:
             if path is None:
                 anonymous.append(jax.tree.map(jnp.shape, shards))
             else:
-                found.unit_calls.append(path)
+                found.saw(path)
             return fn(shards, inputs)
+        found.top = current_trace()
         with _nnx_calls(_targets(model, units), record, matcher.classes):
             out = self.call(model, batch)
         # a unit never called itself but whose stacked parameters a unit made inside the model's scan saw
@@ -187,6 +200,13 @@ class NNXModel:
                     found.unit_calls.append(path)
                     break
                 del found.unit_shapes[path]
+            else:
+                seen = jax.tree.map(jnp.shape, subtree(stored, path))
+                if any(a == seen for a in anonymous):
+                    raise ConfigError(f"unit {path_text(path)} ({found.modules.get(path, '?')}) is called inside an "
+                                      "NNX transform of the model's own other than nnx.scan over stacked layers "
+                                      "(nnx.remat, nnx.cond, nnx.vmap, ...): jfsdp does not follow a unit into it; "
+                                      "call the unit directly (fully_shard's remat= does what nnx.remat did)")
         return out
 
 
