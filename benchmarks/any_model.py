@@ -132,6 +132,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--no-compile-time", action="store_true", help="skip the compile-time rows")
+    p.add_argument("--own-scan", action="store_true", help="with --target: also the model's own nn.scan "
+                   "(models.llama.ScannedLlama) given as it is")
     p.add_argument("--compile-time-only", action="store_true", help="only the compile-time rows")
     p.add_argument("--loss", default="logits", choices=("logits", "fused"),
                    help="'fused': the head's features and jfsdp.lm_loss, as the planner runs its models")
@@ -152,7 +154,7 @@ def main(argv=None) -> int:
                 print(json.dumps({k: v for k, v in rows[-1].items() if k != "collectives"}), flush=True)
     if a.target:
         for n in depths:
-            for as_is in (True, False):
+            for as_is in (True, "scan", False) if a.own_scan else (True, False):
                 rows.append(compile_case(depth(n, base), as_is=as_is, target=a.target, **shape))
                 print(json.dumps({k: v for k, v in rows[-1].items() if k != "collectives"}), flush=True)
     timing = []

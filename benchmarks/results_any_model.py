@@ -25,12 +25,14 @@ def any_model_page() -> list[str]:
     out += [f"Llama with {m['n_layers']} blocks, width {m['dim']}, vocabulary {m['vocab_size']}, "
             f"{'tied' if m['tie_embeddings'] else 'untied'} embeddings; global batch {d['batch']} x {d['seq']}, "
             f"{d['loss']} loss. *As it is*: `models.llama.Llama` with its own Python loop, "
-            "`fully_shard(model, ..., units=LlamaBlock)`; *Stacked*: the same blocks as `jfsdp.Stacked`. "
+            "`fully_shard(model, ..., units=LlamaBlock)`; *own nn.scan*: `models.llama.ScannedLlama` given as it is; "
+            "*Stacked*: the same blocks as `jfsdp.Stacked`. "
             "Memory: XLA's buffer assignment per device (GiB). Collectives: GiB each device sends per step; on "
             "the H100 target, exposed = in flight while no matmul runs on XLA:GPU's schedule "
             "(`jfsdp.planning.hlo.overlap`). Estimate: the planner's analytic figure over the compiled one. "
             "The H100 rows are compiled for an H100 target on the CPU machine: nothing ran on a GPU.", ""]
-    rows = [["as it is" if r["as_is"] else "Stacked", r["target"], r["mesh"], r["strategy"], r["remat"],
+    model = lambda r: "as it is, own nn.scan" if r["as_is"] == "scan" else "as it is" if r["as_is"] else "Stacked"
+    rows = [[model(r), r["target"], r["mesh"], r["strategy"], r["remat"],
              "on" if r["prefetch"] else "off", g(r["total_bytes"] / GIB)] + [_comm(r, k) for k in KINDS]
             + [g(r["estimate_ratio"], 3)] for r in d["rows"]]
     head = ["model", "target", "mesh", "strategy", "remat", "prefetch", "memory",

@@ -224,11 +224,12 @@ class AsIs(TensorAsIs, FSDP):
             if order is not None:
                 return order.call(path, fn, inputs)
             ls = jax.tree.unflatten(jax.tree.structure(shards, is_leaf=is_unreduced), self._unit_layouts(path, shards))
+            tied = self.on_cpu or (path is not None and tuple(path) not in self.scanned)   # GPUs: own scan pipelined
             if self.mp.float8 is not None:
-                return call_unit(unit_compute(fn, ls, self.comm), shards, inputs, self.policy)
+                return call_unit(unit_compute(fn, ls, self.comm), shards, inputs, self.policy, tied)
             inputs = self.sequence_split(inputs)   # T > 1: the residual stream split on its sequence
             return self.sequence_split(call_unit(lambda s, i: fn(unshard_tree(s, ls, self.comm), i), shards, inputs,
-                                                 self.policy))
+                                                 self.policy, tied))
         key = self._step_key(rows)
         units = set(self.units)
         if self.model.kind == "linen":

@@ -79,10 +79,14 @@ def tie(shards, anchor):
     return jax.tree.map(lambda s: s + zero.astype(s.dtype) if _is_float(s) else s, shards)
 
 
-def call_unit(compute: Callable, shards, inputs, policy):
+def call_unit(compute: Callable, shards, inputs, policy, ordered: bool = True):
     """`compute(shards, inputs) -> outputs` (it gathers the shards with `unshard_tree` and applies the
     unit) as one FSDP unit, ordered by data dependencies (see the module docstring). `inputs` is a
-    list of arrays; outputs may be any pytree of arrays."""
+    list of arrays; outputs may be any pytree of arrays. `ordered=False`: no data dependencies, for a unit
+    inside a loop on a GPU, whose gather XLA's collective pipeliner issues one iteration ahead and whose
+    reduce-scatter one iteration behind (GPU_FLAGS), which a gather tied to the unit's input forbids."""
+    if not ordered:
+        return jax.checkpoint(compute, policy=policy)(shards, inputs)
     body = jax.checkpoint(compute, policy=policy, prevent_cse=True)
 
     @jax.custom_vjp
