@@ -58,7 +58,7 @@ PROVENANCE = {
     # docs/any-model.md and the session note of 2026-11-26: the command that wrote it
     "any_model_llama1b.json": {
         "command": "python benchmarks/any_model.py --model llama-1b --depths 16 --batch 8 --seq 2048 --attention auto "
-                   "--no-compile-time --target h100 --json benchmarks/results/any_model_llama1b.json",
+                   "--no-compile-time --target h100 --own-scan --json benchmarks/results/any_model_llama1b.json",
         "device": CPU_VM + "; the h100 rows " + H100_ON_CPU},
     # README "On GPUs", "Throughput": the machine the CPU rows ran on
     "throughput_cpu.json": {"device": CPU_VM + ", 8 fake XLA devices, shared with three other jobs"},
