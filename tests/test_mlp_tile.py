@@ -115,3 +115,26 @@ def test_bad_tiles_are_refused():
         check_mlp_tile(-1, 1000)
     with pytest.raises(ConfigError, match="--tensor"):
         check_mlp_tile(256, 4096, tensor=2)
+
+
+def test_the_planners_tile_rule():
+    """`python -m jfsdp.plan --mlp-tile auto` (jfsdp.planning.tiling.choose) on a made-up estimate that falls
+    with the tile: off where the untiled plan fits, else the largest halving of the tokens per device that
+    fits, never below the model's width (the smallest such halving when nothing fits), off under tensor
+    parallelism."""
+    from types import SimpleNamespace
+
+    from jfsdp.planning import tiling
+    cfg = SimpleNamespace(dim=96, mlp_tile=0)
+    tried = []
+
+    def total(tile):   # bytes: 1,000 + 1 per token of tile (untiled: the whole 4,096 tokens)
+        tried.append(tile)
+        return 1000 + (tile or 4096)
+    assert tiling.candidates(4096, 96) == [2048, 1024, 512, 256, 128]
+    assert tiling.choose(total, 4096, 5096, cfg) == 0
+    assert tiling.choose(total, 4096, 2100, cfg) == 1024 and len(tried) <= 1 + 1 + 3   # bisection, not all
+    assert tiling.choose(total, 4096, 1300, cfg) == 256
+    assert tiling.choose(total, 4096, 10, cfg) == 128     # nothing fits: the smallest, and the report says so
+    assert tiling.choose(total, 4096, 10, cfg, tensor=2) == 0
+    assert tiling.candidates(96 * 3, 96) == [144]         # odd halvings stop
