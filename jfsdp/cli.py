@@ -28,6 +28,7 @@ from jfsdp.config.args import ASYNC_TP, ArgParser, async_tp_option
 from jfsdp.config.errors import ConfigError
 from jfsdp.config.mesh import mesh_spec
 from jfsdp.config.policy import Strategy, prefetch_by_default
+from jfsdp.config.sequence import check_mlp_tile
 from jfsdp.config.xla_flags import accelerator_present, gpu_xla_flags, run_hazard
 from jfsdp.runtime.config import TrainConfig
 from jfsdp.runtime.console import EXIT_INTERRUPTED, fail, note
@@ -79,6 +80,10 @@ def model_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
     g.add_argument("--loss", default=d.loss, choices=("fused", "plain"),
                    help="fused: output head and cross-entropy in chunks of tokens (jfsdp.train.losses."
                    "linear_cross_entropy), the logits of the batch never exist; plain: logits, then log_softmax")
+    g.add_argument("--mlp-tile", type=int, default=d.mlp_tile, metavar="N",
+                   help="run each unit's MLP over the sequence in tiles of N tokens, each tile rematerialized in its own "
+                   "backward, so a unit's backward holds one tile's (N x ffn) intermediates, not the whole sequence's; "
+                   "N divides the tokens per device (--seq-len / --context); 0: off (docs/context-parallel.md)")
     g.add_argument("--moe", default=d.moe, choices=("auto", "gather", "ep", "adaptive"),
                    help="MoE models: gather the experts' weights (FSDP) or send the tokens to them (expert "
                    "parallel, all-to-all); auto: per stage by jfsdp's cost model (jfsdp/engine/moe.py); adaptive: "
@@ -210,6 +215,7 @@ def check_flags(c: TrainConfig) -> int | None:
         check_context_flags(c)
     try:
         async_tp_option(c.async_tp, c.tensor)
+        check_mlp_tile(c.mlp_tile, c.seq_len, c.context, c.tensor)
     except ConfigError as e:
         fail(str(e))
     try:

@@ -31,6 +31,7 @@ import time
 from jfsdp.config.args import ASYNC_TP, EXIT_BAD_INPUT, ArgParser, async_tp_option, parse_bytes  # noqa: F401 (jfsdp.plan.parse_bytes)
 from jfsdp.config.errors import ConfigError
 from jfsdp.config.mesh import mesh_spec
+from jfsdp.config.sequence import check_mlp_tile
 from jfsdp.config.xla_flags import cpu_xla_flags
 
 BASE_TARGETS = ("gpu", "tpu", "cpu")   # the backends estimated without compiling for them
@@ -46,6 +47,10 @@ def _args(argv):
     p.add_argument("--context", type=int, default=1, metavar="C",
                    help="context-parallel size (train.py's --context): mesh RxS x C (x T) devices, each sequence "
                    "split over C (docs/context-parallel.md; not planned yet: C > 1 is refused)")
+    p.add_argument("--mlp-tile", default="0", metavar="N|auto",
+                   help="train.py's --mlp-tile: the MLP over the sequence in tiles of N tokens (0: off); auto: the "
+                   "largest tile (tokens per device halved until it fits) whose estimate fits the device memory, off "
+                   "when the untiled plan fits (docs/context-parallel.md)")
     p.add_argument("--strategy", default="full_shard")
     p.add_argument("--precision", default="bf16", help="fp32, bf16 (fp32 master, bf16 compute, fp32 reduce) or fp8 "
                    "(bf16 plus float8 unit matmuls and unit gathers at 1 byte per parameter) or fp8-rowwise (float8 "
@@ -113,6 +118,7 @@ def render(r: dict) -> str:
     tp = f" --tensor {r['tensor']}" if r.get("tensor", 1) > 1 else ""
     lines = [f"{r['model']} ({r['params'] / 1e9:.2f}B parameters) on mesh {r['mesh']}{tp} ({r['devices']} devices), "
              f"{r['strategy']}, {r['precision']}, remat {r['remat']}, batch {r['batch_size']} x {r['seq_len']} tokens"
+             + (f", MLP in tiles of {r['mlp_tile']} tokens" if r.get("mlp_tile") else "")
              + (", optimizer inside the backward pass" if r.get("update_in_backward") else "")
              + (", async TP (collective matmuls)" if r.get("async_tp") else "")
              + (f", {len(r['frozen'])} parameters frozen (--freeze '{r['freeze']}')" if r.get("frozen") else "")
@@ -200,6 +206,19 @@ def main(argv=None) -> int:
     return 0
 
 
+def mlp_tile_option(text: str, seq_len: int, context: int = 1, tensor: int = 1):
+    """--mlp-tile: 'auto', or tokens (0: off) that divide the tokens per device."""
+    if str(text).strip().lower() == "auto":
+        check_mlp_tile(0, seq_len, context, tensor)
+        return "auto"
+    try:
+        tile = int(text)
+    except ValueError:
+        raise ConfigError(f"--mlp-tile '{text}' must be a number of tokens or auto") from None
+    check_mlp_tile(tile, seq_len, context, tensor)
+    return tile
+
+
 def _plan(a) -> dict:
     """Check what needs no jax, set up the devices, then start jax and make the report."""
     spec = mesh_spec(a.mesh, a.tensor, a.context)
@@ -212,6 +231,7 @@ def _plan(a) -> dict:
         raise ConfigError(f"--tensor {a.tensor} does not divide --seq-len {a.seq_len} (sequence parallelism splits "
                           "the sequence)")
     async_tp_option(a.async_tp, a.tensor)   # ConfigError for --async-tp on at T = 1
+    a.mlp_tile = mlp_tile_option(a.mlp_tile, a.seq_len, a.context, a.tensor)
     budget = parse_bytes(a.device_memory) if a.device_memory else None
     set_fake_cpu_devices(n)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")

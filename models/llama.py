@@ -39,6 +39,11 @@ class LlamaConfig:
     # T x T scores), "auto" (cudnn on a CUDA backend; elsewhere blockwise from 1024 tokens, xla
     # below); see attention_impl
     attention: str = "auto"
+    # run the MLP over the sequence in tiles of this many tokens, each tile under its own checkpoint, so that
+    # a unit's backward holds one tile's (tile x ffn_dim) intermediates rather than the whole sequence's
+    # (Arctic Long Sequence Training's TiledMLP; docs/context-parallel.md). 0: off, the program unchanged.
+    # It must divide the tokens each call sees (T, or T / C under context parallelism).
+    mlp_tile: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -50,6 +55,8 @@ class LlamaConfig:
                              "dim must divide by n_heads and n_heads by n_kv_heads")
         if self.attention not in ATTENTION:
             raise ValueError(f"attention '{self.attention}': choose {', '.join(ATTENTION)}")
+        if self.mlp_tile < 0:
+            raise ValueError(f"mlp_tile {self.mlp_tile} must not be negative (0: no tiling)")
 
     def num_params(self) -> int:
         d, f, v = self.dim, self.ffn_dim, self.vocab_size
@@ -140,12 +147,28 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     cfg: LlamaConfig
 
-    @nn.compact
-    def __call__(self, x):
+    def setup(self):
         c = self.cfg
-        gate = _dense(c.ffn_dim, "w1", c.init_std)(x)
-        up = _dense(c.ffn_dim, "w3", c.init_std)(x)
-        return _dense(c.dim, "w2", c.init_std)(nn.silu(gate) * up)
+        self.w1 = _dense(c.ffn_dim, "w1", c.init_std)
+        self.w3 = _dense(c.ffn_dim, "w3", c.init_std)
+        self.w2 = _dense(c.dim, "w2", c.init_std)
+
+    def __call__(self, x):
+        tile, t = self.cfg.mlp_tile, x.shape[1]
+        if not tile or tile >= t:
+            return self.swiglu(x)
+        if t % tile:
+            raise ValueError(f"mlp_tile {tile} does not divide the {t} tokens of this call")
+        # (B, T, d) -> (T/tile, B, tile, d): a loop over the tiles, each one's intermediates recomputed in its
+        # own backward (nn.remat), the weights shared by every tile (variable_broadcast)
+        b, d = x.shape[0], x.shape[2]
+        tiles = x.reshape(b, t // tile, tile, d).swapaxes(0, 1)
+        body = nn.remat(lambda mdl, carry, xt: (carry, mdl.swiglu(xt)), prevent_cse=False)
+        _, y = nn.scan(body, variable_broadcast="params", split_rngs={"params": False})(self, None, tiles)
+        return y.swapaxes(0, 1).reshape(b, t, -1)
+
+    def swiglu(self, x):
+        return self.w2(nn.silu(self.w1(x)) * self.w3(x))
 
 
 class LlamaBlock(nn.Module):

@@ -98,6 +98,9 @@ BAD = {
     "context-seq-len": (["--mesh", "1x2", "--context", "3", "--seq-len", "64"], "2*C = 6 equal chunks"),
     "context-with-tensor": (["--mesh", "1x2", "--context", "2", "--tensor", "2", "--batch-size", "2"],
                             "--tensor > 1 is not supported with context parallelism yet"),
+    "mlp-tile-not-dividing": (["--mesh", "1x2", "--context", "2", "--seq-len", "64", "--mlp-tile", "12"],
+                              "does not divide the 32 tokens per device"),
+    "mlp-tile-moe": (["--model", "moe-test", "--mlp-tile", "16"], "--mlp-tile applies to the Llama models"),
 }
 
 

@@ -31,3 +31,18 @@ def zigzag(x, context: int, axis: int = 1):
 def unzigzag(x, context: int, axis: int = 1):
     """The inverse of `zigzag`."""
     return x.take(np.argsort(zigzag_order(x.shape[axis], context)), axis=axis)
+
+
+def check_mlp_tile(tile: int, seq_len: int, context: int = 1, tensor: int = 1) -> None:
+    """ConfigError unless `tile` (tokens; 0 = off) divides the tokens each device's units see: seq_len / C.
+    The MLP runs over those tokens tile by tile (models/llama.py's `mlp_tile`; docs/context-parallel.md)."""
+    if tile < 0:
+        raise ConfigError(f"--mlp-tile must not be negative, got {tile} (0: no tiling)")
+    if tile and tensor > 1:
+        raise ConfigError(f"--mlp-tile with --tensor {tensor} is not supported yet: tensor parallelism splits the "
+                          "MLP's sequence over `tensor` (docs/context-parallel.md)")
+    local = seq_len // context
+    if tile and local % tile:
+        where = f"the {local} tokens per device (--seq-len {seq_len} / --context {context})" if context > 1 else \
+            f"--seq-len {seq_len}"
+        raise ConfigError(f"--mlp-tile {tile} does not divide {where}: the MLP runs over the sequence in equal tiles")

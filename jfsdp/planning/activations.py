@@ -7,6 +7,7 @@ import math
 from typing import Callable
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 
 from jfsdp.config.policy import REMAT_POLICIES, wire_dtype
@@ -27,6 +28,32 @@ def residual_bytes(f, *args, skip_args=True, axis_env=None) -> int:
             continue   # a frozen parameter (stop_frozen): an argument too
         total += int(math.prod(aval.shape)) * jnp.dtype(aval.dtype).itemsize
     return total
+
+
+def working_bytes(f, *args, axis_env=None) -> int:
+    """Bytes one backward pass of f needs at once besides its arguments, with nothing recomputed away:
+    what f saves (`residual_bytes`, no checkpoint policy around f), plus, where f runs parts of itself
+    under a checkpoint of their own (a loop over the tiles of a sequence, each tile rematerialized: e.g.
+    models/llama.py's `mlp_tile`), the largest such part's own residuals, which its backward recomputes
+    and holds one part at a time."""
+    leaves, tree = jax.tree.flatten(args)
+    closed = jax.make_jaxpr(lambda *xs: f(*jax.tree.unflatten(tree, xs)), axis_env=axis_env or [])(*leaves)
+    inner = [residual_bytes(jax.extend.core.jaxpr_as_fun(jax.extend.core.ClosedJaxpr(j, ())),
+                            *[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in j.invars], axis_env=axis_env)
+             for j in _checkpointed(closed.jaxpr)]
+    return residual_bytes(f, *args, axis_env=axis_env) + max(inner, default=0)
+
+
+def _checkpointed(jaxpr) -> list:
+    """The jaxprs of the `jax.checkpoint` regions inside `jaxpr` (in loops and calls too), outermost ones."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "remat2":   # jax.checkpoint's primitive (jax._src.ad_checkpoint.remat_p)
+            found.append(eqn.params["jaxpr"])
+        else:
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                found += _checkpointed(sub)
+    return found
 
 
 def saved_residuals(f, args, axis_env=None) -> list:
@@ -86,7 +113,7 @@ def _unit_activations(plan: FSDP, stage_layouts, pdt, h, stage_trainable):
         unit_p = as_shapes(layouts, pdt)
         unit_fn = lambda x, p, unit=st.unit, t=t: unit.apply({"params": stop_frozen(p, t)}, x)
         stages.append({"per_unit": residual_bytes(jax.checkpoint(unit_fn, policy=policy), h, unit_p) + tree_bytes(h),
-                       "unit_working": residual_bytes(unit_fn, h, unit_p) + tree_bytes(h)})
+                       "unit_working": working_bytes(unit_fn, h, unit_p) + tree_bytes(h)})
         h = jax.eval_shape(unit_fn, h, unit_p)
     return stages, h
 

@@ -33,7 +33,7 @@ from jfsdp.config.errors import ConfigError
 from jfsdp.config.policy import REMAT_POLICIES, wire_dtype
 from jfsdp.engine.layout import is_layout, stored_bytes
 from jfsdp.engine.model_tree import subtree, without
-from jfsdp.planning.activations import fused_head_buffers, residual_bytes, stop_frozen
+from jfsdp.planning.activations import fused_head_buffers, residual_bytes, stop_frozen, working_bytes
 from jfsdp.planning.sizes import as_shapes, nbytes, tree_bytes
 
 UNIT_SCOPE = "jfsdp_planner_unit"   # the name scope that marks a unit call in the traced step
@@ -173,7 +173,7 @@ def _trace(v: AsIsView, loss_fn, local_batch, pdt, trainable, units: bool = True
             new = [x for x in jax.tree.leaves(inputs) if jnp.issubdtype(x.dtype, jnp.floating) and id(x) not in seen]
             seen.update(id(x) for x in new)
             kept = sum(nbytes(x) for x in new)
-            calls[j] = (residual_bytes(jax.checkpoint(fn, policy=policy), p, i) + kept, residual_bytes(fn, p, i) + kept)
+            calls[j] = (residual_bytes(jax.checkpoint(fn, policy=policy), p, i) + kept, working_bytes(fn, p, i) + kept)
         with jax.named_scope(UNIT_SCOPE):
             return _opaque(fn, params, inputs)
 

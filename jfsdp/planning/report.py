@@ -23,8 +23,9 @@ DEFAULT_MEMORY = 80 * 2**30   # per device, where neither --device-memory nor a 
 
 
 def build(model_name, mesh_spec, strategy, precision, remat, batch_size, seq_len, devices=None, attention=None,
-          loss="fused", moe="auto", moe_chunks="auto", backend=None, prefetch=None, tensor=1, async_tp=None):
-    """(cfg, plan, optimizer, loss_fn, batch shapes) for a named model; nothing allocated.
+          loss="fused", moe="auto", moe_chunks="auto", backend=None, prefetch=None, tensor=1, async_tp=None, mlp_tile=0):
+    """(cfg, plan, optimizer, loss_fn, batch shapes) for a named model; nothing allocated. `mlp_tile`: the
+    Llama MLP's tile in tokens (models/llama.py; 0: off).
     `devices`: the mesh's devices (default: all local ones); `attention`: override the config's;
     `prefetch`, `async_tp`: fully_shard's; `tensor`: T, with the model's tensor plan (models/factory.py) when T > 1."""
     import jax
@@ -42,6 +43,10 @@ def build(model_name, mesh_spec, strategy, precision, remat, batch_size, seq_len
                           "configs")
     if attention:
         cfg = dataclasses.replace(cfg, attention=attention)
+    if mlp_tile:
+        if not isinstance(cfg, models.LlamaConfig):
+            raise ConfigError("--mlp-tile applies to the Llama models (their dense MLP), not to MoE models")
+        cfg = dataclasses.replace(cfg, mlp_tile=mlp_tile)
     mesh = jfsdp.make_mesh(mesh_spec, devices, tensor=tensor)
     n = mesh.size
     batch_size = n if batch_size is None else batch_size
@@ -140,15 +145,20 @@ def report(a, budget: int | None = None) -> dict:
     devices, attention = (targets.devices(a.target, a.mesh, tensor), "cudnn") if gpu else (None, None)
     backend = "gpu" if gpu else a.target
     with targets.tracing_for(a.target) if gpu else contextlib.nullcontext():
-        cfg, plan, opt, loss_fn, batch = build(a.model, a.mesh, a.strategy, a.precision, a.remat, a.batch_size,
-                                               a.seq_len, devices, attention, a.loss, a.moe, a.moe_chunks, backend,
-                                               tensor=tensor, async_tp=async_tp_option(getattr(a, "async_tp", "auto"),
-                                                                                       tensor))
+        if budget is None:
+            budget = targets.get(a.target).memory_bytes if gpu else DEFAULT_MEMORY
+        built = lambda tile: build(a.model, a.mesh, a.strategy, a.precision, a.remat, a.batch_size, a.seq_len, devices,
+                                   attention, a.loss, a.moe, a.moe_chunks, backend, tensor=tensor,
+                                   async_tp=async_tp_option(getattr(a, "async_tp", "auto"), tensor), mlp_tile=tile)
+        tile = getattr(a, "mlp_tile", 0)
+        if tile == "auto":   # the largest tile whose estimate fits; off where the untiled plan fits
+            from jfsdp.planning import tiling
+            tile = tiling.choose(lambda t: _tile_total(a, built(t), gpu, backend), a.seq_len // getattr(a, "context", 1),
+                                 budget, built(0)[0], tensor)
+        cfg, plan, opt, loss_fn, batch = built(tile)
         trainable, hit = frozen.freeze(plan, getattr(a, "freeze", None))
         case = _Case(plan, opt, loss_fn, batch, gpu, backend, a.target if gpu else jax.default_backend(),
                      trainable, tuple(hit))
-        if budget is None:
-            budget = targets.get(a.target).memory_bytes if gpu else DEFAULT_MEMORY
         if a.update_in_backward:
             from jfsdp.train import update_in_backward
             if trainable is not None:
@@ -163,6 +173,14 @@ def report(a, budget: int | None = None) -> dict:
         rep["fits"] = rep["estimate"]["total"] <= budget
         rep["largest_global_batch"] = _largest_global_batch(a, case, budget)
     return rep
+
+
+def _tile_total(a, built, gpu: bool, backend: str) -> int:
+    """The estimate's total for `build`'s answer `built` (--mlp-tile auto tries tiles with it)."""
+    _, plan, opt, loss_fn, batch = built
+    trainable, _ = frozen.freeze(plan, getattr(a, "freeze", None))
+    case = _Case(plan, opt, loss_fn, batch, gpu, backend, backend, trainable)
+    return _estimate(a, case, batch, backend, a.prefetch or gpu).total
 
 
 def _check_accumulation(a, plan, batch) -> None:
@@ -198,7 +216,7 @@ def _estimates(a, cfg, case: _Case, budget: int) -> dict:
            "strategy": plan.strategy.value, "precision": a.precision, "remat": a.remat,
            "update_in_backward": a.update_in_backward, "grad_accum": a.grad_accum, "grad_sync": a.grad_sync,
            "batch_size": case.batch["inputs"].shape[0], "seq_len": a.seq_len, "device_memory": budget,
-           "target": a.target, "estimate": est.as_dict()}
+           "target": a.target, "mlp_tile": getattr(cfg, "mlp_tile", 0), "estimate": est.as_dict()}
     if case.frozen:
         rep["freeze"], rep["frozen"] = a.freeze, list(case.frozen)
     if case.gpu:

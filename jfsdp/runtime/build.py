@@ -48,6 +48,8 @@ def choose_model(c: TrainConfig, models) -> ModelChoice:
     else:
         mcfg, name = models.get_config(c.model), c.model
     is_moe = isinstance(mcfg, models.MoEConfig)
+    if c.mlp_tile and is_moe:
+        raise jfsdp.ConfigError("--mlp-tile applies to the Llama models (their dense MLP), not to MoE models")
     if not isinstance(mcfg, models.LlamaConfig) and not is_moe:
         raise jfsdp.ConfigError(f"model '{c.model}' is not a language model; train.py trains the llama-* "
                                 "and MoE models")
@@ -81,16 +83,19 @@ def take_devices(c: TrainConfig, r: int, s: int) -> list:
 
 def shard_model(c: TrainConfig, models, model: ModelChoice, mesh, strategy, mp) -> tuple:
     """(the sharded model the loss trains, the sharded model that returns logits, the loss function).
+    --mlp-tile is applied here, not to `model.config`: the checkpoints' identity keeps the config without it
+    (tiling changes how the MLP runs, not its parameters, so a run resumes under any tile).
     The fused loss takes (hidden, head weight) from the root; sampling needs logits: a second sharded
     model over the same parameters with the plain head (nothing is compiled until it is used)."""
     # an MoE model's cost model reads the tokens per device from the example: one micro-batch
     rows = max(1, c.batch_size // c.grad_accum) if model.is_moe else 1
     example = jax.ShapeDtypeStruct((rows, c.seq_len), jnp.int32)
     loss_fn = None
+    config = dataclasses.replace(model.config, mlp_tile=c.mlp_tile) if c.mlp_tile else model.config
 
     def shard(head):
         nonlocal loss_fn
-        module, moe, loss_fn = models.factory.language_model(model.config, c.loss, c.moe, c.moe_chunks, head=head,
+        module, moe, loss_fn = models.factory.language_model(config, c.loss, c.moe, c.moe_chunks, head=head,
                                                                      buckets=c.moe_buckets, capacity_cap=c.moe_capacity_cap)
         plan = models.factory.tensor_plan(model.config) if c.tensor > 1 else None
         ring = models.factory.context_kernel() if c.context > 1 else None   # docs/context-parallel.md

@@ -17,6 +17,7 @@ class TrainConfig:
     precision: str = "fp32"
     remat: str = "none"
     loss: str = "fused"
+    mlp_tile: int = 0               # the Llama MLP over the sequence in tiles of this many tokens (0: off)
     moe: str = "auto"               # MoE models: gather / ep / auto per stage (jfsdp/engine/moe.py)
     moe_chunks: str = "auto"
     moe_buckets: str | None = None  # adaptive: capacities to compile, "64,128,256" (default: doubling up to T)
