@@ -148,7 +148,10 @@ def test_training_on_1x2_context_2_equals_the_single_device_trainer(tmp_path):
     loader's part, the zigzag permutation of inputs and targets, is applied here once per batch (without
     it the losses are 2e-3 off and the parameters 0.2). After step 1 the state goes through checkpoints
     saved under C = 2 and C = 1 (round_trip), and steps 2 and 3 run from what was read back, each with 2
-    gradient-accumulation micro-batches of 4 rows a device (of 8), reduced once (grad_sync 'once')."""
+    gradient-accumulation micro-batches of 4 rows a device (of 8), reduced once (grad_sync 'once').
+    Step 1 runs the prefetch pipeline (prefetch=True: each unit's gather in flight while the previous unit
+    computes, its attention the ring); steps 2 and 3 the pipeline's one-unit-at-a-time passes (prefetch off,
+    the CPU default), which grad_sync 'once' uses."""
     from models import factory
     from tests import reference as ref
     from tests.test_equivalence import get_case
@@ -159,12 +162,16 @@ def test_training_on_1x2_context_2_equals_the_single_device_trainer(tmp_path):
     plan = jfsdp.fully_shard(model, mesh, jax.ShapeDtypeStruct(batch.shape, batch.dtype),
                              context_attention=factory.context_kernel(block=4))
     assert plan.layouts["units"]["attention"]["wq"]["kernel"].gather_axes == ("fsdp", "context")
+    ahead = jfsdp.fully_shard(model, mesh, jax.ShapeDtypeStruct(batch.shape, batch.dtype), prefetch=True,
+                              context_attention=factory.context_kernel(block=4))
+    assert ahead.prefetch and not plan.prefetch
     opt = jfsdp.adamw(ref.LR, b1=ref.B1, b2=ref.B2, eps=ref.EPS, weight_decay=ref.WD, clip_norm=ref.CLIP,
                       mask=plan.decay_mask())
-    # step 1 plain, steps 2 and 3 with 2 gradient-accumulation micro-batches reduced once ('every' runs the
-    # plain step's program per micro-batch: a train.py run in docs/context-parallel.md, not a compile here)
+    # step 1 with the prefetch pipeline, steps 2 and 3 with 2 gradient-accumulation micro-batches reduced once
+    # ('every' runs the plain step's program per micro-batch: a train.py run in docs/context-parallel.md, not a
+    # compile here); the plain scan at C > 1: test_train_cli's resume under --context 2
     accumulating = jfsdp.make_train_step(plan, opt, loss_fn, grad_accum=2, grad_sync="once")
-    steps = [jfsdp.make_train_step(plan, opt, loss_fn), accumulating, accumulating]
+    steps = [jfsdp.make_train_step(ahead, opt, loss_fn), accumulating, accumulating]
     state = jfsdp.init_state(plan, opt, params=plan.shard(case["init"]))
     losses = []
     for step, b in zip(steps, case["batches"], strict=True):
@@ -211,8 +218,7 @@ def test_what_context_parallelism_refuses():
     model, _, loss_fn = factory.language_model(cfg, "plain")
     tok = jax.ShapeDtypeStruct((2, 16), np.int32)
     refused = {"needs context_attention=": dict(),
-               "strategy no_shard is not supported with context": dict(strategy="no_shard", context_attention=kernel),
-               "the prefetch pipeline is not supported with context": dict(prefetch=True, context_attention=kernel)}
+               "strategy no_shard is not supported with context": dict(strategy="no_shard", context_attention=kernel)}
     for message, kw in refused.items():
         with pytest.raises(ConfigError, match=message):
             jfsdp.fully_shard(model, mesh, tok, **kw)

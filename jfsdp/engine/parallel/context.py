@@ -177,8 +177,8 @@ HOOKS = ("positions", "attend")
 
 
 def check(model, mesh, strategy, mp_policy, prefetch, moe, kernel):
-    """(`kernel`, fully_shard's context_attention; the prefetch option: off at C > 1, where the pipeline is
-    not supported yet, unless asked for); ConfigError for what C > 1 does not support yet."""
+    """(`kernel`, fully_shard's context_attention; the prefetch option, as given: the pipeline's units run
+    their attention as a ring like the plain scan's); ConfigError for what C > 1 does not support yet."""
     c = context_size(mesh)
     if c == 1:
         if kernel is not None:
@@ -190,11 +190,11 @@ def check(model, mesh, strategy, mp_policy, prefetch, moe, kernel):
                           "bwd): the per-block attention of the ring (models/factory.py's context_kernel for Llama)")
     for what, bad in (("a jfsdp.Staged model", not isinstance(model, Stacked)), ("tensor parallelism",
                       tensor_size(mesh) > 1), (f"strategy {strategy.value}", not strategy.sharded),
-                      ("the prefetch pipeline", bool(prefetch)), ("moe=", moe is not None),
+                      ("moe=", moe is not None),
                       ("float8", mp_policy.float8 is not None)):
         if bad:
             raise ConfigError(f"{what} {LATER}")
-    return kernel, False
+    return kernel, prefetch
 
 
 def placement(batch_spec, loss_axes, context: int):
