@@ -2,6 +2,7 @@
 the whole sequence's causal grouped-query attention computed in float64 without jfsdp, the zigzag load
 balance counted, and the ring's collective-permutes read from the compiled program."""
 import functools
+import re
 
 import jax
 import jfsdp
@@ -16,6 +17,7 @@ from jfsdp.io import checkpoint as jckpt
 from jfsdp.config.sequence import unzigzag, zigzag, zigzag_order
 from jfsdp.engine.parallel.context import Kernel, ring_attention
 from jfsdp.planning import hlo
+from jfsdp.planning.hlo_text import parse
 from models.attention import blockwise_attention_bwd, blockwise_attention_fwd
 
 # ring (fp32) against float64, relative to the largest magnitude. Floor, the worst of out/dq/dk/dv over
@@ -88,6 +90,57 @@ def test_ring_forward_collective_permutes():
     text = ring_program(4, True, grads=False).lower(q, k, v, do).compile().as_text()
     perms = [c for c in hlo.collectives(text) if c.kind == "collective-permute"]
     assert [c.result_bytes for c in perms] == [k.size // 4 * 4] * (2 * 3)
+
+
+def forwarded(hlo_text) -> dict:
+    """{collective-permute-start: whether it sends on a block that another permute received, unchanged (through
+    tuples, bitcasts, copies and barriers only)}: the ring's hops after the first of each pass. A scheduled
+    module's `as_text()`."""
+    passing = {"get-tuple-element", "tuple", "bitcast", "copy", "opt-barrier", "optimization-barrier"}
+    out = {}
+    for comp in parse(hlo_text).comps.values():
+        ops = {}
+        for ins in comp:
+            m = re.search(re.escape(ins.opcode) + r"\(([^)]*)\)", ins.line)
+            ops[ins.name] = (ins.opcode, re.findall(r"%([\w.\-]+)", m.group(1)) if m else [])
+
+        def received(name, seen=()):
+            op, args = ops.get(name, ("", []))
+            return op == "collective-permute-done" or (op in passing and name not in seen and
+                                                       any(received(a, (*seen, name)) for a in args))
+        out.update({i.name: any(map(received, ops[i.name][1])) for i in comp if i.opcode == "collective-permute-start"})
+    return out
+
+
+def test_the_ring_hides_every_hop_but_the_first_on_an_h100_target():
+    """Ring attention's forward and backward (bf16, llama-8b's 32 query and 8 K/V heads of 128, 16,384 tokens
+    over C = 4) compiled for H100s without one, with jfsdp's GPU flags for C > 1: in XLA:GPU's schedule
+    (`hlo.overlap`, the planner's reader) every collective-permute but the first hop of each pass (K and V,
+    bf16, sent from this rank's own block) is in flight while attention computes (its blockwise loops). The
+    cotangent is computed from the output, as a layer's is. Before the ring was pinned (and with one
+    collective in flight, XLA's default) 4 of its 12 ops after a first hop were exposed."""
+    from jfsdp.planning import targets
+    from models.factory import context_kernel
+    c, t = 4, 16384
+    mesh = Mesh(np.array(targets.devices("h100", (1, c))), ("context",))
+    ring = jax.shard_map(functools.partial(ring_attention, kernel=context_kernel(block=512)), mesh=mesh,
+                         in_specs=(P(None, "context"),) * 3, out_specs=P(None, "context"), check_vma=False)
+
+    def grads(q, k, v, do):
+        o, vjp = jax.vjp(ring, q, k, v)
+        return vjp(o * do)
+    sh = jax.sharding.NamedSharding(mesh, P(None, "context"))
+    q, kv = (jax.ShapeDtypeStruct((1, t, h, 128), jax.numpy.bfloat16, sharding=sh) for h in (32, 8))
+    with targets.tracing_for("h100"):
+        text = jax.jit(grads).lower(q, kv, kv, q).compile(compiler_options=targets.compiler_options(context=True)).as_text()
+    perms = [o for o in hlo.overlap(text, c) if o.collective.kind == "collective-permute"]
+    after, block = forwarded(text), t // c * 8 * 128 * 2
+    # all of the ring: K and V 4(C - 1) blocks, dK and dV (fp32) 2(C - 2) + 2
+    assert sum(o.collective.result_bytes for o in perms) == (4 * (c - 1) + 2 * (2 * (c - 2) + 2)) * block
+    assert any(after.values()) and not all(after.values())
+    exposed = [o.collective for o in perms if not o.hidden]
+    assert all(not after[x.name] and x.dtypes == ("bf16",) for x in exposed), hlo.render_overlap(perms)
+    assert sum(x.result_bytes for x in exposed) <= 4 * block
 
 
 def _unmasked_pairs(order, context):
