@@ -5,9 +5,13 @@ passes its keys and values around the ring: at step s it attends to the K/V bloc
 `ppermute` of the next block is in flight (it depends on nothing computed at step s, so XLA may overlap
 it). The partial outputs are merged by their log-sum-exp (the online softmax of FlashAttention, one block
 per device), so no device ever holds the whole sequence's keys. Forward: C - 1 hops of the K and V blocks.
-Backward: K, V and their gradient accumulators travel together (C - 1 hops), and one last hop brings each
-dK, dV home; dQ stays local. Only this rank's block is saved for the backward pass, which receives the
-others again (a data dependency on the cotangent keeps XLA from reusing the forward's received blocks).
+Backward: C - 1 hops of K and V; the gradient of each block travels one hop behind it (C - 2 hops: the
+ranks after its owner add their shares), and one last hop brings each dK, dV home, while the diagonal
+block computes last; dQ stays local. Only this rank's block is saved for the backward pass, which receives
+the others again (a data dependency on the cotangent keeps XLA from reusing the forward's received blocks).
+Both passes are pinned as a pipeline by optimization barriers: block s computes after block s - 1, and the
+sends it overlaps are issued between the two, so that on GPUs every hop but each pass's first is in flight
+while a block's attention computes (jfsdp.config.xla_flags.CONTEXT_GPU_FLAGS lets four sends be in flight).
 
 Load balance ("zigzag"): with a causal mask, the rank holding the end of the sequence would do all the
 work. The sequence is cut into 2C chunks and rank r holds chunks r and 2C-1-r (jfsdp/config/sequence.py;
