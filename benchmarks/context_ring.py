@@ -9,11 +9,13 @@ The second form: the compiled train step's per-device memory (XLA's buffer assig
 of one model on the same N = max(contexts) devices, mesh 1x(N/C) with context C and N/C sequences, so
 that every device holds T/C tokens of one sequence while the state stays sharded over all N.
 
-    python benchmarks/context_ring.py --h100 --contexts 4 --seq-len 16384 [--json FILE]
+    python benchmarks/context_ring.py --h100 --contexts 4 --seq-len 16384 [--no-context-flags] [--json FILE]
 
-The third form: the ring's forward + backward (bf16, 32 query and 8 K/V heads of 128, one sequence)
-compiled for an H100 without one (jfsdp.planning.targets), and which of its collective-permutes XLA's
-schedule runs while attention computes (jfsdp.planning.hlo.overlap).
+The third form: the ring's forward + backward (bf16, 32 query and 8 K/V heads of 128, one sequence; the
+cotangent computed from the output, as in a layer) compiled for an H100 without one
+(jfsdp.planning.targets) with jfsdp's GPU flags for C > 1 (`--no-context-flags`: without them), and which
+of its collective-permutes XLA's schedule runs while attention computes (jfsdp.planning.hlo.overlap);
+"beyond the first hops": exposed ops other than the forward's and the backward's first K/V hop.
 
 Run it also with XLA_FLAGS=--xla_cpu_max_isa=SSE4_2 (docs/numerics.md): the floor must hold on both
 sides of an ISA change. docs/context-parallel.md keeps the figures."""
@@ -36,6 +38,7 @@ def main(argv=None) -> int:
     p.add_argument("--block", type=int, default=4, help="the blockwise kernel's block")
     p.add_argument("--memory", default=None, metavar="MODEL", help="the train step's memory instead (a models/ name)")
     p.add_argument("--h100", action="store_true", help="the ring's schedule compiled for an H100 instead")
+    p.add_argument("--no-context-flags", action="store_true", help="--h100 without jfsdp's XLA flags for C > 1")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     contexts = [int(c) for c in a.contexts.split(",")]
@@ -89,7 +92,7 @@ def main(argv=None) -> int:
             block = k.size // c * k.dtype.itemsize
             rows.append({"C": c, "mode": "zigzag" if zz else "contiguous", "errors": rel(compiled(q, k, v, do)),
                          "permutes": len(perms), "permute_bytes": sum(x.result_bytes for x in perms),
-                         "formula_permutes": 6 * c - 4, "formula_bytes": (6 * c - 4) * block,
+                         "formula_permutes": 6 * c - 6, "formula_bytes": (6 * c - 6) * block,
                          "compile_s": round(seconds, 2)})
     print(f"B, T, H, K, D = {q.shape[0]}, {q.shape[1]}, {q.shape[2]}, {k.shape[2]}, {q.shape[3]}; fp32 against float64, "
           f"max |error| / max |float64| of out, dq, dk, dv; XLA_FLAGS={os.environ['XLA_FLAGS']}")
@@ -141,29 +144,36 @@ def h100(a, contexts) -> int:
     from jfsdp.engine.parallel.context import ring_attention
     from jfsdp.planning import hlo, targets
     from models.factory import context_kernel
-    rows = []
+    from tests.test_context_parallel import first_hops   # the test's reading of each pass's first hop
+    rows, options = [], targets.compiler_options(context=not a.no_context_flags)
     for c in contexts:
         mesh = Mesh(np.array(targets.devices("h100", (1, c))), ("context",))
         ring = jax.shard_map(functools.partial(ring_attention, kernel=context_kernel(block=512)), mesh=mesh,
                              in_specs=(P(None, "context"),) * 3, out_specs=P(None, "context"), check_vma=False)
 
         def grads(q, k, v, do):
-            return jax.vjp(ring, q, k, v)[1](do)
+            o, vjp = jax.vjp(ring, q, k, v)
+            return vjp(o * do)   # the cotangent exists once the output does, as in a layer
         sh = NamedSharding(mesh, P(None, "context"))
         q = jax.ShapeDtypeStruct((1, a.seq_len, 32, 128), jnp.bfloat16, sharding=sh)
         kv = jax.ShapeDtypeStruct((1, a.seq_len, 8, 128), jnp.bfloat16, sharding=sh)
         with targets.tracing_for("h100"):
-            compiled = jax.jit(grads).lower(q, kv, kv, q).compile(compiler_options=targets.compiler_options())
-        ov = [o for o in hlo.overlap(compiled.as_text(), c) if o.collective.kind == "collective-permute"]
+            compiled = jax.jit(grads).lower(q, kv, kv, q).compile(compiler_options=options)
+        text = compiled.as_text()
+        ov = [o for o in hlo.overlap(text, c) if o.collective.kind == "collective-permute"]
         s = hlo.overlap_summary(ov).get("collective-permute", {})
-        rows.append({"C": c, "seq_len": a.seq_len, **s, "memory": hlo.memory(compiled)})
+        first = first_hops(text)
+        late = [o for o in ov if not o.hidden and o.collective.name not in first]
+        rows.append({"C": c, "seq_len": a.seq_len, **s, "exposed_beyond_first_hops_ops": len(late),
+                     "exposed_beyond_first_hops_bytes": sum(o.wire_bytes_per_step for o in late), "memory": hlo.memory(compiled)})
         print(f"C={c} T={a.seq_len}: collective-permute ops (XLA:GPU combines some) hidden {s.get('hidden_ops')} "
               f"({s.get('hidden_bytes', 0) / 2**20:.0f} MiB), exposed {s.get('exposed_ops')} "
-              f"({s.get('exposed_bytes', 0) / 2**20:.0f} MiB)")
+              f"({s.get('exposed_bytes', 0) / 2**20:.0f} MiB), beyond the first hops {len(late)} "
+              f"({rows[-1]['exposed_beyond_first_hops_bytes'] / 2**20:.0f} MiB)")
         print(hlo.render_overlap(ov))
     if a.json:
         with open(a.json, "w") as fh:
-            json.dump({"target": "h100", "rows": rows}, fh, indent=2)
+            json.dump({"target": "h100", "xla_options": options, "rows": rows}, fh, indent=2)
     return 0
 
 

@@ -277,7 +277,9 @@ def prefetches(c: TrainConfig) -> bool:
     jfsdp.config.policy.prefetch_by_default), decided before jax starts. Bad input here is reported
     once the run starts."""
     try:
-        return prefetch_by_default(Strategy.parse(c.strategy), c.remat, mesh_spec(c.mesh).shards, on_gpu=True)
+        # the plan's shards: fsdp x context (weights are sharded over both at C > 1)
+        return prefetch_by_default(Strategy.parse(c.strategy), c.remat, mesh_spec(c.mesh).shards * max(c.context, 1),
+                                   on_gpu=True)
     except ConfigError:
         return False
 
@@ -292,7 +294,7 @@ def setup_devices(c: TrainConfig, n_needed: int | None) -> None:
             fail("--cpu-devices only applies on a machine without an accelerator (or with JAX_PLATFORMS=cpu)")
         # FSDP's prefetch on GPUs: XLA reads the flags when jax starts
         os.environ["XLA_FLAGS"] = gpu_xla_flags(prefetch=prefetches(c) or c.update_in_backward,
-                                                async_tp=c.tensor > 1 and c.async_tp != "off")
+                                                async_tp=c.tensor > 1 and c.async_tp != "off", context=c.context > 1)
         return
     if n_needed is None and not c.cpu_devices:
         return  # a malformed mesh: jfsdp.parse_mesh reports it once jax is imported; nothing to fake

@@ -2,6 +2,7 @@
 the whole sequence's causal grouped-query attention computed in float64 without jfsdp, the zigzag load
 balance counted, and the ring's collective-permutes read from the compiled program."""
 import functools
+import re
 
 import jax
 import jfsdp
@@ -16,6 +17,7 @@ from jfsdp.io import checkpoint as jckpt
 from jfsdp.config.sequence import unzigzag, zigzag, zigzag_order
 from jfsdp.engine.parallel.context import Kernel, ring_attention
 from jfsdp.planning import hlo
+from jfsdp.planning.hlo_text import array_types, parse
 from models.attention import blockwise_attention_bwd, blockwise_attention_fwd
 
 # ring (fp32) against float64, relative to the largest magnitude. Floor, the worst of out/dq/dk/dv over
@@ -69,7 +71,8 @@ def inputs(t, b=2, h=4, kv=2, d=8):
 def test_ring_attention_equals_full_causal_attention(context, zz):
     """Output and dq, dk, dv of ring attention (GQA 4:2) equal the full sequence's in float64; the
     compiled program's collective-permutes are the ring's: forward C - 1 hops of the K and V blocks,
-    backward C - 1 hops of K, V, dK, dV and one of dK, dV home, each one local K (or V) block."""
+    backward C - 1 hops of K and V, C - 2 of the dK, dV gathered so far (the diagonal block's stay home)
+    and one of dK, dV home, each one local K (or V) block: 6C - 6."""
     q, k, v, do = inputs(8 * context)
     compiled = ring_program(context, zz).lower(q, k, v, do).compile()
     for name, got, want in zip(("out", "dq", "dk", "dv"), compiled(q, k, v, do), attention64(q, k, v, do)):
@@ -77,16 +80,60 @@ def test_ring_attention_equals_full_causal_attention(context, zz):
         assert err < RTOL, (name, err)
     block = k.size // context * k.dtype.itemsize                 # one rank's K (or V) block, bytes
     perms = [c for c in hlo.collectives(compiled.as_text()) if c.kind == "collective-permute"]
-    assert len(perms) == 2 * (context - 1) + 4 * (context - 1) + 2
+    assert len(perms) == 2 * (context - 1) + 2 * (context - 1) + 2 * (context - 2) + 2
     assert all(c.result_bytes == block for c in perms)
 
 
-def test_ring_forward_collective_permutes():
-    """Forward alone: exactly (C - 1) hops of the K and V blocks, at C = 4."""
-    q, k, v, do = inputs(16)
-    text = ring_program(4, True, grads=False).lower(q, k, v, do).compile().as_text()
-    perms = [c for c in hlo.collectives(text) if c.kind == "collective-permute"]
-    assert [c.result_bytes for c in perms] == [k.size // 4 * 4] * (2 * 3)
+def first_hops(hlo_text) -> set:
+    """The collective-permute-starts of a scheduled module (`as_text()`) that send this rank's own K/V block:
+    each operand is a parameter, or an elementwise fusion of one of the same type (the backward's tie to
+    the cotangent), not a block received from another rank or a computed gradient. In a ring's forward +
+    backward program: the first hop of each pass."""
+    out = set()
+    for comp in parse(hlo_text).comps.values():
+        ins = {i.name: i for i in comp}
+        args = {n: re.findall(r"%([\w.\-]+)", (re.search(re.escape(i.opcode) + r"\(([^)]*)\)", i.line) or [""])[0])
+                for n, i in ins.items()}
+
+        def own(n):
+            i = ins.get(n)
+            if i is None or i.opcode == "parameter":
+                return i is not None
+            if i.opcode in ("bitcast", "copy", "get-tuple-element", "tuple", "opt-barrier"):
+                return all(map(own, args[n]))
+            return i.opcode == "fusion" and any(ins[a].opcode == "parameter" and array_types(ins[a].shape) ==
+                                                 array_types(i.shape) for a in args[n] if a in ins)
+        out |= {n for n, i in ins.items() if i.opcode == "collective-permute-start" and args[n] and all(map(own, args[n]))}
+    return out
+
+
+def test_the_ring_hides_every_hop_but_the_first_on_an_h100_target():
+    """Ring attention's forward and backward (bf16, llama-8b's 32 query and 8 K/V heads of 128, 16,384 tokens
+    over C = 4) compiled for H100s without one, with jfsdp's GPU flags for C > 1: in XLA:GPU's schedule
+    (`hlo.overlap`, the planner's reader) every collective-permute but the first hop of each pass (K and V,
+    bf16, sent from this rank's own block) is in flight while attention computes (its blockwise loops). The
+    cotangent is computed from the output, as a layer's is. Before the ring was pinned (and with one
+    collective in flight, XLA's default) 2 to 9 ops beyond the first hops were exposed."""
+    from jfsdp.planning import targets
+    from models.factory import context_kernel
+    c, t = 4, 16384
+    mesh = Mesh(np.array(targets.devices("h100", (1, c))), ("context",))
+    ring = jax.shard_map(functools.partial(ring_attention, kernel=context_kernel(block=512)), mesh=mesh,
+                         in_specs=(P(None, "context"),) * 3, out_specs=P(None, "context"), check_vma=False)
+
+    def grads(q, k, v, do):
+        o, vjp = jax.vjp(ring, q, k, v)
+        return vjp(o * do)
+    sh = jax.sharding.NamedSharding(mesh, P(None, "context"))
+    q, kv = (jax.ShapeDtypeStruct((1, t, h, 128), jax.numpy.bfloat16, sharding=sh) for h in (32, 8))
+    with targets.tracing_for("h100"):
+        text = jax.jit(grads).lower(q, kv, kv, q).compile(compiler_options=targets.compiler_options(context=True)).as_text()
+    perms = [o for o in hlo.overlap(text, c) if o.collective.kind == "collective-permute"]
+    first, block = first_hops(text), t // c * 8 * 128 * 2
+    # all of the ring: K and V 4(C - 1) blocks, dK and dV (fp32) 2(C - 2) + 2; the first hops: K and V twice
+    assert sum(o.collective.result_bytes for o in perms) == (4 * (c - 1) + 2 * (2 * (c - 2) + 2)) * block
+    assert sum(o.collective.result_bytes for o in perms if o.collective.name in first) == 4 * block
+    assert all(o.hidden for o in perms if o.collective.name not in first), hlo.render_overlap(perms)
 
 
 def _unmasked_pairs(order, context):
@@ -147,7 +194,10 @@ def test_training_on_1x2_context_2_equals_the_single_device_trainer(tmp_path):
     loader's part, the zigzag permutation of inputs and targets, is applied here once per batch (without
     it the losses are 2e-3 off and the parameters 0.2). After step 1 the state goes through checkpoints
     saved under C = 2 and C = 1 (round_trip), and steps 2 and 3 run from what was read back, each with 2
-    gradient-accumulation micro-batches of 4 rows a device (of 8), reduced once (grad_sync 'once')."""
+    gradient-accumulation micro-batches of 4 rows a device (of 8), reduced once (grad_sync 'once').
+    Step 1 runs the prefetch pipeline (prefetch=True: each unit's gather in flight while the previous unit
+    computes, its attention the ring); steps 2 and 3 the pipeline's one-unit-at-a-time passes (prefetch off,
+    the CPU default), which grad_sync 'once' uses."""
     from models import factory
     from tests import reference as ref
     from tests.test_equivalence import get_case
@@ -158,12 +208,16 @@ def test_training_on_1x2_context_2_equals_the_single_device_trainer(tmp_path):
     plan = jfsdp.fully_shard(model, mesh, jax.ShapeDtypeStruct(batch.shape, batch.dtype),
                              context_attention=factory.context_kernel(block=4))
     assert plan.layouts["units"]["attention"]["wq"]["kernel"].gather_axes == ("fsdp", "context")
+    ahead = jfsdp.fully_shard(model, mesh, jax.ShapeDtypeStruct(batch.shape, batch.dtype), prefetch=True,
+                              context_attention=factory.context_kernel(block=4))
+    assert ahead.prefetch and not plan.prefetch
     opt = jfsdp.adamw(ref.LR, b1=ref.B1, b2=ref.B2, eps=ref.EPS, weight_decay=ref.WD, clip_norm=ref.CLIP,
                       mask=plan.decay_mask())
-    # step 1 plain, steps 2 and 3 with 2 gradient-accumulation micro-batches reduced once ('every' runs the
-    # plain step's program per micro-batch: a train.py run in docs/context-parallel.md, not a compile here)
+    # step 1 with the prefetch pipeline, steps 2 and 3 with 2 gradient-accumulation micro-batches reduced once
+    # ('every' runs the plain step's program per micro-batch: a train.py run in docs/context-parallel.md, not a
+    # compile here); the plain scan at C > 1: test_train_cli's resume under --context 2
     accumulating = jfsdp.make_train_step(plan, opt, loss_fn, grad_accum=2, grad_sync="once")
-    steps = [jfsdp.make_train_step(plan, opt, loss_fn), accumulating, accumulating]
+    steps = [jfsdp.make_train_step(ahead, opt, loss_fn), accumulating, accumulating]
     state = jfsdp.init_state(plan, opt, params=plan.shard(case["init"]))
     losses = []
     for step, b in zip(steps, case["batches"], strict=True):
@@ -210,8 +264,7 @@ def test_what_context_parallelism_refuses():
     model, _, loss_fn = factory.language_model(cfg, "plain")
     tok = jax.ShapeDtypeStruct((2, 16), np.int32)
     refused = {"needs context_attention=": dict(),
-               "strategy no_shard is not supported with context": dict(strategy="no_shard", context_attention=kernel),
-               "the prefetch pipeline is not supported with context": dict(prefetch=True, context_attention=kernel)}
+               "strategy no_shard is not supported with context": dict(strategy="no_shard", context_attention=kernel)}
     for message, kw in refused.items():
         with pytest.raises(ConfigError, match=message):
             jfsdp.fully_shard(model, mesh, tok, **kw)

@@ -126,6 +126,9 @@ def test_gpu_flags_are_overridable(monkeypatch):
     overlap = "--xla_gpu_experimental_parallel_collective_overlap_limit=2"
     assert overlap in xla_flags.gpu_xla_flags("", async_tp=True) and overlap not in flags
     assert targets.compiler_options(async_tp=True)["xla_gpu_experimental_parallel_collective_overlap_limit"] == 2
+    # context parallelism's ring: four (the next hop's K and V beside the previous hop's dK and dV)
+    assert targets.compiler_options(prefetch=True, context=True)["xla_gpu_experimental_parallel_collective_overlap_limit"] == 4
+    assert "--xla_gpu_experimental_parallel_collective_overlap_limit=4" in xla_flags.gpu_xla_flags("", context=True)
 
 
 def test_throughput_sets_the_flags_train_py_sets(monkeypatch, capsys):

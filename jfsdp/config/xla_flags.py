@@ -3,7 +3,7 @@ its backend (XLA reads XLA_FLAGS once, then), which is why the command lines set
 
 - CPU (`CPU_FLAGS`, `cpu_xla_flags`, `run_hazard`): the planner and the memory benchmarks, which compile
   for XLA:CPU devices without running; train.py runs under XLA:CPU's defaults.
-- GPU (`GPU_FLAGS`, `PREFETCH_GPU_FLAGS`, `flags_for`, `gpu_xla_flags`): a process on real GPUs sets
+- GPU (`GPU_FLAGS`, `PREFETCH_GPU_FLAGS`, `CONTEXT_GPU_FLAGS`, `flags_for`, `gpu_xla_flags`): a process on real GPUs sets
   them in XLA_FLAGS; compile-only targets pass them per compilation (`jfsdp.planning.targets`).
 A flag the user already gave in XLA_FLAGS always wins.
 """
@@ -128,14 +128,31 @@ ASYNC_TP_GPU_FLAGS = {
 }
 
 
-def flags_for(prefetch: bool = False, async_tp: bool = False) -> dict:
-    """The XLA:GPU flags jfsdp wants for a plan with (True) or without its prefetch pipeline, and with
-    or without async TP."""
-    return {**(PREFETCH_GPU_FLAGS if prefetch else GPU_FLAGS), **(ASYNC_TP_GPU_FLAGS if async_tp else {})}
+# For a plan with context parallelism (C > 1), whose ring attention (jfsdp/engine/parallel/context.py) has,
+# while one block's attention computes, the next hop's K and V and the previous hop's dK and dV in flight:
+CONTEXT_GPU_FLAGS = {
+    # Four collectives in flight instead of one (two with the pipeline or async TP). With one, the ring's
+    # K and V sends of a hop run one after the other, and the second had no attention left to hide
+    # behind; with two, the backward's dK/dV sends took the slots of the next K/V. Ring attention at
+    # llama-8b's shape (32 query and 8 K/V heads of 128, bf16), compiled for H100s without one
+    # (2026-11-26, benchmarks/context_ring.py --h100): at C = 4, 65,536 tokens, 3 of 18 permutes exposed
+    # with four (the first hop of each pass), 5 with two, 11 with one. XLA combines sends of up to 30 MiB
+    # into one op, which hides the difference at smaller blocks. XLA marks the option experimental.
+    "xla_gpu_experimental_parallel_collective_overlap_limit": 4,
+}
 
 
-def gpu_xla_flags(existing: str | None = None, prefetch: bool = False, async_tp: bool = False) -> str:
+def flags_for(prefetch: bool = False, async_tp: bool = False, context: bool = False) -> dict:
+    """The XLA:GPU flags jfsdp wants for a plan with (True) or without its prefetch pipeline, with or
+    without async TP, and with or without context parallelism."""
+    return {**(PREFETCH_GPU_FLAGS if prefetch else GPU_FLAGS), **(ASYNC_TP_GPU_FLAGS if async_tp else {}),
+            **(CONTEXT_GPU_FLAGS if context else {})}
+
+
+def gpu_xla_flags(existing: str | None = None, prefetch: bool = False, async_tp: bool = False,
+                  context: bool = False) -> str:
     """XLA_FLAGS with jfsdp's GPU flags added (those already present win): for a process that runs
-    on real GPUs (train.py), to be set before jax initializes its backend. `prefetch`, `async_tp`:
-    whether the plan will run jfsdp's prefetch pipeline and async TP (`flags_for`)."""
-    return _added(existing, flags_for(prefetch, async_tp))
+    on real GPUs (train.py), to be set before jax initializes its backend. `prefetch`, `async_tp`,
+    `context`: whether the plan will run jfsdp's prefetch pipeline, async TP and a ring over C > 1
+    (`flags_for`)."""
+    return _added(existing, flags_for(prefetch, async_tp, context))

@@ -163,12 +163,13 @@ def devices(target: str, mesh, tensor: int = 1) -> list:
     return list(topology_devices(str(target).strip().lower(), r * s * tensor))
 
 
-def compiler_options(overrides: dict | None = None, prefetch: bool = False, async_tp: bool = False) -> dict:
-    """The XLA:GPU options jfsdp compiles with: `flags_for(prefetch, async_tp)`, minus any flag the user
-    set in XLA_FLAGS, plus `overrides` (a value of None drops a flag). Pass to
+def compiler_options(overrides: dict | None = None, prefetch: bool = False, async_tp: bool = False,
+                     context: bool = False) -> dict:
+    """The XLA:GPU options jfsdp compiles with: `flags_for(prefetch, async_tp, context)`, minus any flag the
+    user set in XLA_FLAGS, plus `overrides` (a value of None drops a flag). Pass to
     `Lowered.compile(compiler_options=...)`."""
     env = flags_in_env()
-    opts = {k: v for k, v in flags_for(prefetch, async_tp).items() if k not in env}
+    opts = {k: v for k, v in flags_for(prefetch, async_tp, context).items() if k not in env}
     for k, v in (overrides or {}).items():
         if v is None:
             opts.pop(k, None)
@@ -216,5 +217,5 @@ def compile_step(target: str, plan, optimizer, loss_fn, batch, grad_accum: int =
     with tracing_for(target):
         return memory.compile_step(plan, optimizer, loss_fn, batch, grad_accum,
                                    compiler_options(overrides, getattr(plan, "prefetch", False) or update_in_backward,
-                                                    getattr(plan, "async_tp", False)),
+                                                    getattr(plan, "async_tp", False), getattr(plan, "context", 1) > 1),
                                    update_in_backward=update_in_backward, grad_sync=grad_sync, trainable=trainable)

@@ -5,9 +5,13 @@ passes its keys and values around the ring: at step s it attends to the K/V bloc
 `ppermute` of the next block is in flight (it depends on nothing computed at step s, so XLA may overlap
 it). The partial outputs are merged by their log-sum-exp (the online softmax of FlashAttention, one block
 per device), so no device ever holds the whole sequence's keys. Forward: C - 1 hops of the K and V blocks.
-Backward: K, V and their gradient accumulators travel together (C - 1 hops), and one last hop brings each
-dK, dV home; dQ stays local. Only this rank's block is saved for the backward pass, which receives the
-others again (a data dependency on the cotangent keeps XLA from reusing the forward's received blocks).
+Backward: C - 1 hops of K and V; the gradient of each block travels one hop behind it (C - 2 hops: the
+ranks after its owner add their shares), and one last hop brings each dK, dV home, while the diagonal
+block computes last; dQ stays local. Only this rank's block is saved for the backward pass, which receives
+the others again (a data dependency on the cotangent keeps XLA from reusing the forward's received blocks).
+Both passes are pinned as a pipeline by optimization barriers: block s computes after block s - 1, and the
+sends it overlaps are issued between the two, so that on GPUs every hop but each pass's first is in flight
+while a block's attention computes (jfsdp.config.xla_flags.CONTEXT_GPU_FLAGS lets four sends be in flight).
 
 Load balance ("zigzag"): with a causal mask, the rank holding the end of the sequence would do all the
 work. The sequence is cut into 2C chunks and rank r holds chunks r and 2C-1-r (jfsdp/config/sequence.py;
@@ -123,10 +127,16 @@ def _ring(kernel, zigzag, axis, q, k, v):
 def _ring_fwd(kernel, zigzag, axis, q, k, v):
     context, rank = lax.axis_size(axis), lax.axis_index(axis)
     send = _ring_send(axis, context)
-    acc = kernel.fwd(q, k, v, True)          # the diagonal block: causal within this rank's tokens
     kv = (k, v)
+    nxt = send(kv) if context > 1 else None   # hop 1 in flight while the diagonal block computes
+    acc = kernel.fwd(q, k, v, True)          # the diagonal block: causal within this rank's tokens
     for s in range(1, context):
-        kv = send(kv)                         # now the block of rank r - s
+        # pinned: block s computes once block s - 1 has and its K/V are here, and hop s + 1 is issued from
+        # there, so that it is in flight during block s (XLA's scheduler otherwise ran the diagonal last,
+        # after the hops, and their sends had nothing to hide behind)
+        kv, acc = lax.optimization_barrier((nxt, acc))   # now the block of rank r - s
+        if s + 1 < context:
+            nxt = send(kv)
         acc = _merge(acc, _hop_fwd(kernel, zigzag, q, *kv, (rank - s) % context < rank))
     o = acc[0].astype(q.dtype)
     return o, (q, k, v, o, acc[1])
@@ -135,18 +145,30 @@ def _ring_fwd(kernel, zigzag, axis, q, k, v):
 def _ring_bwd(kernel, zigzag, axis, res, do):
     q, k, v, o, lse = res
     context, rank = lax.axis_size(axis), lax.axis_index(axis)
+    if context == 1:
+        dq, dk, dv = kernel.bwd(q, k, v, o, lse, do, True)
+        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
     send = _ring_send(axis, context)
-    dq, dk, dv = kernel.bwd(q, k, v, o, lse, do, True)
     # the backward ring sends K and V again, after the cotangent exists: otherwise XLA merges its hops
     # with the forward's, and keeps all C - 1 blocks received in the forward pass alive until here
-    kv, dkv = tie((k, v), do.reshape(-1)[0]), (dk, dv)
+    nxt = send(tie((k, v), do.reshape(-1)[0]))   # hop 1: the pass's first, with nothing yet to hide behind
+    dq = dkv = None
     for s in range(1, context):
-        kv, dkv = send((kv, dkv))             # K, V of rank r - s with the gradients gathered for them so far
+        # pinned as in the forward: block s after block s - 1, and hop s + 1 issued between them (from K and
+        # V both received: else XLA combined hop 2's K with hop 1's V into one send, which then waited too)
+        kv, dq, dkv = lax.optimization_barrier((nxt, dq, dkv))   # K, V of rank r - s
+        if s + 1 < context:
+            nxt = send(kv)
+        # the gradient of block r - s from ranks r - s + 1 .. r - 1, in flight while this block computes
+        back = send(dkv) if s > 1 else None
         g = _hop_bwd(kernel, zigzag, q, *kv, o, lse, do, (rank - s) % context < rank)
-        dq, dkv = dq + g[0], (dkv[0] + g[1], dkv[1] + g[2])
-    if context > 1:
-        dkv = send(dkv)                       # the block of rank r + 1 goes home
-    return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)
+        dq = g[0] if dq is None else dq + g[0]
+        dkv = g[1:] if back is None else (back[0] + g[1], back[1] + g[2])
+    # the diagonal block last, while the gradients of rank r + 1's block go home
+    (q, k, v, o, lse, do), dq, dkv = lax.optimization_barrier(((q, k, v, o, lse, do), dq, dkv))
+    home = send(dkv)
+    dqd, dkd, dvd = kernel.bwd(q, k, v, o, lse, do, True)
+    return (dq + dqd).astype(q.dtype), (home[0] + dkd).astype(k.dtype), (home[1] + dvd).astype(v.dtype)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -159,8 +181,8 @@ HOOKS = ("positions", "attend")
 
 
 def check(model, mesh, strategy, mp_policy, prefetch, moe, kernel):
-    """(`kernel`, fully_shard's context_attention; the prefetch option: off at C > 1, where the pipeline is
-    not supported yet, unless asked for); ConfigError for what C > 1 does not support yet."""
+    """(`kernel`, fully_shard's context_attention; the prefetch option, as given: the pipeline's units run
+    their attention as a ring like the plain scan's); ConfigError for what C > 1 does not support yet."""
     c = context_size(mesh)
     if c == 1:
         if kernel is not None:
@@ -172,11 +194,11 @@ def check(model, mesh, strategy, mp_policy, prefetch, moe, kernel):
                           "bwd): the per-block attention of the ring (models/factory.py's context_kernel for Llama)")
     for what, bad in (("a jfsdp.Staged model", not isinstance(model, Stacked)), ("tensor parallelism",
                       tensor_size(mesh) > 1), (f"strategy {strategy.value}", not strategy.sharded),
-                      ("the prefetch pipeline", bool(prefetch)), ("moe=", moe is not None),
+                      ("moe=", moe is not None),
                       ("float8", mp_policy.float8 is not None)):
         if bad:
             raise ConfigError(f"{what} {LATER}")
-    return kernel, False
+    return kernel, prefetch
 
 
 def placement(batch_spec, loss_axes, context: int):
