@@ -228,10 +228,10 @@ def switch(branches, hook):
     forward pass to the backward one. The taken branch runs its forward again in the backward pass."""
     @jax.custom_vjp
     def f(i, params, x):
-        # JAX may trace this (through `fwd`) after the flax interceptor context of the unit has closed, and
-        # with one branch lax.switch calls it in place instead of tracing it at once: re-enter the hook so
-        # that the variant's experts still run its mode (without it one bucket in 'ep' met the whole
-        # experts module with local shards).
+        # With one branch lax.switch calls it in place, and there the unit's interceptor did not reach the
+        # variant's experts call (seen: one 'ep' bucket met the whole experts module holding local shards;
+        # cause not traced further). Re-entering the hook makes one and several branches alike; where it is
+        # already active the second copy passes every call through (`current` / `in_experts`).
         with nn.intercept_methods(hook):
             return lax.switch(i, branches, params, x)
 
