@@ -1,18 +1,34 @@
-"""Adaptive MoE capacity (jfsdp/engine/moe_adaptive.py) against static capacities, on CPU fake devices.
+"""Adaptive MoE (jfsdp/engine/moe_adaptive.py) against every static (mode, chunks, capacity) choice, over a
+load trace that shifts from skewed to balanced.
 
-    python benchmarks/moe_adaptive.py --json benchmarks/results/moe_adaptive.json
+    python benchmarks/moe_adaptive.py --part cpu --json benchmarks/results/moe_adaptive.json
+    python benchmarks/moe_adaptive.py --part h100 --json benchmarks/results/moe_adaptive.json
 
-moe-test (1 dense + 2 MoE layers, 8 experts, top-2) as train.py runs it: mesh 2x4, 16 x 256 tokens, fp32,
-FULL_SHARD, fused loss, AdamW. Programs: a static capacity c for each bucket c (the model's capacity set
-to c, in the mode the adaptive plan gives c) and the adaptive program with all the buckets. For each:
-compile seconds and XLA's per-device memory (buffer assignment: temp, total); then on a load trace of
-two batches, one whose rows each repeat one token (every token of a sequence picks the same two
-experts: the load T) and one of random tokens with the embeddings scaled 10x (the router follows the
-token: a spread load), the median step time of 5 steps, the capacity run and the fraction of routed
-choices dropped (one forward pass with the same parameters).
+Each part replaces its own entry of the JSON file.
 
-XLA:CPU times on a shared 2-core VM are noisy and CPU collectives are synchronous: read the time
-column as "same order or not", the memory and drop columns as exact.
+cpu: moe-test (1 dense + 2 MoE layers, 8 experts, top-2) as train.py runs it, 8 fake CPU devices, mesh 2x4,
+  16 x 256 tokens, fp32, FULL_SHARD, remat none, fused loss, AdamW, embeddings scaled 10x (the router then
+  follows the token). The trace: in every row a share q of the tokens is one token of its own (q = 1: the
+  whole sequence on two experts, the load T), the rest random; q from 1 down to 0. Every static program
+  (the model's capacity set to c; gather, or ep with 1 or 2 chunks) runs every point: median step time
+  of 3 steps, the capacity run and the share of routed choices dropped (one forward pass). The adaptive
+  plan is calibrated by these XLA:CPU timings (moe_calibrate.timed; each static program's median over the
+  trace, as its time does not depend on the load): each bucket runs the fastest. Then it runs the trace.
+  (Chunks: 1 only; XLA:CPU's collectives are synchronous, so chunks overlap nothing here.)
+  XLA:CPU times on a shared 2-core VM are noisy and its collectives are synchronous: read the time
+  columns as "same order or not", the drop columns as exact.
+h100: mixtral-8x7b's layer shapes (dim 4096, 8 experts of 14336, top-2, 32 heads, 8 KV heads) with 8 of
+  its 32 layers, so that training on 1x8 fits an 80 GB H100 (all 32 layers hold 65 GiB of fp32 state and
+  Adam per device at S = 8, and XLA's scheduler then serializes everything), one 4,096-token sequence per
+  device, bf16, remat full, compiled for the H100 target (no GPU). Every static (mode, chunks, capacity)
+  program compiled once; its time per step modelled by moe_calibrate.modelled (compute at the dense
+  bf16 peak + the collectives XLA's schedule leaves exposed at NVLink's 450 GB/s). Those times are the
+  calibration. The trace is scripted: per routing group, expert e gets T*k*((1-a)/E + a*[e<2]/2) of the
+  choices, a from 1 (two experts take every token) to 0 (balanced); a static capacity c drops the
+  choices above c, the adaptive stage runs the smallest bucket that holds the largest load. The
+  adaptive program's time at a point is its taken branch's: checked by compiling that branch as its
+  own one-bucket adaptive program against the static program (same exposed bytes expected), and the
+  whole adaptive program compiled once for its memory.
 """
 from __future__ import annotations
 
@@ -39,88 +55,155 @@ import numpy as np  # noqa: E402
 import jfsdp  # noqa: E402
 import models  # noqa: E402
 import models.factory  # noqa: E402
-from jfsdp.planning import memory  # noqa: E402
+from jfsdp.planning import memory, moe_calibrate, targets  # noqa: E402
 from jfsdp.runtime import metrics as jm  # noqa: E402
 from models import moe  # noqa: E402
 
-MESH, ROWS, SEQ, STEPS = "2x4", 16, 256, 5
-BUCKETS = (64, 128, 256)
-MiB = 2**20
+MiB, GiB = 2**20, 2**30
+CPU = {"mesh": "2x4", "rows": 16, "seq": 256, "buckets": (64, 128, 256), "chunks": (1,), "steps": 3,
+       "q": (1.0, 0.75, 0.5, 0.25, 0.0)}
+H100 = {"mesh": "1x8", "rows": 8, "seq": 4096, "layers": 8, "buckets": (1024, 2048, 4096), "chunks": (1, 2, 4),
+        "a": (1.0, 0.75, 0.5, 0.25, 0.1, 0.0)}
 
 
-def batches(cfg):
+def forced_capacity(cfg, c, seq):
+    """The model with its static capacity set to c (ceil of the factor x T x k / E lands on c)."""
+    return dataclasses.replace(cfg, capacity_factor=(c - 0.5) * cfg.n_experts / (seq * cfg.top_k))
+
+
+def trace_batches(cfg, rows, seq, shares):
     rng = np.random.default_rng(0)
-    skew = np.repeat((np.arange(ROWS) * 7 % cfg.vocab_size)[:, None], SEQ + 1, axis=1)
-    spread = rng.integers(0, cfg.vocab_size, (ROWS, SEQ + 1))
-    return {name: {"inputs": jnp.asarray(t[:, :-1], jnp.int32), "targets": jnp.asarray(t[:, 1:], jnp.int32)}
-            for name, t in (("skewed", skew), ("spread", spread))}
+    out = []
+    for q in shares:
+        tok = rng.integers(0, cfg.vocab_size, (rows, seq + 1))
+        own = rng.random((rows, seq + 1)) < q
+        tok = np.where(own, (np.arange(rows) * 7 % cfg.vocab_size)[:, None], tok)
+        out.append({"inputs": jnp.asarray(tok[:, :-1], jnp.int32), "targets": jnp.asarray(tok[:, 1:], jnp.int32)})
+    return out
 
 
-def program(cfg, mesh, mode, buckets=None):
-    module, option, loss_fn = models.factory.language_model(cfg, "fused", mode, "auto", buckets=buckets)
-    plan = jfsdp.fully_shard(module, mesh, jax.ShapeDtypeStruct((ROWS, SEQ), jnp.int32), moe=option)
-    return plan, loss_fn
+def cpu_part():
+    p = CPU
+    cfg = models.get_config("moe-test")
+    mesh = jfsdp.make_mesh(p["mesh"], jax.devices()[:8])
+    opt = jfsdp.adamw(1e-3)
+    x = jax.ShapeDtypeStruct((p["rows"], p["seq"]), jnp.int32)
+    data = trace_batches(cfg, p["rows"], p["seq"], p["q"])
+
+    def build(c, option):
+        module, _, loss_fn = models.factory.language_model(c, "fused", "auto")
+        return jfsdp.fully_shard(module, mesh, x, moe=option), loss_fn
+
+    module, base, loss_fn = models.factory.language_model(cfg, "fused", "adaptive", buckets=p["buckets"])
+    adaptive = jfsdp.fully_shard(module, mesh, x, moe=base)
+    params = jax.device_get(adaptive.gather(adaptive.init(jax.random.key(0))))
+    emb = params["root"]["lm"]["tok_embeddings"]
+    emb["embedding"] = emb["embedding"] * 10
+    fns = {"capacity": moe.capacity_used, "dropped": moe.dropped_fraction}
+
+    def run_trace(plan, lf):
+        t = time.perf_counter()
+        compiled = memory.compile_step(plan, opt, lf, {"inputs": x, "targets": x})
+        row = {"compile_s": round(time.perf_counter() - t, 1), "total_mib": memory.measure(compiled)["total"] / MiB}
+        step, fwd = jfsdp.make_train_step(plan, opt, lf), jax.jit(jm.forward_metrics(plan, fns))
+        row["trace"] = []
+        for b in data:
+            b = plan.put_batch(b)
+            got = {k: float(v) for k, v in fwd(plan.shard(params), b).items()}
+            s, _ = moe_calibrate.timed(step, jfsdp.init_state(plan, opt, params=params), b, p["steps"])
+            row["trace"].append({"step_s": s, **got})
+        return row
+
+    statics, calib = [], []
+    for c, mode, k in moe_calibrate.candidates(adaptive, chunks=p["chunks"]):
+        plan, lf = build(forced_capacity(cfg, c, p["seq"]), jfsdp.MoE(mode=mode, chunks=k))
+        statics.append({"program": f"static {mode} k={k} c={c}", "capacity": c, "mode": mode, "chunks": k,
+                        **run_trace(plan, lf)})
+        print(statics[-1], flush=True)
+        # calibration: the static program's XLA:CPU step time (median over the trace; the time of a static
+        # program does not depend on the load)
+        calib.append({"capacity": c, "mode": mode, "chunks": k,
+                      "seconds": statistics.median(t["step_s"] for t in statics[-1]["trace"])})
+    option = dataclasses.replace(base, calibration=moe_calibrate.table(calib))
+    plan = jfsdp.fully_shard(module, mesh, x, moe=option)
+    variants = [dataclasses.asdict(v) for v in plan.moe_stages[-1].variants]
+    row = {"program": f"adaptive {p['buckets']}", **run_trace(plan, loss_fn)}
+    return {"device": f"CPU, {os.cpu_count()}-core {platform.machine()}, 8 fake XLA devices", "model": "moe-test",
+            **p, "calibration": calib, "variants": variants, "static": statics, "adaptive": row}
 
 
-def run(name, plan, loss_fn, params, data, opt):
-    x = jax.ShapeDtypeStruct((ROWS, SEQ), jnp.int32)
-    t = time.perf_counter()
-    compiled = memory.compile_step(plan, opt, loss_fn, {"inputs": x, "targets": x})
-    compile_s = time.perf_counter() - t
-    mem = memory.measure(compiled)
-    step = jfsdp.make_train_step(plan, opt, loss_fn)
-    fwd = jax.jit(jm.forward_metrics(plan, {"capacity": moe.capacity_used, "dropped": moe.dropped_fraction}))
-    row = {"program": name, "compile_s": round(compile_s, 2), "temp_mib": mem["temp"] / MiB, "total_mib": mem["total"] / MiB,
-           "trace": {}}
-    for bname, b in data.items():
-        b = plan.put_batch(b)
-        got = {k: float(v) for k, v in fwd(plan.shard(params), b).items()}
-        state = jfsdp.init_state(plan, opt, params=params)
-        state, m = step(state, b)
-        jax.block_until_ready(m)
-        times = []
-        for _ in range(STEPS):
+def h100_flops(cfg, c, seq):
+    """Matmul FLOPs per device per step, remat full (forward, recompute, backward = 4 forwards in the
+    layers; the head 3): projections and router per token, causal attention scores 2*T*d per token, and
+    the experts on all E*c slots of the sequence, empty or not (what a capacity c computes)."""
+    d, L = cfg.dim, cfg.n_layers
+    kv = cfg.n_kv_heads * (d // cfg.n_heads)
+    per_token = 2 * (2 * d * d + 2 * d * kv + d * cfg.n_experts) + 2 * seq * d
+    experts = 2 * 3 * d * cfg.expert_dim * cfg.n_experts * c
+    return 4 * L * (per_token * seq + experts) + 6 * d * cfg.vocab_size * seq
+
+
+def h100_part():
+    p = H100
+    cfg = dataclasses.replace(models.get_config("mixtral-8x7b"), n_layers=p["layers"], attention="cudnn")
+    mesh = jfsdp.make_mesh(p["mesh"], targets.devices("h100", p["mesh"]))
+    x = jax.ShapeDtypeStruct((p["rows"], p["seq"]), jnp.int32)
+    opt, bf16 = jfsdp.adamw(1e-4), jfsdp.MixedPrecision.parse("bf16")
+
+    def compile_one(c, option):
+        module, _, lf = models.factory.language_model(c, "fused", "auto", backend="gpu")
+        with targets.tracing_for("h100"):
+            plan = jfsdp.fully_shard(module, mesh, x, remat="full", mp_policy=bf16, moe=option)
             t = time.perf_counter()
-            state, m = step(state, b)
-            jax.block_until_ready(m)
-            times.append(time.perf_counter() - t)
-        row["trace"][bname] = {"step_s": statistics.median(times), **got}
-    return row
+            compiled = targets.compile_step("h100", plan, opt, lf, {"inputs": x, "targets": x})
+        return plan, compiled, round(time.perf_counter() - t, 1)
+
+    module, base, lf = models.factory.language_model(cfg, "fused", "adaptive", backend="gpu", buckets=p["buckets"])
+    with targets.tracing_for("h100"):
+        plan = jfsdp.fully_shard(module, mesh, x, remat="full", mp_policy=bf16, moe=base)
+    statics = []
+    for c, mode, k in moe_calibrate.candidates(plan, chunks=p["chunks"]):
+        _, compiled, cs = compile_one(forced_capacity(cfg, c, p["seq"]), jfsdp.MoE(mode=mode, chunks=k, backend="gpu"))
+        statics.append({"capacity": c, "mode": mode, "chunks": k, "compile_s": cs,
+                        "total_gib": memory.measure(compiled)["total"] / GiB,
+                        **moe_calibrate.modelled(compiled, 8, h100_flops(cfg, c, p["seq"]), "h100")})
+        print({k: v for k, v in statics[-1].items() if k not in ("exposed_bytes", "hidden_bytes")}, flush=True)
+    option = dataclasses.replace(base, calibration=moe_calibrate.table(statics))
+    aplan, compiled, cs = compile_one(cfg, option)
+    variants = [dataclasses.asdict(v) for v in aplan.moe_stages[-1].variants]
+    whole = {"compile_s": cs, "total_gib": memory.measure(compiled)["total"] / GiB}
+    mid = variants[len(variants) // 2]   # the branch as its own program, against the static one
+    _, compiled, cs = compile_one(cfg, moe_calibrate.forced(base, mid["capacity"], mid["mode"], mid["chunks"]))
+    branch = {"capacity": mid["capacity"], "mode": mid["mode"], "chunks": mid["chunks"], "compile_s": cs,
+              "total_gib": memory.measure(compiled)["total"] / GiB,
+              **moe_calibrate.modelled(compiled, 8, h100_flops(cfg, mid["capacity"], p["seq"]), "h100")}
+    E, k, T = cfg.n_experts, cfg.top_k, p["seq"]
+    trace = []
+    for a in p["a"]:
+        load = T * k * ((1 - a) / E + a * (np.arange(E) < 2) / 2)
+        pick = next((v for v in variants if v["capacity"] >= load.max()), variants[-1])
+        trace.append({"a": a, "max_load": float(load.max()), "adaptive": {
+            "capacity": pick["capacity"], "mode": pick["mode"], "chunks": pick["chunks"], "seconds": pick["seconds"],
+            "dropped": float(np.maximum(load - pick["capacity"], 0).sum() / (T * k))},
+            "static_dropped": {f"{s['mode']} k={s['chunks']} c={s['capacity']}":
+                               float(np.maximum(load - s["capacity"], 0).sum() / (T * k)) for s in statics}})
+    return {"device": "H100 SXM 80GB compile-only target (XLA:GPU, no GPU), 8 devices", "model":
+            f"mixtral-8x7b shapes, {p['layers']} of 32 layers", **p, "static": statics, "variants": variants,
+            "adaptive_program": whole, "branch_program": branch, "trace": trace}
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", required=True)
+    ap.add_argument("--part", choices=("cpu", "h100"), required=True)
     a = ap.parse_args()
-    cfg = models.get_config("moe-test")
-    mesh = jfsdp.make_mesh(MESH, jax.devices()[:8])
-    opt = jfsdp.adamw(1e-3)
-    data = batches(cfg)
-    adaptive, loss_fn = program(cfg, mesh, "adaptive", BUCKETS)
-    params = jax.device_get(adaptive.gather(adaptive.init(jax.random.key(0))))
-    emb = params["root"]["lm"]["tok_embeddings"]
-    emb["embedding"] = emb["embedding"] * 10
-    variants = adaptive.moe_stages[-1].variants
-    rows = []
-    for v in variants:   # the model's capacity forced to c: capacity_factor (c - 1/2) E / (T k), ceil -> c
-        static = dataclasses.replace(cfg, capacity_factor=(v.capacity - 0.5) * cfg.n_experts / (SEQ * cfg.top_k))
-        plan, lf = program(static, mesh, v.mode)
-        rows.append(run(f"static c={v.capacity} ({v.mode})", plan, lf, params, data, opt))
-        print(rows[-1], flush=True)
-    rows.append(run(f"adaptive {BUCKETS}", adaptive, loss_fn, params, data, opt))
-    print(rows[-1], flush=True)
-    out = {"command": "python benchmarks/moe_adaptive.py --json " + a.json,
-           "device": f"CPU, {os.cpu_count()}-core {platform.machine()}, {jax.device_count()} fake XLA devices",
-           "date": datetime.date.today().isoformat(), "jax": jax.__version__, "model": "moe-test", "mesh": MESH,
-           "batch": [ROWS, SEQ], "buckets": BUCKETS, "variants": [dataclasses.asdict(v) for v in variants],
-           "rows": rows}
-    print(f"{'program':28s} {'compile s':>9s} {'temp MiB':>9s} {'total MiB':>9s} | " +
-          " | ".join(f"{b}: step s, capacity, dropped" for b in data))
-    for r in rows:
-        print(f"{r['program']:28s} {r['compile_s']:9.1f} {r['temp_mib']:9.2f} {r['total_mib']:9.2f} | " +
-              " | ".join(f"{t['step_s']:.3f} {t['capacity']:.0f} {t['dropped']:.3f}" for t in r["trace"].values()))
+    out = json.load(open(a.json)) if os.path.exists(a.json) else {}
+    out = {k: v for k, v in out.items() if k in ("cpu", "h100")}
+    out[a.part] = {**(cpu_part() if a.part == "cpu" else h100_part()), "date": datetime.date.today().isoformat(),
+                   "jax": jax.__version__, "command": f"python benchmarks/moe_adaptive.py --part {a.part} --json {a.json}"}
     with open(a.json, "w") as f:
         json.dump(out, f, indent=1, default=str)
+    print(json.dumps(out[a.part], indent=1, default=str)[:4000])
 
 
 if __name__ == "__main__":

@@ -18,8 +18,9 @@ from results_source import ROOT, table
 from results_any_model import NAME as ANY_MODEL, any_model_page
 from results_gspmd import gspmd_page
 from results_tensor import FP8, ROWS, tensor_page
+from results_moe import moe_adaptive_page
 from results_tables import (PLANS, checkpoint_page, fsdp2_first_run_page, fsdp2_in_backward_page, fsdp2_memory_page,
-                            gpu_target_page, memory_page, moe_adaptive_page, moe_page, plans_page,
+                            gpu_target_page, memory_page, moe_page, plans_page,
                             throughput_page)
 
 PAGES = {   # page -> (title for the index, builder, the JSON files it reads)
@@ -40,7 +41,7 @@ PAGES = {   # page -> (title for the index, builder, the JSON files it reads)
                        "throughput_update_in_backward_noclip_cpu.json"]),
     "checkpoint.md": ("checkpoint save and restore times, size on disk", checkpoint_page, ["checkpoint.json"]),
     "moe.md": ("MoE: gather against ep on CPU; exposed all-to-all by chunk count on H100", moe_page, ["moe.json"]),
-    "moe-adaptive.md": ("MoE: adaptive capacity against static capacities on CPU (memory, step time, drops)",
+    "moe-adaptive.md": ("MoE: adaptive against every static (mode, chunks, capacity) over a load trace, CPU and H100 target",
                         moe_adaptive_page, ["moe_adaptive.json"]),
     "tensor-parallel.md": ("tensor parallelism with FSDP on an H100 target: llama-8b at T = 1, 2, 4; Llama 3.1 70B "
                            "at FSDP 32 x TP 8, bf16 and fp8, one-shot and async TP", tensor_page, [*ROWS, *FP8]),

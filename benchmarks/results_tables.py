@@ -293,20 +293,3 @@ def plans_page() -> list[str]:
                 f"`{options}`. Fits in {d['device_memory'] / GIB:.2f} GiB: {'yes' if d['fits'] else 'no'}; largest "
                 f"global batch that fits: {d['largest_global_batch']}.", "", "```", d["overlap_table"].rstrip(), "```", ""]
     return out
-
-
-def moe_adaptive_page() -> list[str]:
-    d = load("moe_adaptive.json")
-    out = ["# Adaptive MoE capacity against static capacities", ""] + source("moe_adaptive.json", d)
-    out += [f"{d['model']}, mesh {d['mesh']}, {d['batch'][0]} x {d['batch'][1]} tokens, fp32, FULL_SHARD, remat none, "
-            "fused loss, AdamW. A static program per bucket (the model's capacity set to it, in the mode the adaptive "
-            "plan gives it) and the adaptive program with every bucket (one `lax.switch` per MoE layer call). "
-            "\"skewed\": every row repeats one token (the load is T); \"spread\": random tokens, embeddings scaled "
-            "10x. Step time: median of 5 steps on XLA:CPU (a shared VM: noisy); capacity and dropped share from "
-            "one forward pass; memory: XLA's per-device buffer assignment.", ""]
-    names = list(d["rows"][0]["trace"])
-    rows = [[r["program"], g(r["compile_s"], 1), g(r["temp_mib"]), g(r["total_mib"])]
-            + [f"{g(r['trace'][n]['step_s'], 3)} / {r['trace'][n]['capacity']:.0f} / {g(r['trace'][n]['dropped'], 3)}"
-               for n in names] for r in d["rows"]]
-    return out + table(["program", "compile s", "temp MiB", "total MiB"]
-                       + [f"{n}: step s / capacity / dropped" for n in names], rows, "lrrr" + "r" * len(names))

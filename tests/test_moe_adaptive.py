@@ -15,6 +15,8 @@ import pytest
 import jfsdp
 import models
 import models.factory
+from jfsdp.engine import moe_adaptive
+from jfsdp.planning import moe_calibrate
 from jfsdp.runtime import metrics as jm
 from jfsdp.train.step import state_shardings
 from models import moe
@@ -75,23 +77,23 @@ def init_params(batch, cfg=CFG):
     return params
 
 
-# 1x8 'auto' runs both modes (ep at capacity 9, gather at 12); 2x4 runs in test_capacity_follows_the_load
-# (gather). A 2x4 'ep' training case was here too (6-11 s): taken out for the suite's time, as the mixed
-# case already crosses both modes' branches.
-@pytest.mark.parametrize("mesh_spec,run", [("1x8", "auto")])
-def test_adaptive_training_matches_plain_moe(mesh_spec, run):
-    """3 AdamW steps (random, one-token-per-row, random batches: the load and with it the bucket change,
+# 1x8 'auto' runs both modes (ep at capacity 9, gather at 12) over 3 steps; 2x4 ('ep' in every bucket) and
+# 8x1 (S = 1: the load's maximum is taken over `data` alone) over the first 2 (the bucket changes 9 -> 12),
+# for the suite's time.
+@pytest.mark.parametrize("mesh_spec,run,steps", [("1x8", "auto", 3), ("2x4", "ep", 2), ("8x1", "auto", 2)])
+def test_adaptive_training_matches_plain_moe(mesh_spec, run, steps):
+    """AdamW steps (random, one-token-per-row, random batches: the load and with it the bucket change,
     9, 12, 9 as test_capacity_follows_the_load shows): losses within 1e-5 relative at every step,
     first-step gradients within 1e-5 of each leaf's largest, of the single-device MoE that drops nothing.
     1x8 'auto': the cost model mixes the modes (ep at 9, gather at 12), so the mode switches with the
     bucket. The state's shardings equal those of the static gather and ep plans: every variant reads
     the one layout."""
-    cfg = MIXED if run == "auto" else CFG
-    data = batches(16, 12, [0, None, 1])
+    cfg = MIXED if mesh_spec == "1x8" else CFG
+    data = batches(16, 12, [0, None, 1][:steps])
     params = init_params(data[0], cfg)
     want_losses, _, want_grads = mref.train(cfg, params, data)
     plan = plan_for(mesh_spec, 16, 12, cfg, mode="adaptive", run=run, buckets=(9, 12))
-    modes = ["ep", "gather"] if run == "auto" else [run] * 2
+    modes = {"1x8": ["ep", "gather"], "8x1": ["gather"] * 2}.get(mesh_spec, [run] * 2)
     assert [(v.capacity, v.mode) for v in plan.moe_stages[0].variants] == list(zip((9, 12), modes))
     adamw = jfsdp.adamw(ref.LR, b1=ref.B1, b2=ref.B2, eps=ref.EPS, weight_decay=ref.WD, clip_norm=ref.CLIP)
     opt = optax.chain(ref.keep_gradients(), adamw)
@@ -132,6 +134,11 @@ def test_capacity_follows_the_load_without_recompiling():
     plain = jax.jit(lambda b: mref.loss(CFG, params, b))
     for g, b in zip(got, data):
         assert g["loss"] == pytest.approx(float(plain(b)), rel=1e-5)
+    # one bucket: lax.switch calls its one branch in place (traced outside the unit's interceptor: the
+    # variant's ep experts were once met by the whole experts module holding local shards)
+    one = plan_for("2x4", rows, seq, mode="adaptive", run="ep", buckets=(12,))
+    got = jax.jit(jm.forward_metrics(one, fns))(one.shard(params), one.put_batch(data[1]))
+    assert float(got["capacity"]) == 12 and float(got["loss"]) == pytest.approx(float(plain(data[1])), rel=1e-5)
     static = dataclasses.replace(CFG, capacity_factor=1.25)
     root, stages = moe.parts(static)
     out = jax.jit(lambda p, x: ref.forward_staged(root, [u for u, _ in stages], p, x))(params, data[1]["inputs"])
@@ -150,3 +157,22 @@ def test_bad_adaptive_options():
     assert [v.capacity for v in plan_for("1x8", *x, mode="adaptive", capacity_factor=1.25).moe_stages[0].variants] == [2, 3]
     with pytest.raises(jfsdp.ConfigError, match="apply to --moe adaptive"):
         models.factory.language_model(CFG, moe="ep", buckets="2,4")
+
+
+def test_calibration_picks_the_fastest_measured_variant():
+    """MoE(calibration={(capacity, mode, chunks): seconds}) (jfsdp/planning/moe_calibrate.py): each bucket runs
+    its fastest measured (mode, chunks), within what the option allows (`moe_adaptive.calibrated`); a
+    bucket without a measurement is a ConfigError. moe_calibrate.candidates lists what there is to measure."""
+    table = {(2, "gather", 1): 1.0, (2, "ep", 1): 2.0, (2, "ep", 2): 0.5, (4, "gather", 1): 1.0, (4, "ep", 1): 3.0}
+    plan = plan_for("1x8", 16, 8, mode="adaptive", buckets=(2, 4), calibration=table)
+    got = plan.moe_stages[0].variants
+    assert [(v.capacity, v.mode, v.chunks, v.seconds) for v in got] == [(2, "ep", 2, 0.5), (4, "gather", 1, 1.0)]
+    assert moe_calibrate.candidates(plan, chunks=(1, 2, 4, 8)) == [
+        (2, "gather", 1), (2, "ep", 1), (2, "ep", 2), (2, "ep", 4), (4, "gather", 1), (4, "ep", 1), (4, "ep", 2),
+        (4, "ep", 4), (4, "ep", 8)]   # 2 sequences per device: 4 and 8 slots
+    both = ("gather", "ep")
+    assert moe_adaptive.calibrated(table, 0, 2, both, 1, 4) == ("gather", 1, 1.0)   # chunks=1: ep k=2 not allowed
+    assert moe_adaptive.calibrated(table, 0, 2, both, "auto", 1) == ("gather", 1, 1.0)   # 1 slot: no 2 chunks
+    assert moe_adaptive.calibrated(table, 0, 4, ("ep",), "auto", 8) == ("ep", 1, 3.0)   # run='ep'
+    with pytest.raises(jfsdp.ConfigError, match="no measured gather/ep variant at capacity 8"):
+        moe_adaptive.calibrated(table, 0, 8, both, "auto", 16)

@@ -76,7 +76,9 @@ class MoE:
       ceil(T*k/E) doubled up to T.
     run: the mode of every bucket's variant, 'gather' or 'ep', or 'auto' (the cost model per bucket).
     capacity_factor: a cap: no bucket above ceil(capacity_factor * T * k / E) (None: no cap).
-    layer: the class name (or class) of the model's MoE layer (its `capacity` field and `load` method)."""
+    layer: the class name (or class) of the model's MoE layer (its `capacity` field and `load` method).
+    calibration: measured seconds per step {(capacity, mode, chunks): s} (moe_calibrate.py): each bucket then
+      runs its fastest measured (mode, chunks) instead of the byte model's mode (None: the byte model)."""
     mode: Any = "auto"
     chunks: Any = "auto"
     experts: Any = "Experts"
@@ -85,6 +87,7 @@ class MoE:
     run: Any = "auto"
     capacity_factor: Any = None
     layer: Any = "MoEFeedForward"
+    calibration: Any = None
 
     def matches(self, module, name=None) -> bool:
         e = self.experts if name is None else name
@@ -289,5 +292,6 @@ def describe(sharded) -> list:
         for v in getattr(s, "variants", ()):
             lines.append(f"  capacity {v.capacity}: {v.mode}" + (f", {v.chunks} chunk(s)" if v.mode == "ep" else "")
                          + f"; modelled gather {v.costs['gather'] / 2**20:.2f} MiB, all-to-all "
-                         f"{v.costs['ep'] / 2**20:.2f} MiB per step")
+                         f"{v.costs['ep'] / 2**20:.2f} MiB per step" + (f"; measured {v.seconds:.4g} s per step"
+                                                                         if v.seconds is not None else ""))
     return lines

@@ -58,6 +58,7 @@ class Variant:
     mode: str
     chunks: int
     costs: dict
+    seconds: float | None = None   # the measured step time behind the choice (MoE.calibration), if any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +125,11 @@ def resolve_stage(sharded, option, j, site, layouts, cost, chunks):
     for c in buckets_for(option, tokens, k, E):
         vsite = dataclasses.replace(site, buckets=(E, shape[0] * c, site.buckets[2]))   # local groups x capacity
         vc = costs(sharded, vsite, layouts, st.n_units, option.backend, recompute=True)
+        if option.calibration is not None:
+            modes = (option.run,) if option.run != "auto" else ("gather", "ep") if ep_ok else ("gather",)
+            mode, n, s = calibrated(option.calibration, j, c, modes, chunks, vsite.buckets[1])
+            variants.append(Variant(c, mode, n, vc, s))
+            continue
         mode = option.run if option.run != "auto" else ("ep" if ep_ok and vc["ep"] < vc["gather"] else "gather")
         if mode == "ep":
             n = auto_chunks(sharded, vsite, vc, option.backend) if chunks == "auto" else min(chunks, vsite.buckets[1])
@@ -136,6 +142,21 @@ def resolve_stage(sharded, option, j, site, layouts, cost, chunks):
            f"each call runs the smallest that holds the measured maximum load")
     return AdaptiveStage(site, "adaptive", max(v.chunks for v in variants), cost, why, tuple(layer.path), tokens, k,
                          tuple(variants))
+
+
+def calibrated(table, j: int, capacity: int, modes: tuple, chunks, slots: int) -> tuple:
+    """(mode, chunks, seconds): the fastest measured variant at `capacity` among `modes` (and the option's
+    `chunks` where it is not 'auto'; never more chunks than the slots per device). `table`:
+    {(capacity, mode, chunks): seconds per step}, what moe_calibrate.py measures."""
+    if not isinstance(table, dict):
+        raise ConfigError(f"moe calibration must be a dict {{(capacity, mode, chunks): seconds}}, got {type(table).__name__}")
+    ok = [(s, m, n) for (c, m, n), s in table.items() if c == capacity and m in modes and n <= slots
+          and (m == "gather" and n == 1 or m == "ep" and chunks in ("auto", n))]
+    if not ok:
+        raise ConfigError(f"stage {j}: the moe calibration has no measured {'/'.join(modes)} variant at capacity "
+                          f"{capacity} (measure every bucket: jfsdp/planning/moe_calibrate.py)")
+    s, m, n = min(ok, key=lambda o: (o[0], o[1] != "gather", o[2]))   # a tie: gather, then fewer chunks
+    return m, n, float(s)
 
 
 def place_params(unshard_fn, shards, layouts, stage: AdaptiveStage, comm):
@@ -207,7 +228,12 @@ def switch(branches, hook):
     forward pass to the backward one. The taken branch runs its forward again in the backward pass."""
     @jax.custom_vjp
     def f(i, params, x):
-        return lax.switch(i, branches, params, x)
+        # With one branch lax.switch calls it in place, and there the unit's interceptor did not reach the
+        # variant's experts call (seen: one 'ep' bucket met the whole experts module holding local shards;
+        # cause not traced further). Re-entering the hook makes one and several branches alike; where it is
+        # already active the second copy passes every call through (`current` / `in_experts`).
+        with nn.intercept_methods(hook):
+            return lax.switch(i, branches, params, x)
 
     def fwd(i, params, x):
         return f(i, params, x), (i, params, x)
