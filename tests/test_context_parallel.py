@@ -146,9 +146,10 @@ def test_training_on_1x2_context_2_equals_the_single_device_trainer(tmp_path):
     the single-device reference's losses (1e-5) and final parameters (the noise floor of
     tests/reference.py); the reference is test_equivalence's, computed once per worker. The data
     loader's part, the zigzag permutation of inputs and targets, is applied here once per batch (without
-    it the losses are 2e-3 off and the parameters 0.2). After step 1 the state goes through checkpoints
-    saved under C = 2 and C = 1 (round_trip), and steps 2 and 3 run from what was read back, each with 2
-    gradient-accumulation micro-batches of 4 rows a device (of 8), reduced once (grad_sync 'once')."""
+    it the losses are 2e-3 off and the parameters 0.2). Every step runs 2 gradient-accumulation micro-batches
+    of 4 rows a device (of 8), reduced once (grad_sync 'once'); after step 1 the state goes through checkpoints
+    saved under C = 2 and C = 1 (round_trip), and steps 2 and 3 run from what was read back. (The plain step
+    at C > 1 trains in test_training_on_the_issue_meshes_equals_the_single_device_trainer.)"""
     from models import factory
     from tests import reference as ref
     from tests.test_equivalence import get_case
@@ -161,10 +162,9 @@ def test_training_on_1x2_context_2_equals_the_single_device_trainer(tmp_path):
     assert plan.layouts["units"]["attention"]["wq"]["kernel"].gather_axes == ("fsdp", "context")
     opt = jfsdp.adamw(ref.LR, b1=ref.B1, b2=ref.B2, eps=ref.EPS, weight_decay=ref.WD, clip_norm=ref.CLIP,
                       mask=plan.decay_mask())
-    # step 1 plain, steps 2 and 3 with 2 gradient-accumulation micro-batches reduced once ('every' runs the
-    # plain step's program per micro-batch: a train.py run in docs/context-parallel.md, not a compile here)
-    accumulating = jfsdp.make_train_step(plan, opt, loss_fn, grad_accum=2, grad_sync="once")
-    steps = [jfsdp.make_train_step(plan, opt, loss_fn), accumulating, accumulating]
+    # 2 gradient-accumulation micro-batches reduced once ('every' runs the plain step's program per
+    # micro-batch: a train.py run in docs/context-parallel.md, not a compile here); one compile for 3 steps
+    steps = [jfsdp.make_train_step(plan, opt, loss_fn, grad_accum=2, grad_sync="once")] * 3
     state = jfsdp.init_state(plan, opt, params=plan.shard(case["init"]))
     losses = []
     for step, b in zip(steps, case["batches"], strict=True):
@@ -345,3 +345,26 @@ def test_the_data_loader_gives_zigzag_order():
         for k in a:
             assert (b[k] == zigzag(a[k], 2)).all() and (b[k] != a[k]).any()
         assert (b["targets"] == b["inputs"] + 1).all()
+
+
+def test_train_py_with_context_4_gives_the_losses_of_1x16(tmp_path, monkeypatch, capsys):
+    """Issue 34: `train.py --mesh 1x4 --context 4 --precision fp32` gives the losses of `--mesh 1x16` on the same
+    data (16 devices each; its loader gives the sequences in zigzag order, its ring runs the models' blockwise
+    attention). In process, llama-test, 16 sequences of 64 tokens, 3 steps: every step's loss within 1e-5
+    relative (without the zigzag the losses were 2e-3 off after 3 steps), no warm-up so that both updates
+    count. The issue's command at --seq-len 1024 is run by hand in docs/context-parallel.md."""
+    import json
+    import os
+    from jfsdp import cli
+    for k in ("XLA_FLAGS", "JAX_PLATFORMS"):   # cli.main's device set-up writes them (the 16 devices exist)
+        monkeypatch.setenv(k, os.environ.get(k, ""))
+    common = ["--model", "llama-test", "--precision", "fp32", "--batch-size", "16", "--seq-len", "64", "--steps", "3",
+              "--warmup", "0", "--log-every", "1", "--eval-every", "0", "--gen-tokens", "0", "--no-fit-check"]
+    losses = []
+    for mesh in (["--mesh", "1x16"], ["--mesh", "1x4", "--context", "4"]):
+        out = tmp_path / f"{mesh[1]}.jsonl"
+        code = cli.main([*mesh, *common, "--metrics-out", str(out)])
+        assert code == 0, capsys.readouterr().err
+        losses.append([r["loss"] for r in map(json.loads, out.read_text().splitlines()) if "loss" in r])
+    assert len(losses[0]) == 3, losses
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
