@@ -261,8 +261,7 @@ def check_context_flags(c: TrainConfig) -> None:
         mesh_spec(c.mesh, max(c.tensor, 1), c.context).check_seq_len(c.seq_len)
     except ConfigError as e:
         fail(str(e))
-    later = [flag for flag, on in [("--tensor > 1", c.tensor > 1),
-                                   (f"--precision {c.precision}", c.precision.startswith("fp8")),
+    later = [flag for flag, on in [(f"--precision {c.precision}", c.precision.startswith("fp8")),
                                    ("--strategy no_shard", c.strategy.strip().lower() == "no_shard"),
                                    ("--update-in-backward", c.update_in_backward),
                                    ("--init-from", bool(c.init_from)),

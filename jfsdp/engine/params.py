@@ -42,7 +42,7 @@ class ParamLayout:
         if tensor_size(self.mesh) > 1:   # tensor parallelism: the placement rule of parallel/layout.py
             names = [UNITS] if self._one else [f"{STAGES}/{j}" for j in range(len(stages))]
             root_l, stage_l = tp_layout.lay_out(self.tensor_plan, root, stages, names, self.shards,
-                                                tensor_size(self.mesh))
+                                                tensor_size(self.mesh), context_size(self.mesh))
             self.layouts = self.join(root_l, stage_l)
             self.param_specs = self.join(*tp_layout.specs(root_l, stage_l))
             self.param_shardings = jax.tree.map(lambda p: NamedSharding(self.mesh, p), self.param_specs)

@@ -7,6 +7,7 @@ gathers the root where it is used and runs each stage by the plain scan (fsdp.py
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Mapping
 from typing import Callable
@@ -66,7 +67,8 @@ class FSDP(ParamLayout):
         # parameters (DDP's peak held the weights twice).
         self.policy = checkpoint_policy(remat, strategy.reshard_after_forward or self.shards == 1)
         self.on_cpu = platform(self.mesh) == "cpu"
-        # the batch's rows over (data, fsdp); with T > 1 its sequence over `tensor` too (sequence parallelism)
+        # the batch's rows over (data, fsdp); its sequence over `tensor` at T > 1 (sequence parallelism) and
+        # `context` at C > 1
         self.batch_spec, self.loss_axes = cp.placement(P(AXES) if self.tensor == 1 else P(AXES, TENSOR_AXIS),
                                                        AXES if self.tensor == 1 else (*AXES, TENSOR_AXIS), self.context)
         self.batch_sharding = NamedSharding(self.mesh, self.batch_spec)
@@ -84,17 +86,16 @@ class FSDP(ParamLayout):
 
     def unit_apply(self, unit, extra=None):
         """(unit params, h) -> h: the unit's apply under its interceptors, the outermost first (support.chain): TP's
-        at T > 1, float8's where it has matmuls to take, then `extra` (expert parallelism's)."""
+        at T > 1, float8's where it has matmuls to take, then `extra` (expert parallelism's); at C > 1 with its
+        attention as a ring over `context` around them all (parallel/context.py: it takes other methods)."""
         hooks = ([self.tp_intercept] if self.tensor > 1 else []) + [float8.interceptor] * (self.tensor > 1 or
                                                                                          self.mp.float8 is not None)
-        if not hooks and extra is None:   # at C > 1 with its attention as a ring over `context` (parallel/context.py)
-            return cp.with_ring(lambda params, h: unit.apply({"params": params}, h), self.context_attention, self.context)
         hook = support.chain(hooks + ([extra] if extra is not None else []))
 
         def apply(params, h):
-            with nn.intercept_methods(hook):
+            with nn.intercept_methods(hook) if hooks or extra is not None else contextlib.nullcontext():
                 return unit.apply({"params": params}, h)
-        return apply
+        return cp.with_ring(apply, self.context_attention, self.context)
 
     # ---- the sharded forward: runs inside shard_map on local shards
     def _stage(self, j, h, shards, layouts, extra=None):

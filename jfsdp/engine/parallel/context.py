@@ -39,7 +39,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jfsdp.config.errors import ConfigError
-from jfsdp.config.mesh import CONTEXT_AXIS, context_size, tensor_size
+from jfsdp.config.mesh import CONTEXT_AXIS, TENSOR_AXIS, context_size
 from jfsdp.config.sequence import unzigzag, zigzag, zigzag_order  # noqa: F401 (the data loader's order, here too)
 from jfsdp.engine.layout import Stacked
 from jfsdp.engine.unit_call import tie
@@ -192,9 +192,8 @@ def check(model, mesh, strategy, mp_policy, prefetch, moe, kernel):
     if not isinstance(kernel, Kernel):
         raise ConfigError(f"a mesh with context {c} needs context_attention=jfsdp.engine.parallel.context.Kernel(fwd, "
                           "bwd): the per-block attention of the ring (models/factory.py's context_kernel for Llama)")
-    for what, bad in (("a jfsdp.Staged model", not isinstance(model, Stacked)), ("tensor parallelism",
-                      tensor_size(mesh) > 1), (f"strategy {strategy.value}", not strategy.sharded),
-                      ("moe=", moe is not None),
+    for what, bad in (("a jfsdp.Staged model", not isinstance(model, Stacked)),
+                      (f"strategy {strategy.value}", not strategy.sharded), ("moe=", moe is not None),
                       ("float8", mp_policy.float8 is not None)):
         if bad:
             raise ConfigError(f"{what} {LATER}")
@@ -203,25 +202,31 @@ def check(model, mesh, strategy, mp_policy, prefetch, moe, kernel):
 
 def placement(batch_spec, loss_axes, context: int):
     """(the batch's PartitionSpec, the axes the loss is averaged over): at C > 1 the sequence (dimension 1)
-    lies on `context`, in the zigzag order the data loader gave it (`zigzag`)."""
+    lies on `context`, in the zigzag order the data loader gave it (`zigzag`), and with sequence parallelism
+    (`batch_spec` puts it on `tensor`) further on `tensor` inside each context rank's share: context rank c,
+    tensor rank t holds the t-th of the T pieces of c's two zigzag chunks, so that the gather over `tensor`
+    before attention gives the context rank its tokens in their order."""
     if context == 1:
         return batch_spec, loss_axes
-    if len(batch_spec) > 1:
-        raise ConfigError(f"context parallelism with another axis on the sequence {LATER}")
-    return P(batch_spec[0], CONTEXT_AXIS), (*loss_axes, CONTEXT_AXIS)
+    if len(batch_spec) > 1 and batch_spec[1] != TENSOR_AXIS:
+        raise ConfigError(f"context parallelism with axis {batch_spec[1]!r} on the sequence {LATER}")
+    seq = (CONTEXT_AXIS, TENSOR_AXIS) if len(batch_spec) > 1 else CONTEXT_AXIS
+    return P(batch_spec[0], seq), (*loss_axes, CONTEXT_AXIS)
 
 
 def batch_rows(tree, n_devices: int, tensor: int, context: int) -> tuple:
     """(the devices a batch's rows lie on, the count its batch size must divide): R*S, and all N devices as
     before when C = 1 (tensor parallelism keeps its rule). At C > 1 a ConfigError unless every leaf's
-    sequence (dimension 1) is a multiple of 2C, the zigzag's chunks."""
+    sequence (dimension 1) is a multiple of 2C (2C*T with T > 1), the zigzag's chunks split over `tensor`."""
     rows = n_devices // (tensor * context)
     if context == 1:
         return rows, n_devices
     for x in jax.tree.leaves(tree):
-        if np.ndim(x) >= 2 and np.shape(x)[1] % (2 * context):
-            raise ConfigError(f"a batch's sequence of {np.shape(x)[1]} tokens does not split over context {context}: "
-                              f"context parallelism cuts it into 2*C = {2 * context} equal chunks")
+        if np.ndim(x) >= 2 and np.shape(x)[1] % (2 * context * tensor):
+            raise ConfigError(f"a batch's sequence of {np.shape(x)[1]} tokens does not split over context {context}"
+                              + (f" and tensor {tensor}" if tensor > 1 else "")
+                              + f": context parallelism cuts it into 2*C = {2 * context} equal chunks"
+                              + (f", each split over T = {tensor}" if tensor > 1 else ""))
     return rows, rows
 
 

@@ -1,14 +1,15 @@
-"""Where every parameter lies on a (data, fsdp, tensor) mesh: the placement rule.
+"""Where every parameter lies on a (data, fsdp[, context], tensor) mesh: the placement rule.
 
 The rule (shared/DESIGN.md, "More axes"): every parameter is sharded over, or has its gradient summed
 over, every axis but `data`, each axis exactly once.
 - A tensor-parallel leaf (colwise / rowwise, plan.py) puts its TP dimension on `tensor`: rank t keeps
-  slice t of it (a `TensorLayout`, whose `shape` is that slice), and FSDP shards the slice over `fsdp`.
-  Its gradient is whole on each tensor rank (the sequence was gathered before the matmul), so it is
-  reduce-scattered over `fsdp` alone.
-- Every other leaf (norm scales, biases, the embedding) is FSDP-sharded over (`fsdp`, `tensor`) together:
-  each tensor rank sees 1/T of the tokens, and the reduce-scatter over both axes is the one sum over
-  `tensor` its gradient needs.
+  slice t of it (a `TensorLayout`, whose `shape` is that slice), and FSDP shards the slice over `fsdp`
+  (and `context`, with context parallelism: each context rank holds other tokens, so the reduce-scatter
+  over it is the sum its gradient needs). Its gradient is whole on each tensor rank (the sequence was
+  gathered before the matmul), so it is reduce-scattered over `fsdp` (and `context`) alone.
+- Every other leaf (norm scales, biases, the embedding) is FSDP-sharded over (`fsdp`[, `context`],
+  `tensor`) together: each tensor rank sees 1/T of the tokens, and the reduce-scatter over all of them is
+  the one sum over `tensor` (and `context`) its gradient needs.
 `placement(kind)` is the one function that decides both, and `check_placement` refuses any placement
 that would shard or sum over an axis twice or not at all."""
 from __future__ import annotations
@@ -21,18 +22,25 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jfsdp.config.errors import ConfigError
-from jfsdp.config.mesh import DATA_AXIS, FSDP_AXIS, TENSOR_AXIS
+from jfsdp.config.mesh import CONTEXT_AXIS, DATA_AXIS, FSDP_AXIS, TENSOR_AXIS
 from jfsdp.engine.layout import Layout, is_layout
 from jfsdp.engine.parallel.plan import COLWISE, ROWWISE
 
 MODEL_AXES = (FSDP_AXIS, TENSOR_AXIS)   # every mesh axis but `data`, each covered exactly once
 
 
-def placement(kind: str) -> tuple:
-    """(the axis the TP dimension lies on or None, the axes FSDP shards and reduce-scatters over)."""
+def model_axes(context: int = 1) -> tuple:
+    """The mesh axes but `data`: (fsdp, tensor), with `context` between them when C > 1."""
+    return (FSDP_AXIS, CONTEXT_AXIS, TENSOR_AXIS) if context > 1 else MODEL_AXES
+
+
+def placement(kind: str, context: int = 1) -> tuple:
+    """(the axis the TP dimension lies on or None, the axes FSDP shards and reduce-scatters over); at C > 1
+    the FSDP axes take `context` after `fsdp`, as they do without tensor parallelism."""
+    fsdp = (FSDP_AXIS, CONTEXT_AXIS) if context > 1 else (FSDP_AXIS,)
     if kind in (COLWISE, ROWWISE):
-        return TENSOR_AXIS, (FSDP_AXIS,)
-    return None, (FSDP_AXIS, TENSOR_AXIS)
+        return TENSOR_AXIS, fsdp
+    return None, (*fsdp, TENSOR_AXIS)
 
 
 def check_placement(tp_axis, fsdp_axes, mesh_axes=(DATA_AXIS,) + MODEL_AXES):
@@ -80,16 +88,20 @@ class TensorLayout(Layout):
 
 
 def spec_axes(layout) -> tuple:
-    """The mesh axes a leaf's stored axis 0 is split over: (tensor, fsdp) for a TP leaf, its FSDP axes else."""
-    return (TENSOR_AXIS, FSDP_AXIS) if isinstance(layout, TensorLayout) else layout.gather_axes
+    """The mesh axes a leaf's stored axis 0 is split over: (tensor, fsdp[, context]) for a TP leaf, its FSDP
+    axes else."""
+    if not isinstance(layout, TensorLayout):
+        return layout.gather_axes
+    g = layout.gather_axes
+    return (TENSOR_AXIS, *((g,) if isinstance(g, str) else g))
 
 
-def leaf_layout(path: str, shape, dtype, kind: str, shards: int, tensor: int, pad: bool = False):
-    """One parameter's layout under the placement rule (`placement`), for S = `shards`, T = `tensor`.
-    `pad`: a root parameter (a vocabulary-parallel embedding or head) whose TP dimension T does not
-    divide is padded to a multiple of T (`TensorLayout.full`) instead of refused."""
-    tp_axis, fsdp_axes = placement(kind)
-    check_placement(tp_axis, fsdp_axes)
+def leaf_layout(path: str, shape, dtype, kind: str, shards: int, tensor: int, pad: bool = False, context: int = 1):
+    """One parameter's layout under the placement rule (`placement`), for S = `shards` (S*C at C > 1: the
+    fsdp x context shards), T = `tensor`. `pad`: a root parameter (a vocabulary-parallel embedding or head)
+    whose TP dimension T does not divide is padded to a multiple of T (`TensorLayout.full`) instead of refused."""
+    tp_axis, fsdp_axes = placement(kind, context)
+    check_placement(tp_axis, fsdp_axes, (DATA_AXIS,) + model_axes(context))
     if tp_axis is None:
         return Layout(tuple(shape), jnp.dtype(dtype), shards * tensor, axes=fsdp_axes)
     if len(shape) != 2:
@@ -100,17 +112,18 @@ def leaf_layout(path: str, shape, dtype, kind: str, shards: int, tensor: int, pa
         raise ConfigError(f"tensor {tensor} does not divide dimension {dim} ({shape[dim]}) of {path} ({kind})")
     local = tuple(-(-n // tensor) if i == dim else n for i, n in enumerate(shape))
     full = shape[dim] if shape[dim] % tensor else 0
-    return TensorLayout(local, jnp.dtype(dtype), shards, tensor=tensor, dim=dim, tp=kind, full=full)
+    return TensorLayout(local, jnp.dtype(dtype), shards, axes=fsdp_axes if context > 1 else None, tensor=tensor,
+                        dim=dim, tp=kind, full=full)
 
 
 def path_text(path) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
-def lay_out(plan, root, stages, stage_names, shards: int, tensor: int):
+def lay_out(plan, root, stages, stage_names, shards: int, tensor: int, context: int = 1):
     """(root layouts, [stage layouts]) of the whole parameters `root` and `stages` (leaves stacked on
-    axis 0) under `plan` for S = `shards`, T = `tensor`. `stage_names`: each stage's path prefix
-    ('units', 'stages/0')."""
+    axis 0) under `plan` for S = `shards` (S*C with C = `context` > 1), T = `tensor`. `stage_names`: each
+    stage's path prefix ('units', 'stages/0')."""
     plan.check_sizes(tensor)
     seen = []
 
@@ -119,7 +132,8 @@ def lay_out(plan, root, stages, stage_names, shards: int, tensor: int):
             name = f"{prefix}/{path_text(p)}"
             seen.append(name)
             kind = plan.kind(name)
-            return leaf_layout(name, x.shape[1:] if stacked else x.shape, x.dtype, kind, shards, tensor, not stacked)
+            return leaf_layout(name, x.shape[1:] if stacked else x.shape, x.dtype, kind, shards, tensor, not stacked,
+                               context)
         return jax.tree_util.tree_map_with_path(one, tree)
     root_l = layouts(root, "root", False)
     stage_l = [layouts(s, name, True) for s, name in zip(stages, stage_names)]

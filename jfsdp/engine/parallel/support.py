@@ -4,7 +4,8 @@ Supported: a `jfsdp.Stacked` model with a `TensorPlan`, FULL_SHARD / SHARD_GRAD_
 (and its ZeRO-2 form), any remat policy, the prefetch pipeline, fp32 or bf16 mixed precision, tensorwise
 float8, gradient accumulation (both grad_sync modes), frozen parameters, a vocabulary-parallel root
 (parallel/vocab.py), checkpoints and Hugging Face import (io/tensor_rows.py), the in-backward update
-(train/update_in_backward.py), `Staged` models, MoE in gather or ep mode (parallel/moe_rows.py). Refused
+(train/update_in_backward.py), `Staged` models, MoE in gather or ep mode (parallel/moe_rows.py), context
+parallelism on a `Stacked` model (C > 1: its own refusals, parallel/context.py `check`). Refused
 until a later slice: NO_SHARD, adaptive MoE, float8 with MoE, rowwise float8. (A model given as it is takes
 T > 1 through its logical axis names: parallel/logical.py.)"""
 from __future__ import annotations

@@ -36,7 +36,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jfsdp.config.errors import ConfigError
-from jfsdp.config.mesh import AXES, TENSOR_AXIS
+from jfsdp.config.mesh import AXES, CONTEXT_AXIS, TENSOR_AXIS
 from jfsdp.engine.layout import is_layout
 from jfsdp.engine.parallel.layout import TensorLayout, path_text
 from jfsdp.engine.parallel.plan import COLWISE, ROWWISE
@@ -192,12 +192,13 @@ def loss(plan, loss_fn, outputs, batch):
 
 def out_spec(plan):
     """The outputs' PartitionSpecs for `apply`. At T > 1 a leaf of 3 or more dimensions is a per-token
-    output: a vocabulary-parallel head's logits are (rows, the whole sequence, the vocabulary split over
-    `tensor`), other heads' (rows, the sequence split over `tensor`). A leaf of fewer dimensions holds
+    output: a vocabulary-parallel head's logits are (rows, the whole sequence (split over `context` at C > 1),
+    the vocabulary split over `tensor`), other heads' (rows, the sequence split over `tensor`). A leaf of fewer dimensions holds
     per-row values that every tensor rank has (an MoE model's router statistics): its rows alone are split."""
     if getattr(plan, "tensor", 1) == 1:
         return plan.batch_spec
-    token = P(AXES, None, TENSOR_AXIS) if getattr(plan, "vocab_shard", None) else plan.batch_spec
+    seq = CONTEXT_AXIS if getattr(plan, "context", 1) > 1 else None   # the TP group's sequence: its context rank's
+    token = P(AXES, seq, TENSOR_AXIS) if getattr(plan, "vocab_shard", None) else plan.batch_spec
     return jax.tree.map(lambda a: token if len(a.shape) >= 3 else P(AXES), head_shapes(plan))
 
 
