@@ -206,8 +206,6 @@ def _plan(a) -> dict:
     n = spec.devices
     if a.context > 1:
         spec.check_seq_len(a.seq_len)
-        raise ConfigError(f"--context {a.context}: the planner does not plan context parallelism yet, only its ring "
-                          "attention exists (docs/context-parallel.md)")
     if a.tensor > 1 and a.seq_len % a.tensor:
         raise ConfigError(f"--tensor {a.tensor} does not divide --seq-len {a.seq_len} (sequence parallelism splits "
                           "the sequence)")

@@ -137,7 +137,7 @@ def estimate(plan: FSDP, optimizer, loss_fn: Callable, batch, *, prefetch: bool 
     g = grad_layouts(plan, trainable)
     params, optimizer_b, pad_state, pad_grads = _state(plan, optimizer, g)
     gathered, units_gathered, one_unit, grad_buffers = _gathered(plan, backend, prefetch or update_in_backward, g)
-    local = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // N, *a.shape[1:]), a.dtype), batch)
+    local = jax.tree.map(lambda a: local_shape(a, N, getattr(plan, "context", 1)), batch)
     micro = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // grad_accum, *a.shape[1:]), a.dtype), local)
     saved, saved_fwd, recompute, head = _activations(plan, loss_fn, micro, backend, g.mask)
     grad_shards = tensor_memory.real_grad_shards(g) if plan.tensor > 1 else g.real_bytes // plan.shards
@@ -243,6 +243,14 @@ def _unit_grad(plan: FSDP, g: _Grads) -> int:
         return 0
     rdt = plan.mp.reduce_dtype or plan.mp.param_dtype or jnp.float32
     return max((stored_bytes(l, rdt) for l, _ in g.stages), default=0)
+
+
+def local_shape(a, n_devices: int, context: int = 1):
+    """One device's share of a global batch leaf: its rows over the n_devices / context devices that hold
+    rows (data x fsdp x tensor), and at C > 1 its sequence (axis 1) over `context`."""
+    if context == 1:
+        return jax.ShapeDtypeStruct((a.shape[0] // n_devices, *a.shape[1:]), a.dtype)
+    return jax.ShapeDtypeStruct((a.shape[0] * context // n_devices, a.shape[1] // context, *a.shape[2:]), a.dtype)
 
 
 def _activations(plan: FSDP, loss_fn: Callable, local, backend: str, mask=None) -> tuple[int, int, int, int]:

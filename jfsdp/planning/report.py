@@ -23,7 +23,7 @@ DEFAULT_MEMORY = 80 * 2**30   # per device, where neither --device-memory nor a 
 
 
 def build(model_name, mesh_spec, strategy, precision, remat, batch_size, seq_len, devices=None, attention=None,
-          loss="fused", moe="auto", moe_chunks="auto", backend=None, prefetch=None, tensor=1, async_tp=None):
+          loss="fused", moe="auto", moe_chunks="auto", backend=None, prefetch=None, tensor=1, async_tp=None, context=1):
     """(cfg, plan, optimizer, loss_fn, batch shapes) for a named model; nothing allocated.
     `devices`: the mesh's devices (default: all local ones); `attention`: override the config's;
     `prefetch`, `async_tp`: fully_shard's; `tensor`: T, with the model's tensor plan (models/factory.py) when T > 1."""
@@ -42,8 +42,8 @@ def build(model_name, mesh_spec, strategy, precision, remat, batch_size, seq_len
                           "configs")
     if attention:
         cfg = dataclasses.replace(cfg, attention=attention)
-    mesh = jfsdp.make_mesh(mesh_spec, devices, tensor=tensor)
-    n = mesh.size
+    mesh = jfsdp.make_mesh(mesh_spec, devices, tensor=tensor, context=context)
+    n = mesh.size // context   # the devices that hold rows
     batch_size = n if batch_size is None else batch_size
     if batch_size < 1 or seq_len < 1:
         raise ConfigError("batch size and sequence length must be at least 1")
@@ -54,7 +54,8 @@ def build(model_name, mesh_spec, strategy, precision, remat, batch_size, seq_len
     tensor_plan = models.factory.tensor_plan(cfg) if tensor > 1 else None
     plan = jfsdp.fully_shard(model, mesh, x, strategy=strategy, mp_policy=jfsdp.MixedPrecision.parse(precision),
                              remat=remat, moe=moe_opt, prefetch=prefetch, tensor_plan=tensor_plan,
-                             async_tp=async_tp if tensor > 1 else None)
+                             async_tp=async_tp if tensor > 1 else None,
+                             context_attention=models.factory.context_kernel() if context > 1 else None)
     return cfg, plan, jfsdp.adamw(1e-4), loss_fn, {"inputs": x, "targets": x}
 
 
@@ -143,7 +144,8 @@ def report(a, budget: int | None = None) -> dict:
         cfg, plan, opt, loss_fn, batch = build(a.model, a.mesh, a.strategy, a.precision, a.remat, a.batch_size,
                                                a.seq_len, devices, attention, a.loss, a.moe, a.moe_chunks, backend,
                                                tensor=tensor, async_tp=async_tp_option(getattr(a, "async_tp", "auto"),
-                                                                                       tensor))
+                                                                                       tensor),
+                                               context=getattr(a, "context", 1))
         trainable, hit = frozen.freeze(plan, getattr(a, "freeze", None))
         case = _Case(plan, opt, loss_fn, batch, gpu, backend, a.target if gpu else jax.default_backend(),
                      trainable, tuple(hit))
