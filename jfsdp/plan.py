@@ -45,7 +45,7 @@ def _args(argv):
                    "parallelism over the innermost T (docs/tensor-parallel.md)")
     p.add_argument("--context", type=int, default=1, metavar="C",
                    help="context-parallel size (train.py's --context): mesh RxS x C (x T) devices, each sequence "
-                   "split over C (docs/context-parallel.md; not planned yet: C > 1 is refused)")
+                   "split over C, attention as a ring (docs/context-parallel.md)")
     p.add_argument("--strategy", default="full_shard")
     p.add_argument("--precision", default="bf16", help="fp32, bf16 (fp32 master, bf16 compute, fp32 reduce) or fp8 "
                    "(bf16 plus float8 unit matmuls and unit gathers at 1 byte per parameter) or fp8-rowwise (float8 "
@@ -111,7 +111,8 @@ def render(r: dict) -> str:
     here = r.get("compiled", {}).get("backend")
     e_here = r.get(f"estimate_{here}", e if here == tgt else None) if here else None
     tp = f" --tensor {r['tensor']}" if r.get("tensor", 1) > 1 else ""
-    lines = [f"{r['model']} ({r['params'] / 1e9:.2f}B parameters) on mesh {r['mesh']}{tp} ({r['devices']} devices), "
+    cp = f" --context {r['context']}" if r.get("context", 1) > 1 else ""
+    lines = [f"{r['model']} ({r['params'] / 1e9:.2f}B parameters) on mesh {r['mesh']}{cp}{tp} ({r['devices']} devices), "
              f"{r['strategy']}, {r['precision']}, remat {r['remat']}, batch {r['batch_size']} x {r['seq_len']} tokens"
              + (", optimizer inside the backward pass" if r.get("update_in_backward") else "")
              + (", async TP (collective matmuls)" if r.get("async_tp") else "")
@@ -144,6 +145,10 @@ def render(r: dict) -> str:
         if k in ("all-to-all", "collective-permute") and not f.get(k) and not (m or {}).get(k):
             continue
         lines.append(f"  {k:26}{_gib(f.get(k, 0.0)):>20}" + (f"{mid(fh.get(k, 0.0))}{_gib(m.get(k, 0.0)):>20}" if m else ""))
+    if r.get("ring_compiled") is not None:
+        lines.append(f"  {'of which ring (`context`)':26}{_gib(f.get('collective-permute', 0.0)):>20}"
+                     + ("" if same else f"{_gib(fh.get('collective-permute', 0.0)):>20}")
+                     + f"{_gib(r['ring_compiled']):>20}  (collective-permutes over context)")
     if tp:
         lines.append(f"  {'FSDP part (not `tensor`)':26}{_gib(f['contract']):>20}")
         lines += _axes_rows(r, here, same)

@@ -121,7 +121,7 @@ def alternatives(case: Case, budget: int, reshard) -> list[str]:
         e = case.estimate(sharded=full)
         if e <= budget:
             out.append(f"--remat full ({_gib(e)})")
-    n = plan.n_devices * case.grad_accum
+    n = plan.n_devices // getattr(plan, "context", 1) * case.grad_accum   # the devices that hold rows
     fits = lambda k: case.estimate(batch_size=k * n) <= budget
     k = largest_batch(fits, limit=max(1, case.batch_size // n - 1)) if case.batch_size > n else 0
     if k:
@@ -161,9 +161,9 @@ def more_devices(case: Case, budget: int, plan) -> str | None:
         s2 *= 2
     if s2 > 1 << 16:
         return None
-    t = plan.tensor
-    return (f"{plan.replicas * s2 * t} devices (--mesh {plan.replicas}x{s2}" + (f" --tensor {t}" if t > 1 else "")
-            + f", the same batch per device: about {_gib(rest + state * s / s2)})")
+    t, c = plan.tensor, getattr(plan, "context", 1)   # at C > 1 the shards are fsdp x context
+    return (f"{plan.replicas * s2 * t} devices (--mesh {plan.replicas}x{s2 // c}" + (f" --context {c}" if c > 1 else "")
+            + (f" --tensor {t}" if t > 1 else "") + f", the same batch per device: about {_gib(rest + state * s / s2)})")
 
 
 def floor(case: Case) -> int:
