@@ -68,7 +68,8 @@ def point(model: str, devices: int, context: int, seq: int, overrides: dict, tar
         est = memory.estimate(plan, opt, loss_fn, batch, prefetch=True, backend="gpu")
         out["estimate"] = est.as_dict()
         if compile_ and key in cache:
-            out.update({k: cache[key][k] for k in ("compiled", "compile_s")})
+            out.update({k: cache[key][k] for k in ("compiled", "compile_s", "ring_permute_bytes",
+                                                   "ring_formula_bytes") if k in cache[key]})
             out["reused"] = True
         elif compile_:
             t = time.time()
@@ -86,7 +87,7 @@ def point(model: str, devices: int, context: int, seq: int, overrides: dict, tar
 
 
 def longest(model: str, devices: int, context: int, budget: int, overrides: dict, target: str, cache: dict,
-            probes: list) -> dict:
+            probes: list, save=lambda: None) -> dict:
     """The longest sequence (a multiple of 2C) whose compiled step fits `budget`: from the estimate's
     largest T (bisected on the estimate, which compiles nothing), doubling on compiled memory until
     bracketed, then one refinement at the midpoint (a multiple of 2C)."""
@@ -104,6 +105,7 @@ def longest(model: str, devices: int, context: int, budget: int, overrides: dict
     def compiled(t):
         p = point(model, devices, context, t, overrides, target, True, cache)
         probes.append(p)
+        save()
         fits[t] = p["compiled"]["total"] <= budget
         return fits[t]
 
@@ -135,6 +137,8 @@ def main(argv=None) -> int:
     p.add_argument("--model-option", action="append", default=[], metavar="NAME=VALUE",
                    help="replace a field of the models' configs (e.g. a tiled MLP's tile size, once it exists)")
     p.add_argument("--reuse", default=None, help="a JSON of an earlier run: its compiled figures for identical points")
+    p.add_argument("--seed-log", default=None, help="an earlier run's printed log: its compiled totals for identical "
+                   "points (the breakdown is recomputed; argument/temp not known)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     overrides = options(a.model_option)
@@ -147,23 +151,37 @@ def main(argv=None) -> int:
             if "compiled" in q:
                 cache[json.dumps([q["model"], q["devices"], q["context"], q["seq_len"], q["overrides"], old["target"]],
                                  sort_keys=True)] = q
+    if a.seed_log:
+        import re
+        for line in open(a.seed_log):
+            m = re.match(r"\s+(\S+) C=(\d+) T=([\d,]+): estimate [\d.]+ GiB, compiled ([\d.]+) GiB \(([\d.]+) s\)", line)
+            if m:
+                model, c, t = m.group(1), int(m.group(2)), int(m.group(3).replace(",", ""))
+                devices = 64 if model == "llama-70b" else 8
+                cache[json.dumps([model, devices, c, t, overrides, a.target], sort_keys=True)] = {
+                    "compiled": {"total": int(float(m.group(4)) * GIB)}, "compile_s": float(m.group(5))}
     import jax
     t0 = time.time()
     out = {"target": a.target, "device_memory": budget, "precision": "bf16", "remat": "full", "loss": "fused",
            "model_options": overrides, "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"),
            "machine": "compiled for an H100 target on a CPU machine, no GPU", "longest": [], "probes": [], "points": []}
     contexts = [] if a.contexts == "none" else [int(c) for c in a.contexts.split(",")]
-    for c in contexts:
-        print(f"llama-8b, 8 GPUs, --context {c}: longest sequence in {a.device_memory_gib:g} GiB", flush=True)
-        out["longest"].append(longest("llama-8b", 8, c, budget, overrides, a.target, cache, out["probes"]))
+
+    def save():   # after every point: a long run's partial results survive
+        out["wall_s"] = round(time.time() - t0, 1)
+        if a.json:
+            with open(a.json, "w") as fh:
+                json.dump(out, fh, indent=2)
     if a.points == "all":
         print("single points", flush=True)
         out["points"].append(point("llama-8b", 8, 8, 262144, overrides, a.target, True, cache))
+        save()
         out["points"].append(point("llama-70b", 64, 8, 131072, overrides, a.target, True, cache))
-    out["wall_s"] = round(time.time() - t0, 1)
-    if a.json:
-        with open(a.json, "w") as fh:
-            json.dump(out, fh, indent=2)
+        save()
+    for c in contexts:
+        print(f"llama-8b, 8 GPUs, --context {c}: longest sequence in {a.device_memory_gib:g} GiB", flush=True)
+        out["longest"].append(longest("llama-8b", 8, c, budget, overrides, a.target, cache, out["probes"], save))
+        save()
     return 0
 
 

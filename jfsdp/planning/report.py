@@ -78,9 +78,7 @@ def largest_batch(fits, start: int = 1, limit: int = 1 << 20, guess: int | None 
     lo, hi = start, start * 2
     while hi <= limit and fits(hi):
         lo, hi = hi, hi * 2
-    if hi > limit:
-        return lo
-    return _bisect(fits, lo, hi)
+    return _bisect(fits, lo, min(hi, limit + 1))   # past the limit counts as not fitting
 
 
 def _bisect(fits, lo: int, hi: int) -> int:
