@@ -139,6 +139,9 @@ def main(argv=None) -> int:
     p.add_argument("--reuse", default=None, help="a JSON of an earlier run: its compiled figures for identical points")
     p.add_argument("--seed-log", default=None, help="an earlier run's printed log: its compiled totals for identical "
                    "points (the breakdown is recomputed; argument/temp not known)")
+    p.add_argument("--from-logs", nargs="+", default=None, metavar="LOG",
+                   help="compile nothing: assemble the JSON from earlier runs' printed logs (their compiled totals), "
+                   "with the estimate's breakdown recomputed at each point; for a run stopped before its end")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     overrides = options(a.model_option)
@@ -151,9 +154,9 @@ def main(argv=None) -> int:
             if "compiled" in q:
                 cache[json.dumps([q["model"], q["devices"], q["context"], q["seq_len"], q["overrides"], old["target"]],
                                  sort_keys=True)] = q
-    if a.seed_log:
+    for log in ([a.seed_log] if a.seed_log else []) + (a.from_logs or []):
         import re
-        for line in open(a.seed_log):
+        for line in open(log):
             m = re.match(r"\s+(\S+) C=(\d+) T=([\d,]+): estimate [\d.]+ GiB, compiled ([\d.]+) GiB \(([\d.]+) s\)", line)
             if m:
                 model, c, t = m.group(1), int(m.group(2)), int(m.group(3).replace(",", ""))
@@ -162,7 +165,9 @@ def main(argv=None) -> int:
                     "compiled": {"total": int(float(m.group(4)) * GIB)}, "compile_s": float(m.group(5))}
     import jax
     t0 = time.time()
-    out = {"target": a.target, "device_memory": budget, "precision": "bf16", "remat": "full", "loss": "fused",
+    out = {"command": "python benchmarks/context_long.py " + " ".join(sys.argv[1:] if argv is None else argv),
+           "device": "2-core AMD EPYC VM (AVX2), no GPU: XLA:GPU compiled for the target's topology",
+           "target": a.target, "device_memory": budget, "precision": "bf16", "remat": "full", "loss": "fused",
            "model_options": overrides, "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"),
            "machine": "compiled for an H100 target on a CPU machine, no GPU", "longest": [], "probes": [], "points": []}
     contexts = [] if a.contexts == "none" else [int(c) for c in a.contexts.split(",")]
@@ -172,6 +177,12 @@ def main(argv=None) -> int:
         if a.json:
             with open(a.json, "w") as fh:
                 json.dump(out, fh, indent=2)
+    if a.from_logs:   # every point the logs compiled, in their order, with today's estimate beside it
+        for key in cache:
+            model, devices, c, t, _, _ = json.loads(key)
+            out["probes"].append(point(model, devices, c, t, overrides, a.target, True, cache))
+        save()
+        return 0
     if a.points == "all":
         print("single points", flush=True)
         out["points"].append(point("llama-8b", 8, 8, 262144, overrides, a.target, True, cache))
