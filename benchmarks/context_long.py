@@ -178,6 +178,8 @@ def main(argv=None) -> int:
             with open(a.json, "w") as fh:
                 json.dump(out, fh, indent=2)
     if a.from_logs:   # every point the logs compiled, in their order, with today's estimate beside it
+        out["note"] = ("compiled totals and compile times from the printed lines of earlier runs of this benchmark "
+                       "(" + ", ".join(a.from_logs) + "); the estimates recomputed by this command")
         for key in cache:
             model, devices, c, t, _, _ = json.loads(key)
             out["probes"].append(point(model, devices, c, t, overrides, a.target, True, cache))
