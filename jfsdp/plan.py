@@ -46,7 +46,7 @@ def _args(argv):
                    "parallelism over the innermost T (docs/tensor-parallel.md)")
     p.add_argument("--context", type=int, default=1, metavar="C",
                    help="context-parallel size (train.py's --context): mesh RxS x C (x T) devices, each sequence "
-                   "split over C (docs/context-parallel.md; not planned yet: C > 1 is refused)")
+                   "split over C, attention as a ring (docs/context-parallel.md)")
     p.add_argument("--mlp-tile", default="0", metavar="N|auto",
                    help="train.py's --mlp-tile: the MLP over the sequence in tiles of N tokens (0: off); auto: the "
                    "largest tile (tokens per device halved until it fits) whose estimate fits the device memory, off "
@@ -116,7 +116,8 @@ def render(r: dict) -> str:
     here = r.get("compiled", {}).get("backend")
     e_here = r.get(f"estimate_{here}", e if here == tgt else None) if here else None
     tp = f" --tensor {r['tensor']}" if r.get("tensor", 1) > 1 else ""
-    lines = [f"{r['model']} ({r['params'] / 1e9:.2f}B parameters) on mesh {r['mesh']}{tp} ({r['devices']} devices), "
+    cp = f" --context {r['context']}" if r.get("context", 1) > 1 else ""
+    lines = [f"{r['model']} ({r['params'] / 1e9:.2f}B parameters) on mesh {r['mesh']}{cp}{tp} ({r['devices']} devices), "
              f"{r['strategy']}, {r['precision']}, remat {r['remat']}, batch {r['batch_size']} x {r['seq_len']} tokens"
              + (f", MLP in tiles of {r['mlp_tile']} tokens" if r.get("mlp_tile") else "")
              + (", optimizer inside the backward pass" if r.get("update_in_backward") else "")
@@ -150,6 +151,10 @@ def render(r: dict) -> str:
         if k in ("all-to-all", "collective-permute") and not f.get(k) and not (m or {}).get(k):
             continue
         lines.append(f"  {k:26}{_gib(f.get(k, 0.0)):>20}" + (f"{mid(fh.get(k, 0.0))}{_gib(m.get(k, 0.0)):>20}" if m else ""))
+    if r.get("ring_compiled") is not None:
+        lines.append(f"  {'of which ring (`context`)':26}{_gib(f.get('collective-permute', 0.0)):>20}"
+                     + ("" if same else f"{_gib(fh.get('collective-permute', 0.0)):>20}")
+                     + f"{_gib(r['ring_compiled']):>20}  (collective-permutes over context)")
     if tp:
         lines.append(f"  {'FSDP part (not `tensor`)':26}{_gib(f['contract']):>20}")
         lines += _axes_rows(r, here, same)
@@ -225,8 +230,6 @@ def _plan(a) -> dict:
     n = spec.devices
     if a.context > 1:
         spec.check_seq_len(a.seq_len)
-        raise ConfigError(f"--context {a.context}: the planner does not plan context parallelism yet, only its ring "
-                          "attention exists (docs/context-parallel.md)")
     if a.tensor > 1 and a.seq_len % a.tensor:
         raise ConfigError(f"--tensor {a.tensor} does not divide --seq-len {a.seq_len} (sequence parallelism splits "
                           "the sequence)")

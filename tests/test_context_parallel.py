@@ -183,7 +183,7 @@ def test_mesh_context_axis():
         jfsdp.make_mesh("1x2", context=3, tensor=2)
     with pytest.raises(ConfigError, match="context-parallel size"):
         jfsdp.make_mesh("1x2", context=0)
-    assert plan.main(["--model", "llama-test", "--mesh", "1x2", "--context", "2", "--seq-len", "64"]) == 2
+    assert plan.main(["--model", "llama-test", "--mesh", "1x2", "--context", "2", "--seq-len", "66"]) == 2
     assert plan.main(["--model", "llama-test", "--mesh", "1x2", "--context", "3", "--seq-len", "64"]) == 2
 
 

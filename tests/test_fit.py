@@ -56,6 +56,33 @@ def test_the_decision(monkeypatch):
     assert fit.check(case, devices, reshard) is None
 
 
+def test_the_decision_at_context_2(monkeypatch):
+    """At C > 1 (1x2 --context 2, 4 devices) the check runs on the estimate of T/C tokens per device
+    (jfsdp/planning/context_plan.py; tests/test_context_planner.py checks it against the compiled step):
+    above the budget, the smaller batch it proposes is the largest that fits, in rows over the 2 devices
+    that hold them (data x fsdp, not all 4), and the larger mesh it proposes keeps --context."""
+    import models
+    from models.factory import context_kernel, language_model
+    module, _, loss_fn = language_model(models.get_config("llama-test"), "fused", "auto", "auto")
+    x = jax.ShapeDtypeStruct((2, 256), "int32")
+    plan = jfsdp.fully_shard(module, jfsdp.make_mesh("1x2", jax.devices()[:4], context=2), x, remat="full",
+                             context_attention=context_kernel())
+    case = fit.Case(plan, loss_fn, jfsdp.adamw(1e-3, mask=plan.decay_mask()), 8, 256, 1, False, "cpu")
+    est = case.estimate()
+    budget = int(est * 0.8)
+    monkeypatch.setenv(fit.BUDGET_ENV, str(budget))
+    with pytest.raises(jfsdp.ConfigError) as e:
+        fit.check(case, jax.devices()[:4], lambda r: plan)
+    msg = str(e.value)
+    k = int(msg.split("--batch-size ")[1].split()[0])
+    assert case.estimate(batch_size=k) <= budget < case.estimate(batch_size=k + 2), msg
+    # more devices: twice the shards (fsdp x context) hold half the state; the mesh keeps --context 2
+    b = case.breakdown()
+    state = b.params + b.grads + b.optimizer + b.padding
+    more = fit.more_devices(case, b.total - state // 2 + 1, plan)
+    assert more.startswith("8 devices (--mesh 1x4 --context 2,"), more
+
+
 def _cli(args, monkeypatch, capsys):
     for k in ("XLA_FLAGS", "JAX_PLATFORMS"):
         monkeypatch.setenv(k, os.environ.get(k, ""))

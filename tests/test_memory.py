@@ -144,6 +144,7 @@ def test_largest_batch_and_bytes_parsing():
     assert largest_batch(lambda b: b <= 37) == 37
     assert largest_batch(lambda b: b <= 1) == 1
     assert largest_batch(lambda b: False) == 0
+    assert largest_batch(lambda b: b <= 37, limit=3) == 3   # a limit that is not a power of two is reached
     # from a guess (the planner's line through 1 and 2 sequences): the same answer from any guess,
     # within the limit, and in two calls when the guess is right
     for answer in (0, 1, 37, 100):

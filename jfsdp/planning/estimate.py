@@ -15,7 +15,7 @@ from jfsdp.config.errors import ConfigError
 from jfsdp.config.policy import wire_dtype
 from jfsdp.engine.layout import is_layout
 from jfsdp.engine.sharded import FSDP
-from jfsdp.planning import as_is, tensor_memory
+from jfsdp.planning import as_is, context_plan, tensor_memory
 from jfsdp.planning.activations import activation_estimate
 from jfsdp.engine.layout import stored_bytes
 from jfsdp.planning.sizes import elements, stages, tree_bytes
@@ -127,7 +127,9 @@ def estimate(plan: FSDP, optimizer, loss_fn: Callable, batch, *, prefetch: bool 
     `optimizer` is the unmasked one): frozen leaves are still held and gathered, but have no gradient
     shard, unsharded gradient or optimizer state (`_Grads`).
     Tensor parallelism (T > 1): the state and gradient shards per leaf over its own group, and the
-    activations traced as one tensor rank runs them (`jfsdp.planning.tensor_memory`)."""
+    activations traced as one tensor rank runs them (`jfsdp.planning.tensor_memory`).
+    Context parallelism (C > 1): the activations traced on a device's T/C tokens of its rows, and the ring's
+    buffers in the units' backward (`jfsdp.planning.context_plan`)."""
     if getattr(plan, "as_is", False) and update_in_backward:   # as make_train_step refuses it
         from jfsdp.train import update_in_backward as in_backward
         raise ConfigError(f"update_in_backward: {in_backward.unsupported(plan, grad_accum)}")
@@ -137,9 +139,10 @@ def estimate(plan: FSDP, optimizer, loss_fn: Callable, batch, *, prefetch: bool 
     g = grad_layouts(plan, trainable)
     params, optimizer_b, pad_state, pad_grads = _state(plan, optimizer, g)
     gathered, units_gathered, one_unit, grad_buffers = _gathered(plan, backend, prefetch or update_in_backward, g)
-    local = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // N, *a.shape[1:]), a.dtype), batch)
+    local = jax.tree.map(lambda a: context_plan.local_shape(a, N, getattr(plan, "context", 1)), batch)
     micro = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // grad_accum, *a.shape[1:]), a.dtype), local)
     saved, saved_fwd, recompute, head = _activations(plan, loss_fn, micro, backend, g.mask)
+    recompute += context_plan.ring_buffers(plan, micro, backend)   # C > 1: the ring's hops (context_plan)
     grad_shards = tensor_memory.real_grad_shards(g) if plan.tensor > 1 else g.real_bytes // plan.shards
     step = _Step(params, pad_grads, gathered, units_gathered, one_unit, grad_buffers, saved, saved_fwd, recompute,
                  head, grad_shards, _unit_grad(plan, g))

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jfsdp.config.errors import ConfigError
 from jfsdp.config.policy import wire_dtype
 from jfsdp.engine.sharded import FSDP
-from jfsdp.planning import as_is, hlo
+from jfsdp.planning import as_is, context_plan, hlo
 from jfsdp.planning.estimate import Breakdown, estimate, grad_layouts
 from jfsdp.engine.layout import stored_bytes
 from jfsdp.planning.sizes import elements, float8_leaves, gathered_bytes, stages
@@ -70,7 +70,7 @@ def device_peak(device=None) -> int | None:
 # ---------------------------------------------------------------- communication per step
 
 def comm_formula(plan: FSDP, backend: str | None = None, grad_accum: int = 1, grad_sync: str = "every",
-                 trainable=None) -> dict:
+                 trainable=None, batch=None) -> dict:
     """Bytes each device sends per step, by collective kind, from the contract (ring cost model),
     with the root (gathered once per step, not twice), padding and the backend's wire dtype
     (`wire_dtype`) counted exactly.
@@ -78,7 +78,9 @@ def comm_formula(plan: FSDP, backend: str | None = None, grad_accum: int = 1, gr
     With `grad_accum` = k micro-batches each gathers its units (k times the all-gathers); the
     gradients are reduced k times (`grad_sync='every'`) or once ('once').
     `trainable` (make_train_step's): frozen leaves are gathered but never reduced; the contract's Ψ of
-    the reduction is the trainable parameters'."""
+    the reduction is the trainable parameters'.
+    At C > 1, `collective-permute`: the ring attention's K/V and gradient blocks for the global `batch` (a
+    tree of shapes; jfsdp.planning.context_plan.ring_bytes), not part of the contract."""
     plan = as_is.view(plan)   # a model given as it is: its units as stages (jfsdp.planning.as_is)
     if plan.tensor > 1:
         raise ConfigError("with tensor parallelism the formula depends on the batch and the loss: "
@@ -134,6 +136,10 @@ def comm_formula(plan: FSDP, backend: str | None = None, grad_accum: int = 1, gr
         out[key] *= times
     if plan.strategy.sharded and getattr(plan, "root_gathered_once", False):
         out["all-gather"] -= root_p * (S - 1) / S * (grad_accum - 1)   # the root's gathers: once per step
+    if getattr(plan, "context", 1) > 1:
+        if batch is None:
+            raise ConfigError("at C > 1 the ring's bytes depend on the batch: comm_formula(..., batch=)")
+        out["collective-permute"] = context_plan.ring_bytes(plan, batch, backend)
     out["total"] = sum(out.values())
     out["contract"] = contract * k_reduce if not plan.strategy.sharded else contract + (
         (gathers * psi * pb * (S - 1) / S) * (grad_accum - 1)

@@ -15,6 +15,7 @@ import time
 
 from jfsdp.config.args import async_tp_option
 from jfsdp.config.errors import ConfigError
+from jfsdp.config.mesh import CONTEXT_AXIS
 from jfsdp.config.policy import schedule
 from jfsdp.planning import hlo, memory, sizes, targets, tensor_comm
 from jfsdp.train import frozen
@@ -23,11 +24,14 @@ DEFAULT_MEMORY = 80 * 2**30   # per device, where neither --device-memory nor a 
 
 
 def build(model_name, mesh_spec, strategy, precision, remat, batch_size, seq_len, devices=None, attention=None,
-          loss="fused", moe="auto", moe_chunks="auto", backend=None, prefetch=None, tensor=1, async_tp=None, mlp_tile=0):
+          loss="fused", moe="auto", moe_chunks="auto", backend=None, prefetch=None, tensor=1, async_tp=None, context=1,
+          overrides=None, mlp_tile=0):
     """(cfg, plan, optimizer, loss_fn, batch shapes) for a named model; nothing allocated. `mlp_tile`: the
     Llama MLP's tile in tokens (models/llama.py; 0: off).
     `devices`: the mesh's devices (default: all local ones); `attention`: override the config's;
-    `prefetch`, `async_tp`: fully_shard's; `tensor`: T, with the model's tensor plan (models/factory.py) when T > 1."""
+    `prefetch`, `async_tp`: fully_shard's; `tensor`: T, with the model's tensor plan (models/factory.py) when T > 1;
+    `context`: C, with the model's ring kernel (models.factory.context_kernel) when C > 1; `overrides`: fields of
+    the model's config to replace ({'name': value}; an unknown field is a ConfigError)."""
     import jax
     import jax.numpy as jnp
 
@@ -43,12 +47,17 @@ def build(model_name, mesh_spec, strategy, precision, remat, batch_size, seq_len
                           "configs")
     if attention:
         cfg = dataclasses.replace(cfg, attention=attention)
+    if overrides:
+        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(cfg)})
+        if unknown:
+            raise ConfigError(f"model '{model_name}' has no config field {', '.join(unknown)}")
+        cfg = dataclasses.replace(cfg, **overrides)
     if mlp_tile:
         if not isinstance(cfg, models.LlamaConfig):
             raise ConfigError("--mlp-tile applies to the Llama models (their dense MLP), not to MoE models")
         cfg = dataclasses.replace(cfg, mlp_tile=mlp_tile)
-    mesh = jfsdp.make_mesh(mesh_spec, devices, tensor=tensor)
-    n = mesh.size
+    mesh = jfsdp.make_mesh(mesh_spec, devices, tensor=tensor, context=context)
+    n = mesh.size // context   # the devices that hold rows
     batch_size = n if batch_size is None else batch_size
     if batch_size < 1 or seq_len < 1:
         raise ConfigError("batch size and sequence length must be at least 1")
@@ -59,7 +68,8 @@ def build(model_name, mesh_spec, strategy, precision, remat, batch_size, seq_len
     tensor_plan = models.factory.tensor_plan(cfg) if tensor > 1 else None
     plan = jfsdp.fully_shard(model, mesh, x, strategy=strategy, mp_policy=jfsdp.MixedPrecision.parse(precision),
                              remat=remat, moe=moe_opt, prefetch=prefetch, tensor_plan=tensor_plan,
-                             async_tp=async_tp if tensor > 1 else None)
+                             async_tp=async_tp if tensor > 1 else None,
+                             context_attention=models.factory.context_kernel() if context > 1 else None)
     return cfg, plan, jfsdp.adamw(1e-4), loss_fn, {"inputs": x, "targets": x}
 
 
@@ -73,9 +83,7 @@ def largest_batch(fits, start: int = 1, limit: int = 1 << 20, guess: int | None 
     lo, hi = start, start * 2
     while hi <= limit and fits(hi):
         lo, hi = hi, hi * 2
-    if hi > limit:
-        return lo
-    return _bisect(fits, lo, hi)
+    return _bisect(fits, lo, min(hi, limit + 1))   # past the limit counts as not fitting
 
 
 def _bisect(fits, lo: int, hi: int) -> int:
@@ -142,18 +150,20 @@ def report(a, budget: int | None = None) -> dict:
     # a named GPU: its devices, and cuDNN's fused attention where it applies (bf16 compute, head_dim a
     # multiple of 8 up to 128)
     tensor = getattr(a, "tensor", 1)
-    devices, attention = (targets.devices(a.target, a.mesh, tensor), "cudnn") if gpu else (None, None)
+    context = getattr(a, "context", 1)
+    devices, attention = (targets.devices(a.target, a.mesh, tensor, context), "cudnn") if gpu else (None, None)
     backend = "gpu" if gpu else a.target
     with targets.tracing_for(a.target) if gpu else contextlib.nullcontext():
         if budget is None:
             budget = targets.get(a.target).memory_bytes if gpu else DEFAULT_MEMORY
         built = lambda tile: build(a.model, a.mesh, a.strategy, a.precision, a.remat, a.batch_size, a.seq_len, devices,
                                    attention, a.loss, a.moe, a.moe_chunks, backend, tensor=tensor,
-                                   async_tp=async_tp_option(getattr(a, "async_tp", "auto"), tensor), mlp_tile=tile)
+                                   async_tp=async_tp_option(getattr(a, "async_tp", "auto"), tensor), mlp_tile=tile,
+                                   context=context)
         tile = getattr(a, "mlp_tile", 0)
         if tile == "auto":   # the largest tile whose estimate fits; off where the untiled plan fits
             from jfsdp.planning import tiling
-            tile = tiling.choose(lambda t: _tile_total(a, built(t), gpu, backend), a.seq_len // getattr(a, "context", 1),
+            tile = tiling.choose(lambda t: _tile_total(a, built(t), gpu, backend), a.seq_len // context,
                                  budget, built(0)[0], tensor)
         cfg, plan, opt, loss_fn, batch = built(tile)
         trainable, hit = frozen.freeze(plan, getattr(a, "freeze", None))
@@ -212,7 +222,8 @@ def _estimates(a, cfg, case: _Case, budget: int) -> dict:
 
     plan, here = case.plan, case.here
     est = _estimate(a, case, case.batch, case.backend, a.prefetch or case.gpu)
-    rep = {"model": a.model, "params": cfg.num_params(), "mesh": a.mesh, "tensor": plan.tensor, "devices": plan.n_devices,
+    rep = {"model": a.model, "params": cfg.num_params(), "mesh": a.mesh, "tensor": plan.tensor,
+           "context": getattr(plan, "context", 1), "devices": plan.n_devices,
            "strategy": plan.strategy.value, "precision": a.precision, "remat": a.remat,
            "update_in_backward": a.update_in_backward, "grad_accum": a.grad_accum, "grad_sync": a.grad_sync,
            "batch_size": case.batch["inputs"].shape[0], "seq_len": a.seq_len, "device_memory": budget,
@@ -257,6 +268,8 @@ def _compiled(a, case: _Case) -> dict:
     if plan.tensor > 1:   # by mesh axes, beside the formula's (tensor_comm)
         axes = hlo.per_axes(compiled.as_text(), tuple(plan.mesh.shape.items()))
         rep["comm_compiled_axes"] = tensor_comm.axes_table({k: v["wire_bytes"] for k, v in axes.items()})
+    if getattr(plan, "context", 1) > 1:   # the ring's permutes, told apart by the axis their cycles span
+        rep["ring_compiled"] = ring_compiled(compiled.as_text(), plan)
     if here != a.target:
         rep.update({f"{k}_{here}": v for k, v in _formula(a, case, here).items()})
     if case.gpu:
@@ -271,12 +284,19 @@ def _compiled(a, case: _Case) -> dict:
     return rep
 
 
+def ring_compiled(hlo_text: str, plan) -> float:
+    """Bytes each device sends per step in collective-permutes over `context` alone (the ring attention's
+    blocks), read from the compiled HLO (hlo.per_axes), beside context_plan.ring_bytes' formula."""
+    axes = hlo.per_axes(hlo_text, tuple(plan.mesh.shape.items()))
+    return axes.get(("collective-permute", (CONTEXT_AXIS,)), {}).get("wire_bytes", 0.0)
+
+
 def _formula(a, case: _Case, backend: str) -> dict:
     """{'comm_formula': {kind: bytes, 'total', 'contract'}} for `backend`; with T > 1 also
     'comm_formula_axes': {'kind over axes': bytes} (jfsdp.planning.tensor_comm)."""
     kw = dict(grad_accum=a.grad_accum, grad_sync=a.grad_sync, trainable=case.trainable)
     if case.plan.tensor == 1:
-        return {"comm_formula": memory.comm_formula(case.plan, backend=backend, **kw)}
+        return {"comm_formula": memory.comm_formula(case.plan, backend=backend, batch=case.batch, **kw)}
     axes = tensor_comm.tensor_comm(case.plan, case.batch["inputs"].shape[0], a.seq_len, a.loss == "fused",
                                    backend=backend, **kw)
     return {"comm_formula": tensor_comm.by_kind(axes), "comm_formula_axes": tensor_comm.axes_table(axes)}
@@ -287,7 +307,7 @@ def _largest_global_batch(a, case: _Case, budget: int) -> int:
     import jax
     import jax.numpy as jnp
 
-    n = case.plan.n_devices * a.grad_accum
+    n = case.plan.n_devices // getattr(case.plan, "context", 1) * a.grad_accum   # the devices that hold rows
 
     @functools.cache
     def total(per_device):

@@ -154,13 +154,13 @@ def topology_devices(target: str, n: int) -> tuple:
     return tuple(desc.devices)
 
 
-def devices(target: str, mesh, tensor: int = 1) -> list:
-    """Compile-only devices of `target` for an RxS mesh (R*S*T of them, with `tensor` = T): pass them to
-    make_mesh. They compile programs but run nothing."""
+def devices(target: str, mesh, tensor: int = 1, context: int = 1) -> list:
+    """Compile-only devices of `target` for an RxS mesh (R*S*C*T of them, with `context` = C and `tensor`
+    = T): pass them to make_mesh. They compile programs but run nothing."""
     from jfsdp.config.mesh import parse_mesh
     r, s = parse_mesh(mesh) if isinstance(mesh, str) else mesh
     get(target)
-    return list(topology_devices(str(target).strip().lower(), r * s * tensor))
+    return list(topology_devices(str(target).strip().lower(), r * s * context * tensor))
 
 
 def compiler_options(overrides: dict | None = None, prefetch: bool = False, async_tp: bool = False,

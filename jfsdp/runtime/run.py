@@ -33,9 +33,7 @@ def train(c: TrainConfig) -> int:
     (status 2)."""
     run = Run(c, time.perf_counter())
     run.describe()
-    if c.context > 1 and not c.no_fit_check:
-        note(f"no fit check: the planner does not estimate context parallelism (--context {c.context}) yet")
-    elif not c.no_fit_check:
+    if not c.no_fit_check:
         run.check_fit()
     run.start()
     return report(run, train_loop(run))

@@ -1,0 +1,128 @@
+"""The planner's context-parallel parts (C > 1, docs/context-parallel.md): what differs from C = 1 is how
+many tokens a device holds and what the ring adds.
+
+- Tokens: a batch's rows lie on data x fsdp (R·S devices) and each row's sequence on `context`, so a device
+  holds T/C tokens of its rows (`local_shape`). The units' kept inputs, the unit's working set and the
+  head's activations are traced on those tokens, as at C = 1: they fall as 1/C.
+- Communication (`ring_bytes`): per unit and pass, the forward ring sends 2(C - 1) K/V blocks (K and V,
+  C - 1 hops), and the backward ring 2(C - 1) K/V blocks and 2(C - 1) gradient blocks (dK and dV travel one
+  hop behind them, and one last hop takes them home; the diagonal block's stay home): 6C - 6 blocks, the
+  gradient blocks in fp32 (the ring's accumulators). With remat (full or dots) the backward recomputes the unit's forward, ring included:
+  another 2(C - 1) K/V blocks.
+- Memory (`ring_buffers`): what the ring holds besides what the unit holds at C = 1, at the units'
+  backward peak (the recomputed ring's hops): the fp32 partial output of a hop and the running merged one
+  (up to two (B, T/C, H, D) fp32 buffers beyond the output on XLA:CPU; on XLA:GPU two per hop, 2(C - 1),
+  as its scheduler runs the hops ahead of their merges), and where a hop's (L x L) chunk pair is one
+  tile of the per-block kernel (L = T/2C at most its block), XLA schedules the hops' independent kernels
+  together: four score tiles (scores and exponentials of the hop's two kernel calls) per hop, 4(C - 1) in
+  all (measured on XLA:CPU: docs/planner.md). Where the kernel loops over several tiles per hop, the
+  tiles are one iteration's, as at C = 1.
+Nothing is compiled; `jfsdp.planning.estimate` and `jfsdp.planning.memory.comm_formula` call these where
+`plan.context` > 1."""
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jfsdp.config.policy import wire_dtype
+from jfsdp.planning.sizes import as_shapes, stages
+
+
+def local_shape(a, n_devices: int, context: int = 1):
+    """One device's share of a global batch leaf: its rows over the n_devices / context devices that hold
+    rows (data x fsdp x tensor), and at C > 1 its sequence (axis 1) over `context`."""
+    if context == 1:
+        return jax.ShapeDtypeStruct((a.shape[0] // n_devices, *a.shape[1:]), a.dtype)
+    return jax.ShapeDtypeStruct((a.shape[0] * context // n_devices, a.shape[1] // context, *a.shape[2:]), a.dtype)
+
+
+def attention_shapes(plan, local_batch, dtype) -> list:
+    """[(q, k) shapes of the unit's `attend(q, k, v)` call, units] per stage, traced on one device's tokens
+    (`local_batch`) with the parameters in `dtype`, without the ring (the shapes are the same)."""
+    m = plan.model
+    root_layouts, stage_layouts = plan.split(plan.layouts)
+    h = jax.eval_shape(lambda r, x: m.root.apply({"params": r}, x, method=m.embed_method),
+                       as_shapes(root_layouts, dtype), local_batch["inputs"])
+    out = []
+    for st, layouts, (_, n) in zip(m.stages, stage_layouts, stages(plan)):
+        seen = []
+
+        def spy(next_fun, args, kwargs, ctx, seen=seen):
+            if ctx.method_name == "attend":
+                seen.append((args[0], args[1]))
+            return next_fun(*args, **kwargs)
+
+        def unit_fn(x, p, unit=st.unit):
+            with nn.intercept_methods(spy):
+                return unit.apply({"params": p}, x)
+        h = jax.eval_shape(unit_fn, h, as_shapes(layouts, dtype))
+        out.append(([(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype))
+                     for q, k in seen], n))
+    return out
+
+
+def ring_bytes(plan, batch, backend: str | None = None) -> float:
+    """Bytes each device sends per step in the ring's collective-permutes (module docstring), for the global
+    `batch`; 0 at C = 1."""
+    C = getattr(plan, "context", 1)
+    if C == 1:
+        return 0.0
+    backend = backend or jax.default_backend()
+    dt = wire_dtype(plan.mp.param_dtype or jnp.float32, backend)
+    local = jax.tree.map(lambda a: local_shape(a, plan.n_devices, C), batch)
+    forward_passes = 1 if plan.remat == "none" else 2
+    total = 0.0
+    for calls, n in attention_shapes(plan, local, dt):
+        for _, k in calls:
+            block = math.prod(k.shape)
+            total += n * (forward_passes * 2 * (C - 1) * block * jnp.dtype(dt).itemsize   # K, V forward
+                          + 2 * (C - 1) * block * jnp.dtype(dt).itemsize                 # K, V backward
+                          + 2 * (C - 1) * block * 4)                                      # dK, dV (fp32)
+    return total
+
+
+def _largest_intermediate(jaxpr) -> int:
+    """Bytes of the largest value any equation of `jaxpr` (sub-jaxprs included) makes."""
+    best = 0
+    for eqn in jaxpr.eqns:
+        for v in eqn.outvars:
+            aval = getattr(v, "aval", None)
+            if hasattr(aval, "shape"):
+                best = max(best, math.prod(aval.shape) * jnp.dtype(aval.dtype).itemsize)
+        for p in eqn.params.values():
+            for sub in (p if isinstance(p, (list, tuple)) else [p]):
+                inner = getattr(sub, "jaxpr", None)
+                if inner is not None:
+                    best = max(best, _largest_intermediate(getattr(inner, "jaxpr", inner)))
+    return best
+
+
+def ring_buffers(plan, local_batch, backend: str | None = None) -> int:
+    """Bytes the ring holds at the units' backward peak beyond the unit's working set at C = 1 (module
+    docstring), for one device's batch `local_batch`; 0 at C = 1."""
+    C = getattr(plan, "context", 1)
+    if C == 1:
+        return 0
+    backend = backend or jax.default_backend()
+    dt = wire_dtype(plan.mp.param_dtype or jnp.float32, backend)
+    kernel = plan.context_attention
+    best = 0
+    for calls, _ in attention_shapes(plan, local_batch, dt):
+        for q, k in calls:
+            b, t, h, d = q.shape
+            half = lambda s: jax.ShapeDtypeStruct((s.shape[0], s.shape[1] // 2, *s.shape[2:]), s.dtype)
+            jaxpr = jax.make_jaxpr(lambda q, k, v: kernel.fwd(q, k, v, False))(half(q), half(k), half(k)).jaxpr
+            tile = _largest_intermediate(jaxpr)
+            whole = b * h * (t // 2) ** 2 * 4       # the hop's (L x L) scores in fp32
+            o32 = b * t * h * d * 4
+            tiles = 4 * (C - 1) * tile if tile >= whole else 0
+            # XLA:GPU's latency-hiding scheduler runs the hops' attention ahead of their merges: two fp32
+            # (B, T/C, H, D) buffers per hop stay live (the ring alone, llama-8b's heads, 8,192 tokens per
+            # device: 589 MiB of temporaries at C = 2, 2,196 at C = 8, 268 MiB = 2.1 of them per hop;
+            # benchmarks/context_ring.py --h100); XLA:CPU keeps at most two in all
+            partials = 2 * (C - 1) if backend == "gpu" else min(C - 1, 2)
+            best = max(best, tiles + partials * o32)
+    return best
