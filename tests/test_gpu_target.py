@@ -366,6 +366,21 @@ def test_prefetch_costs_at_most_one_gathered_unit(h100):
     assert extra <= stored_bytes(plan.layouts["units"], jnp.bfloat16)
 
 
+def _as_is_case(model_class):
+    """(plan, compiled step) of a Llama given as it is (`model_class(cfg)`, units LlamaBlock), 4 units,
+    bf16, remat full, on its GPU defaults, compiled for the H100 target."""
+    from models.llama import LlamaBlock
+    cfg = dataclasses.replace(CFG, n_layers=4)
+    mesh = jfsdp.make_mesh(f"1x{S}", targets.devices("h100", f"1x{S}"))
+    x = jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32)
+    b = {"inputs": x, "targets": x}
+    with targets.tracing_for("h100"):
+        plan = jfsdp.fully_shard(model_class(cfg), mesh, b, units=LlamaBlock, remat="full", rng_streams=(),
+                                 mp_policy=jfsdp.MixedPrecision.parse("bf16"))
+        compiled = targets.compile_step("h100", plan, jfsdp.adamw(1e-3), models.loss_fn(cfg), b)
+    return plan, compiled
+
+
 def test_as_is_prefetch_in_call_order_exposes_what_stacked_does(h100):
     """A model given as it is (`models.llama.Llama`, its own Python loop) on the GPU default, prefetch in
     call order (engine/call_order.py), against the same model as `Stacked` on its prefetch pipeline
@@ -375,15 +390,8 @@ def test_as_is_prefetch_in_call_order_exposes_what_stacked_does(h100):
     gathers and reduce-scatters each in flight while a matmul runs, memory within 1.10x (measured
     0.999x). Each unit gathered when it is called (before call order) exposed every reduce-scatter but
     the first, and gathers with them (issue 30's figures at llama-1b)."""
-    from models.llama import Llama, LlamaBlock
-    cfg = dataclasses.replace(CFG, n_layers=4)
-    mesh = jfsdp.make_mesh(f"1x{S}", targets.devices("h100", f"1x{S}"))
-    x = jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32)
-    b = {"inputs": x, "targets": x}
-    with targets.tracing_for("h100"):
-        plan = jfsdp.fully_shard(Llama(cfg), mesh, b, units=LlamaBlock, remat="full", rng_streams=(),
-                                 mp_policy=jfsdp.MixedPrecision.parse("bf16"))
-        compiled = targets.compile_step("h100", plan, jfsdp.adamw(1e-3), models.loss_fn(cfg), b)
+    from models.llama import Llama
+    plan, compiled = _as_is_case(Llama)
     assert plan.prefetch   # the default on GPUs, as for Stacked
     ov = hlo.overlap(compiled.as_text(), S)
     got, want = hlo.overlap_summary(ov), hlo.overlap_summary(hlo.overlap(h100[4][-1], S))
@@ -402,15 +410,8 @@ def test_as_is_own_scan_pipelines_its_reduce_scatters(h100):
     reduce-scatter but one was exposed (llama-1b: 4.03 GiB against Stacked's 1.05). The backward loop's
     re-gather (remat full) is not pipelined by XLA in the model's scan (it is in Stacked's plain scan):
     the all-gathers exposed are 2.4x Stacked's here, only the forward loop's are asserted hidden."""
-    from models.llama import LlamaBlock, ScannedLlama
-    cfg = dataclasses.replace(CFG, n_layers=4)
-    mesh = jfsdp.make_mesh(f"1x{S}", targets.devices("h100", f"1x{S}"))
-    x = jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32)
-    b = {"inputs": x, "targets": x}
-    with targets.tracing_for("h100"):
-        plan = jfsdp.fully_shard(ScannedLlama(cfg), mesh, b, units=LlamaBlock, remat="full", rng_streams=(),
-                                 mp_policy=jfsdp.MixedPrecision.parse("bf16"))
-        compiled = targets.compile_step("h100", plan, jfsdp.adamw(1e-3), models.loss_fn(cfg), b)
+    from models.llama import ScannedLlama
+    plan, compiled = _as_is_case(ScannedLlama)
     assert not plan.prefetch
     ov = hlo.overlap(compiled.as_text(), S)
     got, want = hlo.overlap_summary(ov), hlo.overlap_summary(hlo.overlap(h100[4][-1], S))
