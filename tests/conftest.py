@@ -2,7 +2,7 @@
 import os
 import tempfile
 
-from tests.compile_flags import FAST  # noqa: E402  (jax-free)
+from tests.compile_flags import FAST, gpu_fast  # noqa: E402  (jax-free)
 
 # Faster CPU compiles (tests/compile_flags.py says what each flag changes). Flags given from outside are
 # kept (appended to), e.g. XLA_FLAGS=--xla_cpu_max_isa=AVX2 to run the numerical tests as on an
@@ -21,10 +21,24 @@ assert jax.device_count() == 16, f"expected 16 fake CPU devices, got {jax.device
 # configuration, loads its compiled step (a repeated run: 24 s -> 14 s, measured 2026-11-25). Set after
 # jax started, so this process's own programs are not cached: caching them too made no difference to a
 # fresh-clone run (1,744 s with, 1,750 s without, 2026-11-25).
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
-    tempfile.gettempdir(), f"jfsdp-tests-xla-cache-{os.environ.get('PYTEST_XDIST_TESTRUNUID', os.getpid())}"))
+_SESSION_DIR = os.path.join(tempfile.gettempdir(),
+                            f"jfsdp-tests-xla-cache-{os.environ.get('PYTEST_XDIST_TESTRUNUID', os.getpid())}")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _SESSION_DIR)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")   # the eval and sampling programs too
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
+# This process's compiles for a GPU target (jfsdp.planning.targets): a kernel cache per worker and ptxas at -O0
+# (tests/compile_flags.py says why neither changes what the tests read).
+from jfsdp.planning import targets as _targets  # noqa: E402
+_jfsdp_gpu_options = _targets.compiler_options
+_GPU_FAST = gpu_fast(_SESSION_DIR, os.environ.get("PYTEST_XDIST_WORKER", "main"))
+os.makedirs(_SESSION_DIR, exist_ok=True)
+
+
+def _compiler_options(*args, **kwargs):
+    return {**_jfsdp_gpu_options(*args, **kwargs), **_GPU_FAST}
+
+
+_targets.compiler_options = _compiler_options
 
 from tests.ci_skips import pytest_sessionfinish, pytest_terminal_summary  # noqa: E402,F401  (a skip under CI fails)
