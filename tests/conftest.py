@@ -41,4 +41,18 @@ def _compiler_options(*args, **kwargs):
 
 _targets.compiler_options = _compiler_options
 
+# pytest-xdist's --dist loadfile hands the files out in collection order, each to the next free worker: the
+# costliest files first (worker-seconds in a fresh-clone run, 2026-11-26: test_gpu_target 268, test_any_model
+# 229, test_checkpoint 180, ...) so that the run does not end on one worker finishing a long file alone.
+HEAVY_FIRST = ("test_gpu_target.py", "test_any_model.py", "test_checkpoint.py", "test_equivalence.py", "test_moe.py",
+               "test_grad_sync.py", "test_multiprocess.py", "test_tensor_parallel.py", "test_context_parallel.py",
+               "test_train_cli.py", "test_memory.py", "test_even_shards.py", "test_update_in_backward.py",
+               "test_float8_rowwise.py", "test_float8_any_model.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))   # stable: the rest keep their order
+
+
 from tests.ci_skips import pytest_sessionfinish, pytest_terminal_summary  # noqa: E402,F401  (a skip under CI fails)
