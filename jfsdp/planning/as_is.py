@@ -164,7 +164,7 @@ def _trace(v: AsIsView, loss_fn, local_batch, pdt, trainable, units: bool = True
     def hook(path, params, fn, inputs):
         j = which(path, params)
         params = stop_frozen(params, unit_t[j])
-        if not units and j not in reads:   # the structure alone needs them: not traced again per batch size
+        if j not in reads:
             reads[j] = _backward_reads(jax.checkpoint(fn, policy=policy), params, inputs)
         if units and j not in calls:
             sds = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
