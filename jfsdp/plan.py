@@ -18,6 +18,9 @@ communication per step, whether it fits and the largest global batch that fits.
   The device memory defaults to the GPU's; bf16 attention is cuDNN's fused attention; the estimate
   counts two gathered units (jfsdp's flags pipeline the all-gathers: FSDP's prefetch).
 
+`--as-is loop|scan` plans the named Llama as a Flax model given as it is (its own Python loop, or its own
+`nn.scan`; `models.factory.as_is_model`, docs/any-model.md) instead of as `Stacked`.
+
 The work is `jfsdp.planning.report`'s; this module parses the arguments and sets up the fake devices
 and XLA's flags before jax starts (it imports jax only then), and prints the report.
 """
