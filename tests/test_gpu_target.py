@@ -469,18 +469,23 @@ ENTRY %main (p0: bf16[4,8], p1: bf16[2], p2: f32[3]) -> f32[3] {
     assert not ov["all-reduce"].hidden
 
 
-def test_plan_cli_compiles_for_h100(tmp_path):
+def test_plan_cli_compiles_for_h100(tmp_path, capsys):
     """`python -m jfsdp.plan --target h100` through its main, on the Llama given as it is (`--as-is loop`:
     models.llama.Llama's own Python loop, units LlamaBlock; the Stacked path's report on the H100 target
     is test_tensor_planner's, and its compiled step h100's above): XLA:GPU's collectives in the report,
     bf16 gathers and fp32 reduce-scatters, the formula equal to the compiled all-gather and
     reduce-scatter bytes, the overlap table with exposed bytes per kind, and the prefetch in call order
-    with the same XLA options as the Stacked pipeline."""
+    with the same XLA options as the Stacked pipeline. A budget below the estimate (512 KiB; the estimate
+    is 1.1 MiB): the verdict "does NOT fit", no batch fits (and the largest-batch search stops after
+    one more estimate)."""
     from jfsdp import plan
     out = tmp_path / "plan.json"
     assert plan.main(["--model", "llama-test", "--mesh", "1x8", "--target", "h100", "--seq-len", "64", "--as-is", "loop",
-                      "--device-memory", "64MiB", "--json", str(out)]) == 0
+                      "--device-memory", "512KiB", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("llama-test as it is (its own Python loop)") and "does NOT fit in" in printed
     r = json.loads(out.read_text())
+    assert not r["fits"] and r["largest_global_batch"] == 0 and r["estimate"]["total"] > r["device_memory"] == 2**19
     assert r["as_is"] == "loop" and r["compiled"]["backend"] == "h100" and r["attention"] == "cudnn"
     assert ["all-gather", "bf16"] in r["collective_dtypes"] and ["reduce-scatter", "f32"] in r["collective_dtypes"]
     for kind in ("all-gather", "reduce-scatter"):   # the as-is formula (planning/as_is.py) against XLA:GPU's HLO
