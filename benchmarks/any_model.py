@@ -47,30 +47,22 @@ import jax.numpy as jnp  # noqa: E402
 import jfsdp  # noqa: E402
 import models  # noqa: E402
 from jfsdp.planning import hlo, memory, targets  # noqa: E402
-from models.llama import Llama, LlamaBlock, ScannedLlama  # noqa: E402
+import models.factory  # noqa: E402
 
 MiB = 2**20
 BASE = models.get_config("llama-tiny")   # width 128, vocabulary 259: small enough to compile many depths
 
 
-def features(model, batch):
-    """`Llama`'s own loop ending in the head's features (normed hidden states, head weight) instead of
-    its logits: the `call=` for the fused loss (`jfsdp.lm_loss`), as the planner runs `Stacked` models."""
-    h = model.root.embed(batch["inputs"])
-    for layer in model.layers:
-        h = layer(h)
-    return model.root.head_features(h)
-
-
 def plans(cfg, mesh, batch, strategy, remat, precision, as_is, loss="logits"):
     """as_is: True (its own Python loop), "scan" (its own nn.scan) or False (jfsdp.Stacked); loss 'fused':
-    the head's features for `jfsdp.lm_loss` (the own loop only), 'logits': the logits."""
+    the head's features for `jfsdp.lm_loss` (models.factory.as_is_model's call=), 'logits': the logits."""
     mp = jfsdp.MixedPrecision.parse(precision)
     fused = loss == "fused"
-    if as_is:
-        model = ScannedLlama(cfg) if as_is == "scan" else Llama(cfg)
-        return jfsdp.fully_shard(model, mesh, batch, units=LlamaBlock, strategy=strategy, remat=remat,
-                                 mp_policy=mp, rng_streams=(), **({"call": features} if fused else {}))
+    if as_is:   # the planner's own as-is model (python -m jfsdp.plan --as-is loop|scan)
+        model, units, call, _ = models.factory.as_is_model(cfg, "scan" if as_is == "scan" else "loop",
+                                                           "fused" if fused else "plain")
+        return jfsdp.fully_shard(model, mesh, batch, units=units, call=call, strategy=strategy, remat=remat,
+                                 mp_policy=mp, rng_streams=())
     root, unit, n = models.parts(cfg)
     stacked = jfsdp.Stacked(root, unit, n, **({"head_method": "head_features"} if fused else {}))
     return jfsdp.fully_shard(stacked, mesh, batch["inputs"], strategy=strategy, remat=remat, mp_policy=mp)

@@ -18,6 +18,9 @@ communication per step, whether it fits and the largest global batch that fits.
   The device memory defaults to the GPU's; bf16 attention is cuDNN's fused attention; the estimate
   counts two gathered units (jfsdp's flags pipeline the all-gathers: FSDP's prefetch).
 
+`--as-is loop|scan` plans the named Llama as a Flax model given as it is (its own Python loop, or its own
+`nn.scan`; `models.factory.as_is_model`, docs/any-model.md) instead of as `Stacked`.
+
 The work is `jfsdp.planning.report`'s; this module parses the arguments and sets up the fake devices
 and XLA's flags before jax starts (it imports jax only then), and prints the report.
 """
@@ -51,6 +54,10 @@ def _args(argv):
                    help="train.py's --mlp-tile: the MLP over the sequence in tiles of N tokens (0: off); auto: the "
                    "largest tile (tokens per device halved until it fits) whose estimate fits the device memory, off "
                    "when the untiled plan fits (docs/context-parallel.md)")
+    p.add_argument("--as-is", default=None, choices=("loop", "scan"),
+                   help="plan the Llama given as it is (fully_shard(model, ..., units=LlamaBlock); docs/any-model.md) "
+                   "instead of as Stacked: loop, models.llama.Llama (its own Python loop); scan, ScannedLlama (its own "
+                   "nn.scan)")
     p.add_argument("--strategy", default="full_shard")
     p.add_argument("--precision", default="bf16", help="fp32, bf16 (fp32 master, bf16 compute, fp32 reduce) or fp8 "
                    "(bf16 plus float8 unit matmuls and unit gathers at 1 byte per parameter) or fp8-rowwise (float8 "
@@ -117,7 +124,8 @@ def render(r: dict) -> str:
     e_here = r.get(f"estimate_{here}", e if here == tgt else None) if here else None
     tp = f" --tensor {r['tensor']}" if r.get("tensor", 1) > 1 else ""
     cp = f" --context {r['context']}" if r.get("context", 1) > 1 else ""
-    lines = [f"{r['model']} ({r['params'] / 1e9:.2f}B parameters) on mesh {r['mesh']}{cp}{tp} ({r['devices']} devices), "
+    form = {"loop": " as it is (its own Python loop)", "scan": " as it is (its own nn.scan)"}.get(r.get("as_is"), "")
+    lines = [f"{r['model']}{form} ({r['params'] / 1e9:.2f}B parameters) on mesh {r['mesh']}{cp}{tp} ({r['devices']} devices), "
              f"{r['strategy']}, {r['precision']}, remat {r['remat']}, batch {r['batch_size']} x {r['seq_len']} tokens"
              + (f", MLP in tiles of {r['mlp_tile']} tokens" if r.get("mlp_tile") else "")
              + (", optimizer inside the backward pass" if r.get("update_in_backward") else "")
@@ -224,6 +232,19 @@ def mlp_tile_option(text: str, seq_len: int, context: int = 1, tensor: int = 1):
     return tile
 
 
+def check_as_is(a) -> None:
+    """--as-is: what the planner cannot do for a model given as it is, refused before jax starts."""
+    if not a.as_is:
+        return
+    why = [(a.tensor > 1, "--tensor (the planner does not model XLA's collectives over 'tensor' for it)"),
+           (a.context > 1, "--context (context parallelism takes jfsdp.Stacked)"),
+           (a.mlp_tile not in (0, "0"), "--mlp-tile (a transform inside the unit: not planned for it)"),
+           (a.update_in_backward, "--update-in-backward (refused for a model given as it is)")]
+    for refused, flag in why:
+        if refused:
+            raise ConfigError(f"--as-is {a.as_is} cannot combine with {flag}; plan it as Stacked (without --as-is)")
+
+
 def _plan(a) -> dict:
     """Check what needs no jax, set up the devices, then start jax and make the report."""
     spec = mesh_spec(a.mesh, a.tensor, a.context)
@@ -235,6 +256,7 @@ def _plan(a) -> dict:
                           "the sequence)")
     async_tp_option(a.async_tp, a.tensor)   # ConfigError for --async-tp on at T = 1
     a.mlp_tile = mlp_tile_option(a.mlp_tile, a.seq_len, a.context, a.tensor)
+    check_as_is(a)
     budget = parse_bytes(a.device_memory) if a.device_memory else None
     set_fake_cpu_devices(n)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")

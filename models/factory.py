@@ -8,7 +8,7 @@ import jfsdp
 from models import moe as moe_model
 from models import loss_fn as loss_fn_of, parts
 from models.attention import blockwise_attention_bwd, blockwise_attention_fwd
-from models.llama import LlamaConfig
+from models.llama import Llama, LlamaBlock, LlamaConfig, ScannedLlama
 from models.moe import MoEConfig
 
 
@@ -45,6 +45,38 @@ def language_model(cfg, loss="fused", moe="auto", moe_chunks="auto", backend=Non
     root, unit, n_units = parts(cfg)
     return jfsdp.Stacked(root, unit, n_units, head_method=head), None, loss_fn
 
+
+
+AS_IS_FORMS = ("loop", "scan")
+
+
+def as_is_model(cfg, form="loop", loss="fused"):
+    """(model, units, call, loss_fn) of a Llama config given as it is, for `fully_shard(model, mesh, batch,
+    units=units, call=call)`: form 'loop' is `models.llama.Llama` (its own Python loop over its blocks),
+    'scan' is `ScannedLlama` (its blocks under its own `nn.scan`). loss 'fused', as `language_model` runs
+    the Stacked model: `call` ends in the root's `head_features` for `jfsdp.lm_loss`; 'plain': the model's
+    own `__call__` (call None), its logits. The planner (`python -m jfsdp.plan --as-is`) and
+    benchmarks/any_model.py use it."""
+    if not isinstance(cfg, LlamaConfig):
+        raise jfsdp.ConfigError(f"a model given as it is is planned for the Llama configs (models.llama.Llama, "
+                                f"ScannedLlama), not {type(cfg).__name__}")
+    if form not in AS_IS_FORMS:
+        raise jfsdp.ConfigError(f"as-is form '{form}': choose from {', '.join(AS_IS_FORMS)}")
+    model = Llama(cfg) if form == "loop" else ScannedLlama(cfg)
+    if loss != "fused":
+        return model, LlamaBlock, None, jfsdp.logits_loss()
+    return model, LlamaBlock, _head_features_call, jfsdp.lm_loss(vocab_major=cfg.tie_embeddings)
+
+
+def _head_features_call(model, batch):
+    """The model's own forward, its loop or its scan, ending in the head's features instead of logits."""
+    h = model.root.embed(batch["inputs"])
+    if isinstance(model, ScannedLlama):
+        h, _ = model.layers(h, None)
+    else:
+        for layer in model.layers:
+            h = layer(h)
+    return model.root.head_features(h)
 
 # The tensor-parallel plan of jfsdp's Llama (torchtitan's, in jfsdp's parameter paths): the attention's
 # q, k, v and the FFN's gate and up projections split on their outputs (heads, FFN width), the attention's

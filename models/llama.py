@@ -239,16 +239,19 @@ class ScannedBlock(LlamaBlock):
 
 class ScannedLlama(nn.Module):
     """The decoder with its blocks under `nn.scan` (parameters stacked on a leading layer axis), the way
-    deep Flax models keep compile time flat in depth; same root and blocks as `Llama`."""
+    deep Flax models keep compile time flat in depth; same root and blocks as `Llama`. Its parts are
+    made in `setup` (the same parameters and values as inline in `__call__`), so that a `call=` can
+    reach `self.root` and `self.layers`, as for `Llama` (models.factory.as_is_model's fused head)."""
     cfg: LlamaConfig
 
-    @nn.compact
+    def setup(self):
+        self.root = LlamaRoot(self.cfg)
+        self.layers = nn.scan(ScannedBlock, variable_axes={"params": 0}, split_rngs={"params": True},
+                              length=self.cfg.n_layers)(self.cfg)
+
     def __call__(self, tokens):
-        root = LlamaRoot(self.cfg, name="root")
-        layers = nn.scan(ScannedBlock, variable_axes={"params": 0}, split_rngs={"params": True},
-                         length=self.cfg.n_layers)(self.cfg, name="layers")
-        h, _ = layers(root.embed(tokens), None)
-        return root.head(h)
+        h, _ = self.layers(self.root.embed(tokens), None)
+        return self.root.head(h)
 
 
 def lm_loss(logits, batch):

@@ -469,19 +469,32 @@ ENTRY %main (p0: bf16[4,8], p1: bf16[2], p2: f32[3]) -> f32[3] {
     assert not ov["all-reduce"].hidden
 
 
-def test_plan_cli_compiles_for_h100(tmp_path):
+def test_plan_cli_compiles_for_h100(tmp_path, capsys):
+    """`python -m jfsdp.plan --target h100` through its main, on the Llama given as it is (`--as-is loop`:
+    models.llama.Llama's own Python loop, units LlamaBlock; the Stacked path's report on the H100 target
+    is test_tensor_planner's, and its compiled step h100's above): XLA:GPU's collectives in the report,
+    bf16 gathers and fp32 reduce-scatters, the formula equal to the compiled all-gather and
+    reduce-scatter bytes, the overlap table with exposed bytes per kind, and the prefetch in call order
+    with the same XLA options as the Stacked pipeline. A budget below the estimate (512 KiB; the estimate
+    is 1.1 MiB): the verdict "does NOT fit", no batch fits (and the largest-batch search stops after
+    one more estimate)."""
     from jfsdp import plan
     out = tmp_path / "plan.json"
-    assert plan.main(["--model", "llama-test", "--mesh", "1x8", "--target", "h100", "--seq-len", "64",
-                      "--device-memory", "64MiB", "--json", str(out)]) == 0
+    assert plan.main(["--model", "llama-test", "--mesh", "1x8", "--target", "h100", "--seq-len", "64", "--as-is", "loop",
+                      "--device-memory", "512KiB", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("llama-test as it is (its own Python loop)") and "does NOT fit in" in printed
     r = json.loads(out.read_text())
-    assert r["compiled"]["backend"] == "h100" and r["attention"] == "cudnn"
+    assert not r["fits"] and r["largest_global_batch"] == 0 and r["estimate"]["total"] > r["device_memory"] == 2**19
+    assert r["as_is"] == "loop" and r["compiled"]["backend"] == "h100" and r["attention"] == "cudnn"
     assert ["all-gather", "bf16"] in r["collective_dtypes"] and ["reduce-scatter", "f32"] in r["collective_dtypes"]
-    assert r["comm_compiled"]["all-gather"] == pytest.approx(r["comm_formula"]["all-gather"], rel=1e-6)
-    assert set(r["overlap"]) >= {"all-gather", "reduce-scatter"}
-    # remat full, full_shard: jfsdp's prefetch pipeline, with its own flags (XLA's pipeliner off)
-    assert r["prefetch"] is True and r["xla_options"]["xla_gpu_enable_pipelined_all_gather"] is False
+    for kind in ("all-gather", "reduce-scatter"):   # the as-is formula (planning/as_is.py) against XLA:GPU's HLO
+        assert r["comm_compiled"][kind] == pytest.approx(r["comm_formula"][kind], rel=1e-6), kind
+        assert r["overlap"][kind]["exposed_bytes"] + r["overlap"][kind]["hidden_bytes"] > 0
+    # remat full, full_shard: prefetch in call order (engine/call_order.py), the pipeline's flags
+    assert r["prefetch"] is True and r["schedule"].startswith("prefetch in call order")
     assert r["xla_options"] == targets.compiler_options(prefetch=True)
+    assert r["estimate"]["persistent"] == pytest.approx(r["compiled"]["argument"], rel=0.01)
 
 
 def test_torchtitan_llama3_8b_fits_below_fsdp2_with_torch_compile():

@@ -176,12 +176,27 @@ def _plan_here(monkeypatch, capsys, *args):
     (["--model", "llama-test", "--mesh", "1x4", "--device-memory", "lots"], "does not parse", False),
     (["--model", "llama-test", "--mesh", "2y2"], "malformed", False),
     (["--model", "llama-test", "--mesh", "4x1", "--tensor", "3", "--seq-len", "64"], "does not divide --seq-len 64", False),
+    # --as-is (the Llama given as it is): what its path cannot do, refused before anything is traced
+    (["--model", "llama-test", "--mesh", "1x8", "--as-is", "twice"], "argument --as-is: invalid choice", False),
+    (["--model", "llama-test", "--mesh", "1x8", "--tensor", "2", "--seq-len", "64", "--as-is", "loop"],
+     "--as-is loop cannot combine with --tensor", False),
+    (["--model", "llama-test", "--mesh", "1x8", "--context", "2", "--as-is", "scan"],
+     "--as-is scan cannot combine with --context", False),
+    (["--model", "llama-test", "--mesh", "1x16", "--mlp-tile", "auto", "--as-is", "loop"],
+     "--as-is loop cannot combine with --mlp-tile", False),
+    (["--model", "llama-test", "--mesh", "1x16", "--update-in-backward", "--as-is", "loop"],
+     "--as-is loop cannot combine with --update-in-backward", False),
+    (["--model", "moe-test", "--mesh", "1x16", "--as-is", "loop", "--no-compile"], "not MoEConfig", False),
 ])
 def test_plan_bad_input_is_one_line_and_status_2(monkeypatch, capsys, args, needle, process):
     """One case as the command (its process's exit status), the others through its main."""
     if process:
         p = _plan(*args)
         code, err = p.returncode, p.stderr
+    elif "invalid choice" in needle:   # argparse's own error: it exits (jfsdp.config.args.ArgParser)
+        with pytest.raises(SystemExit) as e:
+            _plan_here(monkeypatch, capsys, *args)
+        code, err = e.value.code, capsys.readouterr().err
     else:
         code, err = _plan_here(monkeypatch, capsys, *args)
     assert code == 2 and needle in err

@@ -25,13 +25,14 @@ DEFAULT_MEMORY = 80 * 2**30   # per device, where neither --device-memory nor a 
 
 def build(model_name, mesh_spec, strategy, precision, remat, batch_size, seq_len, devices=None, attention=None,
           loss="fused", moe="auto", moe_chunks="auto", backend=None, prefetch=None, tensor=1, async_tp=None, context=1,
-          overrides=None, mlp_tile=0):
+          overrides=None, mlp_tile=0, as_is=None):
     """(cfg, plan, optimizer, loss_fn, batch shapes) for a named model; nothing allocated. `mlp_tile`: the
     Llama MLP's tile in tokens (models/llama.py; 0: off).
     `devices`: the mesh's devices (default: all local ones); `attention`: override the config's;
     `prefetch`, `async_tp`: fully_shard's; `tensor`: T, with the model's tensor plan (models/factory.py) when T > 1;
     `context`: C, with the model's ring kernel (models.factory.context_kernel) when C > 1; `overrides`: fields of
-    the model's config to replace ({'name': value}; an unknown field is a ConfigError)."""
+    the model's config to replace ({'name': value}; an unknown field is a ConfigError); `as_is`: 'loop' or
+    'scan', the Llama given as it is instead of as `Stacked` (models.factory.as_is_model)."""
     import jax
     import jax.numpy as jnp
 
@@ -64,9 +65,16 @@ def build(model_name, mesh_spec, strategy, precision, remat, batch_size, seq_len
     x = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
     if batch_size % n:
         raise ConfigError(f"batch size {batch_size} does not divide over the {n} devices of the mesh")
+    mp = jfsdp.MixedPrecision.parse(precision)
+    if as_is:   # the model's own loop or scan, its units intercepted (jfsdp/engine/as_is.py)
+        model, units, call, loss_fn = models.factory.as_is_model(cfg, as_is, loss)
+        batch = {"inputs": x, "targets": x}
+        plan = jfsdp.fully_shard(model, mesh, batch, units=units, call=call, strategy=strategy, mp_policy=mp,
+                                 remat=remat, prefetch=prefetch, rng_streams=())
+        return cfg, plan, jfsdp.adamw(1e-4), loss_fn, batch
     model, moe_opt, loss_fn = models.factory.language_model(cfg, loss, moe, moe_chunks, backend)
     tensor_plan = models.factory.tensor_plan(cfg) if tensor > 1 else None
-    plan = jfsdp.fully_shard(model, mesh, x, strategy=strategy, mp_policy=jfsdp.MixedPrecision.parse(precision),
+    plan = jfsdp.fully_shard(model, mesh, x, strategy=strategy, mp_policy=mp,
                              remat=remat, moe=moe_opt, prefetch=prefetch, tensor_plan=tensor_plan,
                              async_tp=async_tp if tensor > 1 else None,
                              context_attention=models.factory.context_kernel() if context > 1 else None)
@@ -159,7 +167,7 @@ def report(a, budget: int | None = None) -> dict:
         built = lambda tile: build(a.model, a.mesh, a.strategy, a.precision, a.remat, a.batch_size, a.seq_len, devices,
                                    attention, a.loss, a.moe, a.moe_chunks, backend, tensor=tensor,
                                    async_tp=async_tp_option(getattr(a, "async_tp", "auto"), tensor), mlp_tile=tile,
-                                   context=context)
+                                   context=context, as_is=getattr(a, "as_is", None))
         tile = getattr(a, "mlp_tile", 0)
         if tile == "auto":   # the largest tile whose estimate fits; off where the untiled plan fits
             from jfsdp.planning import tiling
@@ -227,7 +235,8 @@ def _estimates(a, cfg, case: _Case, budget: int) -> dict:
            "strategy": plan.strategy.value, "precision": a.precision, "remat": a.remat,
            "update_in_backward": a.update_in_backward, "grad_accum": a.grad_accum, "grad_sync": a.grad_sync,
            "batch_size": case.batch["inputs"].shape[0], "seq_len": a.seq_len, "device_memory": budget,
-           "target": a.target, "mlp_tile": getattr(cfg, "mlp_tile", 0), "estimate": est.as_dict()}
+           "target": a.target, "mlp_tile": getattr(cfg, "mlp_tile", 0), "as_is": getattr(a, "as_is", None),
+           "estimate": est.as_dict()}
     if case.frozen:
         rep["freeze"], rep["frozen"] = a.freeze, list(case.frozen)
     if case.gpu:
@@ -237,7 +246,8 @@ def _estimates(a, cfg, case: _Case, budget: int) -> dict:
         rep["xla_options"] = targets.compiler_options(dict(xla_option(o) for o in a.xla_option),
                                                       plan.prefetch or a.update_in_backward, getattr(plan, "async_tp", False))
         rep["prefetch"] = plan.prefetch
-        rep["schedule"] = schedule(plan.strategy, plan.remat, plan.shards, plan.prefetch)
+        rep["schedule"] = (_as_is_schedule(plan) if getattr(plan, "as_is", False) else
+                           schedule(plan.strategy, plan.remat, plan.shards, plan.prefetch))
     if here != a.target:
         rep[f"estimate_{here}"] = _estimate(a, case, case.batch, here, a.prefetch).as_dict()
     if plan.tensor > 1:
@@ -247,6 +257,16 @@ def _estimates(a, cfg, case: _Case, budget: int) -> dict:
         rep["moe"] = moe.describe(plan)
     rep["layouts"] = sizes.leaf_layouts(plan)
     return rep
+
+
+def _as_is_schedule(plan) -> str:
+    """The overlap report's line for a model given as it is: how its units run (docs/any-model.md)."""
+    if plan.scanned:
+        return ("the model's own scan, XLA's pipeliner (no prefetch in call order: jfsdp does not own the loop "
+                "body; on GPUs the units are called untied from their inputs)")
+    if plan.prefetch:
+        return "prefetch in call order (the next unit's gather in flight while one computes; engine/call_order.py)"
+    return "each unit gathered when the model calls it (prefetch off)"
 
 
 def _compiled(a, case: _Case) -> dict:
