@@ -96,6 +96,10 @@ def model_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
                    "(default: ceil(T*k/E) doubled up to T)")
     g.add_argument("--moe-capacity-cap", type=float, default=d.moe_capacity_cap,
                    help="--moe adaptive: no capacity above this factor x T x k / E (tokens beyond it are dropped)")
+    g.add_argument("--moe-calibration", default=d.moe_calibration, metavar="FILE[:PART]",
+                   help="--moe adaptive: each capacity runs its fastest measured (mode, chunks) instead of the byte "
+                   "model's: a JSON list of {capacity, mode, chunks, seconds}, or an object holding one under "
+                   "'calibration' (benchmarks/moe_adaptive.py's parts; jfsdp/planning/moe_calibrate.py)")
 
 
 def optimization_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:

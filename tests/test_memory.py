@@ -176,6 +176,8 @@ def _plan_here(monkeypatch, capsys, *args):
     (["--model", "llama-test", "--mesh", "1x4", "--device-memory", "lots"], "does not parse", False),
     (["--model", "llama-test", "--mesh", "2y2"], "malformed", False),
     (["--model", "llama-test", "--mesh", "4x1", "--tensor", "3", "--seq-len", "64"], "does not divide --seq-len 64", False),
+    (["--model", "moe-test", "--mesh", "1x16", "--moe", "adaptive", "--moe-calibration", "/nonexistent/c.json"],
+     "moe calibration /nonexistent/c.json: No such file", False),
 ])
 def test_plan_bad_input_is_one_line_and_status_2(monkeypatch, capsys, args, needle, process):
     """One case as the command (its process's exit status), the others through its main."""

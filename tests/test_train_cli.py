@@ -94,6 +94,8 @@ BAD = {
     "moe-buckets-not-increasing": (["--model", "moe-test", "--moe", "adaptive", "--moe-buckets", "128,64"],
                                    "strictly increasing"),
     "moe-buckets-without-adaptive": (["--model", "moe-test", "--moe-buckets", "64,128"], "apply to --moe adaptive"),
+    "moe-calibration-missing": (["--model", "moe-test", "--moe", "adaptive", "--moe-calibration", "/nonexistent/c.json"],
+                                "moe calibration /nonexistent/c.json: No such file"),
     "context-zero": (["--context", "0"], "--context must be at least 1"),
     "context-seq-len": (["--mesh", "1x2", "--context", "3", "--seq-len", "64"], "2*C = 6 equal chunks"),
     "context-tensor-seq-len": (["--mesh", "1x2", "--context", "2", "--tensor", "2", "--seq-len", "36"],
