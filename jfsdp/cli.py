@@ -27,6 +27,7 @@ import re
 from jfsdp.config.args import ASYNC_TP, ArgParser, async_tp_option
 from jfsdp.config.errors import ConfigError
 from jfsdp.config.mesh import mesh_spec
+from jfsdp.config.moe_calibration import read as read_calibration
 from jfsdp.config.policy import Strategy, prefetch_by_default
 from jfsdp.config.sequence import check_mlp_tile
 from jfsdp.config.xla_flags import accelerator_present, gpu_xla_flags, run_hazard
@@ -220,6 +221,8 @@ def check_flags(c: TrainConfig) -> int | None:
     try:
         async_tp_option(c.async_tp, c.tensor)
         check_mlp_tile(c.mlp_tile, c.seq_len, c.context, c.tensor)
+        if c.moe_calibration:
+            read_calibration(c.moe_calibration)   # read again where the run builds its model
     except ConfigError as e:
         fail(str(e))
     try:

@@ -19,7 +19,7 @@ def language_model(cfg, loss="fused", moe="auto", moe_chunks="auto", backend=Non
     states, head weight) to a chunked cross-entropy (jfsdp.train.losses.lm_loss), the logits never exist;
     'plain': `head` gives logits. `head` overrides the head method (e.g. 'head' for sampling logits).
     An MoE model adds its load-balancing loss (models.moe.loss) and gets `jfsdp.MoE(moe, moe_chunks)`;
-    `buckets` ("64,128" or a tuple), `capacity_cap` and `calibration` (a file jfsdp.planning.moe_calibrate.read
+    `buckets` ("64,128" or a tuple), `capacity_cap` and `calibration` (a file jfsdp.config.moe_calibration.read
     reads, or its {(capacity, mode, chunks): seconds}) are adaptive mode's (jfsdp.MoE's buckets, capacity_factor,
     calibration)."""
     fused = loss == "fused"
@@ -40,8 +40,8 @@ def language_model(cfg, loss="fused", moe="auto", moe_chunks="auto", backend=Non
         if (buckets is not None or capacity_cap is not None or calibration is not None) and moe != "adaptive":
             raise jfsdp.ConfigError("--moe-buckets, --moe-capacity-cap and --moe-calibration apply to --moe adaptive")
         if isinstance(calibration, str):
-            from jfsdp.planning import moe_calibrate
-            calibration = moe_calibrate.read(calibration)
+            from jfsdp.config.moe_calibration import read
+            calibration = read(calibration)
         root, stages = moe_model.parts(cfg)
         loss_fn = moe_model.loss(loss_fn, cfg.aux_coef)   # + the load-balancing loss
         return (jfsdp.Staged(root, stages, head_method=head),
