@@ -4,6 +4,7 @@ the validation losses, and what makes them differ.
     python benchmarks/moe_adaptive_val.py --part step0 --json benchmarks/results/moe_adaptive_val.json
     python benchmarks/moe_adaptive_val.py --part runs --json benchmarks/results/moe_adaptive_val.json \\
         benchmarks/results/moe_adaptive_val/*.jsonl
+    python benchmarks/moe_adaptive_val.py --part nodrop --json benchmarks/results/moe_adaptive_val.json CKPT_DIR
 
 Each part replaces its own entry of the JSON file.
 
@@ -18,6 +19,8 @@ runs: the metrics files of train.py runs (`--metrics-out`, one file per run, nam
   run's last validation record (val_loss, and the language-model loss, aux loss and dropped share that
   train.py's evaluation logs for MoE models) and its last logged training step's dropped share; per mode
   the mean and the sample standard deviation over seeds, and per seed the difference adaptive - static.
+nodrop: a static run's last checkpoint (train.py --moe auto --ckpt-dir DIR) evaluated as above at its own
+  capacity 80 and at capacity 256, which drops nothing.
 """
 from __future__ import annotations
 
@@ -93,6 +96,43 @@ def step0_part():
             "mesh": c.mesh, "batch": f"{c.eval_iters} x {c.batch_size} x {c.seq_len} validation tokens", **out}
 
 
+def nodrop_part(ckpt_dir):
+    """The last checkpoint of a static (`--moe auto`) train.py run on train.py's validation batches, under its
+    own capacity (80) and under capacity T = 256 (drops nothing): whether its validation loss owes anything to
+    the choices its evaluation drops."""
+    import jax
+    import numpy as np
+
+    import jfsdp
+    from jfsdp.io import checkpoint as jckpt
+    from jfsdp.io import data as jdata
+    from jfsdp.runtime import build
+    from jfsdp.runtime import metrics as jm
+    from jfsdp.runtime.config import TrainConfig
+
+    c = TrainConfig(model="moe-test", mesh="2x4")
+    models = build.load_models()
+    model = build.choose_model(c, models)
+    mesh = jfsdp.make_mesh(c.mesh, jax.devices()[:8])
+    loader = jdata.Loader(jdata.load_tokens(None, model.config.vocab_size), c.batch_size, c.seq_len)
+    strategy, mp = jfsdp.Strategy.parse(c.strategy), jfsdp.MixedPrecision.parse(c.precision)
+    E, k = model.config.n_experts, model.config.top_k
+    whole = dataclasses.replace(model, config=dataclasses.replace(model.config, capacity_factor=E / k))
+    ckpt = jckpt.Checkpointer(ckpt_dir)
+    step = ckpt.latest_step()
+    out = {"checkpoint": f"{ckpt_dir} step {step}"}
+    for name, mm in (("capacity 80 (its own)", model), (f"capacity {c.seq_len} (drops nothing)", whole)):
+        sharded, _, loss_fn = build.shard_model(c, models, mm, mesh, strategy, mp)
+        opt = build.make_optimizer(c, sharded)[1]
+        state = ckpt.restore(step, jfsdp.abstract_state(sharded, opt), plan=sharded)
+        fn = jax.jit(jm.forward_metrics(sharded, {"loss": loss_fn, **build.eval_metrics(models, mm, loss_fn)}))
+        got = jax.device_get([fn(state.params, sharded.put_batch(b)) for b in loader.val_batches(c.eval_iters)])
+        out[name] = {m: float(np.mean([float(g[m]) for g in got])) for m in got[0]}
+        print(name, out[name], flush=True)
+    ckpt.close()
+    return {"device": f"CPU, {os.cpu_count()}-core {platform.machine()}, 8 fake XLA devices", **out}
+
+
 def runs_part(files):
     runs = []
     for f in sorted(files):
@@ -130,13 +170,16 @@ def runs_part(files):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", required=True)
-    ap.add_argument("--part", choices=("step0", "runs"), required=True)
-    ap.add_argument("files", nargs="*", help="--part runs: the runs' metrics files, MODE_sSEED.jsonl")
+    ap.add_argument("--part", choices=("step0", "runs", "nodrop"), required=True)
+    ap.add_argument("files", nargs="*", help="--part runs: the runs' metrics files, MODE_sSEED.jsonl; --part nodrop: "
+                    "the --ckpt-dir of a static run")
     a = ap.parse_args()
     if a.part == "runs" and not a.files:
         bad("--part runs needs the runs' metrics files")
     out = json.load(open(a.json)) if os.path.exists(a.json) else {}
-    res = step0_part() if a.part == "step0" else runs_part(a.files)
+    if a.part == "nodrop" and len(a.files) != 1:
+        bad("--part nodrop needs one checkpoint folder")
+    res = step0_part() if a.part == "step0" else runs_part(a.files) if a.part == "runs" else nodrop_part(a.files[0])
     import jax
     out[a.part] = {**res, "date": datetime.date.today().isoformat(), "jax": jax.__version__,
                    "command": " ".join(["python", "benchmarks/moe_adaptive_val.py", *sys.argv[1:]])}
