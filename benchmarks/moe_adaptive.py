@@ -4,7 +4,8 @@ load trace that shifts from skewed to balanced.
     python benchmarks/moe_adaptive.py --part cpu --json benchmarks/results/moe_adaptive.json
     python benchmarks/moe_adaptive.py --part h100 --json benchmarks/results/moe_adaptive.json
 
-Each part replaces its own entry of the JSON file.
+Each part replaces its own entry of the JSON file. Each part's "calibration" rows are what train.py's and
+jfsdp.plan's `--moe-calibration FILE:PART` read (jfsdp.planning.moe_calibrate.read).
 
 cpu: moe-test (1 dense + 2 MoE layers, 8 experts, top-2) as train.py runs it, 8 fake CPU devices, mesh 2x4,
   16 x 256 tokens, fp32, FULL_SHARD, remat none, fused loss, AdamW, embeddings scaled 10x (the router then
@@ -187,8 +188,10 @@ def h100_part():
             "dropped": float(np.maximum(load - pick["capacity"], 0).sum() / (T * k))},
             "static_dropped": {f"{s['mode']} k={s['chunks']} c={s['capacity']}":
                                float(np.maximum(load - s["capacity"], 0).sum() / (T * k)) for s in statics}})
+    calib = [{k: s[k] for k in ("capacity", "mode", "chunks", "seconds")} for s in statics]
     return {"device": "H100 SXM 80GB compile-only target (XLA:GPU, no GPU), 8 devices", "model":
-            f"mixtral-8x7b shapes, {p['layers']} of 32 layers", **p, "static": statics, "variants": variants,
+            f"mixtral-8x7b shapes, {p['layers']} of 32 layers", **p, "static": statics, "calibration": calib,
+            "variants": variants,
             "adaptive_program": whole, "branch_program": branch, "trace": trace}
 
 

@@ -79,6 +79,11 @@ def _args(argv):
                    "choose per stage (auto; see jfsdp/engine/moe.py); adaptive: list the capacity buckets it compiles with "
                    "each one's mode and modelled bytes (jfsdp/engine/moe_adaptive.py)")
     p.add_argument("--moe-chunks", default="auto", help="MoE expert-parallel stages: chunks k (or auto)")
+    p.add_argument("--moe-buckets", default=None, help="--moe adaptive: the capacities to plan, e.g. 64,128,256 "
+                   "(train.py's --moe-buckets)")
+    p.add_argument("--moe-calibration", default=None, metavar="FILE[:PART]",
+                   help="--moe adaptive: measured seconds per (capacity, mode, chunks) that choose each capacity's "
+                   "variant (train.py's --moe-calibration; jfsdp/planning/moe_calibrate.py)")
     p.add_argument("--prefetch", action="store_true", help="count two gathered units (prefetching the next)")
     p.add_argument("--async-tp", default="auto", choices=ASYNC_TP,
                    help="train.py's --async-tp: the TP collectives as rings of transfers that overlap the matmuls "

@@ -13,13 +13,15 @@ from models.moe import MoEConfig
 
 
 def language_model(cfg, loss="fused", moe="auto", moe_chunks="auto", backend=None, head=None, buckets=None,
-                   capacity_cap=None):
+                   capacity_cap=None, calibration=None):
     """(jfsdp model, MoE option or None, loss_fn) of a language-model config (Llama or MoE): one place
     for train.py, the planner, the benchmarks and the tests. loss 'fused': the root's `head_features` hands (hidden
     states, head weight) to a chunked cross-entropy (jfsdp.train.losses.lm_loss), the logits never exist;
     'plain': `head` gives logits. `head` overrides the head method (e.g. 'head' for sampling logits).
     An MoE model adds its load-balancing loss (models.moe.loss) and gets `jfsdp.MoE(moe, moe_chunks)`;
-    `buckets` ("64,128" or a tuple) and `capacity_cap` are adaptive mode's (jfsdp.MoE's buckets, capacity_factor)."""
+    `buckets` ("64,128" or a tuple), `capacity_cap` and `calibration` (a file jfsdp.config.moe_calibration.read
+    reads, or its {(capacity, mode, chunks): seconds}) are adaptive mode's (jfsdp.MoE's buckets, capacity_factor,
+    calibration)."""
     fused = loss == "fused"
     head = head or ("head_features" if fused else "head")
     loss_fn = (jfsdp.lm_loss(vocab_major=cfg.tie_embeddings) if fused else
@@ -35,12 +37,16 @@ def language_model(cfg, loss="fused", moe="auto", moe_chunks="auto", backend=Non
                 buckets = tuple(int(b) for b in buckets.split(","))
             except ValueError:
                 raise jfsdp.ConfigError(f"--moe-buckets '{buckets}' must be integers separated by commas") from None
-        if (buckets is not None or capacity_cap is not None) and moe != "adaptive":
-            raise jfsdp.ConfigError("--moe-buckets and --moe-capacity-cap apply to --moe adaptive")
+        if (buckets is not None or capacity_cap is not None or calibration is not None) and moe != "adaptive":
+            raise jfsdp.ConfigError("--moe-buckets, --moe-capacity-cap and --moe-calibration apply to --moe adaptive")
+        if isinstance(calibration, str):
+            from jfsdp.config.moe_calibration import read
+            calibration = read(calibration)
         root, stages = moe_model.parts(cfg)
         loss_fn = moe_model.loss(loss_fn, cfg.aux_coef)   # + the load-balancing loss
         return (jfsdp.Staged(root, stages, head_method=head),
-                jfsdp.MoE(mode=moe, chunks=moe_chunks, backend=backend, buckets=buckets, capacity_factor=capacity_cap),
+                jfsdp.MoE(mode=moe, chunks=moe_chunks, backend=backend, buckets=buckets, capacity_factor=capacity_cap,
+                          calibration=calibration),
                 loss_fn)
     root, unit, n_units = parts(cfg)
     return jfsdp.Stacked(root, unit, n_units, head_method=head), None, loss_fn

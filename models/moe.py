@@ -247,6 +247,7 @@ def loss(inner, aux_coef: float):
     logits or head features) + aux_coef x the mean over rows of the summed load-balancing losses."""
     def fn(outputs, batch):
         return inner(outputs["out"], batch) + aux_coef * jnp.mean(outputs["moe_stats"][:, AUX])
+    fn.lm_loss = lambda outputs, batch: inner(outputs["out"], batch)   # the language-model part alone
     fn.chunk = getattr(inner, "chunk", None)              # what jfsdp.planning.estimate reads of a fused loss
     fn.vocab_major = getattr(inner, "vocab_major", False)
     fn.vocab_parallel = getattr(inner, "vocab_parallel", False)   # a loss that reduces over a split vocabulary

@@ -187,6 +187,8 @@ def _plan_here(monkeypatch, capsys, *args):
     (["--model", "llama-test", "--mesh", "1x16", "--update-in-backward", "--as-is", "loop"],
      "--as-is loop cannot combine with --update-in-backward", False),
     (["--model", "moe-test", "--mesh", "1x16", "--as-is", "loop", "--no-compile"], "not MoEConfig", False),
+    (["--model", "moe-test", "--mesh", "1x16", "--moe", "adaptive", "--moe-calibration", "/nonexistent/c.json"],
+     "moe calibration /nonexistent/c.json: No such file", False),
 ])
 def test_plan_bad_input_is_one_line_and_status_2(monkeypatch, capsys, args, needle, process):
     """One case as the command (its process's exit status), the others through its main."""

@@ -5,6 +5,7 @@ whose batches drive the load up and down; the chosen capacity follows the batch 
 the first call; bad options as ConfigErrors."""
 import contextlib
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -176,3 +177,33 @@ def test_calibration_picks_the_fastest_measured_variant():
     assert moe_adaptive.calibrated(table, 0, 4, ("ep",), "auto", 8) == ("ep", 1, 3.0)   # run='ep'
     with pytest.raises(jfsdp.ConfigError, match="no measured gather/ep variant at capacity 8"):
         moe_adaptive.calibrated(table, 0, 8, both, "auto", 16)
+
+
+def test_calibration_file(tmp_path):
+    """--moe-calibration FILE[:PART] (train.py, jfsdp.plan): moe_calibrate.read gives the table from a list of rows,
+    from an object holding them under "calibration", or from one part of benchmarks/moe_adaptive.py's file; what
+    is not such a file is a ConfigError naming it. models.factory.language_model reads a path into the MoE option."""
+    rows = [{"capacity": 2, "mode": "gather", "chunks": 1, "seconds": 1.0}, {"capacity": 2, "mode": "ep", "chunks": 2,
+                                                                            "seconds": 0.5}]
+    want = {(2, "gather", 1): 1.0, (2, "ep", 2): 0.5}
+    files = {"list.json": rows, "object.json": {"calibration": rows, "device": "x"},
+             "parts.json": {"cpu": {"calibration": rows}, "h100": {"static": []}},
+             "two.json": {"cpu": {"calibration": rows}, "gpu": {"calibration": rows[:1]}},
+             "bad_row.json": [{**rows[0], "seconds": -1}], "bad_mode.json": [{**rows[0], "mode": "tp"}],
+             "empty.json": {"calibration": []}}
+    for name, content in files.items():
+        (tmp_path / name).write_text(json.dumps(content))
+    (tmp_path / "text.json").write_text("capacity,mode\n")
+    for name in ("list.json", "object.json", "parts.json", "parts.json:cpu"):
+        assert moe_calibrate.read(str(tmp_path / name)) == want, name
+    assert moe_calibrate.read(str(tmp_path / "two.json:gpu")) == {(2, "gather", 1): 1.0}
+    for name, why in [("two.json", "several parts hold a calibration .cpu, gpu.: name one as"),
+                      ("parts.json:h100", "no \"calibration\" list in it"), ("parts.json:tpu", "no part 'tpu' .it has cpu, h100."),
+                      ("bad_row.json", "row 0 .* is not"), ("bad_mode.json", "row 0"), ("empty.json", "non-empty list"),
+                      ("text.json", "not JSON"), ("missing.json", "No such file")]:
+        with pytest.raises(jfsdp.ConfigError, match=f"moe calibration .*{why}"):
+            moe_calibrate.read(str(tmp_path / name))
+    _, option, _ = models.factory.language_model(CFG, moe="adaptive", calibration=str(tmp_path / "list.json"))
+    assert option.calibration == want
+    with pytest.raises(jfsdp.ConfigError, match="--moe-calibration apply to --moe adaptive"):
+        models.factory.language_model(CFG, moe="auto", calibration=str(tmp_path / "list.json"))

@@ -55,7 +55,8 @@ def test_tiny_run_end_to_end(tmp_path):
 def test_moe_model_trains_and_logs_its_router(tmp_path):
     """train.py --model moe-test in expert-parallel mode: the loss falls, and the metrics carry the
     load-balancing loss and the dropped fraction (measured by the model's own statistics), the capacity
-    (ceil(1.25 x 32 x 2 / 8) = 10 slots), the mode and the chunks."""
+    (ceil(1.25 x 32 x 2 / 8) = 10 slots), the mode and the chunks; the evaluations carry the
+    language-model loss, the load-balancing loss and the dropped share of the validation batches."""
     metrics = tmp_path / "metrics.jsonl"
     r = run_train("--mesh", "1x4", "--model", "moe-test", "--moe", "ep", "--batch-size", "8", "--seq-len", "32",
                   "--steps", "8", "--log-every", "4", "--eval-every", "8", "--gen-tokens", "4",
@@ -68,6 +69,13 @@ def test_moe_model_trains_and_logs_its_router(tmp_path):
         assert 0.0 <= x["moe_dropped"] <= 1.0
         assert (x["moe_capacity"], x["moe_mode"], x["moe_chunks"]) == (10, "ep", 1)
     assert train[-1]["loss"] < train[0]["loss"]
+    # the evaluation's own MoE figures (same forward pass): the loss is the language-model loss plus
+    # aux_coef x the load-balancing loss
+    val = [x for x in map(json.loads, metrics.read_text().splitlines()) if "val_loss" in x]
+    assert [x["step"] for x in val] == [0, 8] and all(0.0 <= x["val_moe_dropped"] <= 1.0 for x in val)
+    for x in val:
+        assert x["val_loss"] == pytest.approx(x["val_lm_loss"] + 0.01 * x["val_moe_aux_loss"], rel=1e-5)
+        assert x["val_moe_aux_loss"] > 0
     assert "moe_aux_loss" in r.stdout and "moe_mode ep" in r.stdout and "== sample" in r.stdout
 
 
@@ -94,6 +102,8 @@ BAD = {
     "moe-buckets-not-increasing": (["--model", "moe-test", "--moe", "adaptive", "--moe-buckets", "128,64"],
                                    "strictly increasing"),
     "moe-buckets-without-adaptive": (["--model", "moe-test", "--moe-buckets", "64,128"], "apply to --moe adaptive"),
+    "moe-calibration-missing": (["--model", "moe-test", "--moe", "adaptive", "--moe-calibration", "/nonexistent/c.json"],
+                                "moe calibration /nonexistent/c.json: No such file"),
     "context-zero": (["--context", "0"], "--context must be at least 1"),
     "context-seq-len": (["--mesh", "1x2", "--context", "3", "--seq-len", "64"], "2*C = 6 equal chunks"),
     "context-tensor-seq-len": (["--mesh", "1x2", "--context", "2", "--tensor", "2", "--seq-len", "36"],

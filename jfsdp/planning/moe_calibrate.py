@@ -25,6 +25,7 @@ import time
 
 import jax
 
+from jfsdp.config.moe_calibration import read, table  # noqa: F401 (the calibration file: jax-free, for the command lines)
 from jfsdp.planning import hlo
 
 # Dense bf16 peak FLOP/s and one device's NVLink bandwidth per direction (bytes/s), per compile target:
@@ -79,6 +80,4 @@ def timed(step, state, batch, steps: int = 3) -> tuple:
     return statistics.median(times), state
 
 
-def table(rows) -> dict:
-    """{(capacity, mode, chunks): seconds} from rows of dicts with those keys: `MoE.calibration`."""
-    return {(r["capacity"], r["mode"], r["chunks"]): r["seconds"] for r in rows}
+

@@ -25,11 +25,12 @@ DEFAULT_MEMORY = 80 * 2**30   # per device, where neither --device-memory nor a 
 
 def build(model_name, mesh_spec, strategy, precision, remat, batch_size, seq_len, devices=None, attention=None,
           loss="fused", moe="auto", moe_chunks="auto", backend=None, prefetch=None, tensor=1, async_tp=None, context=1,
-          overrides=None, mlp_tile=0, as_is=None):
+          overrides=None, mlp_tile=0, as_is=None, moe_buckets=None, moe_calibration=None):
     """(cfg, plan, optimizer, loss_fn, batch shapes) for a named model; nothing allocated. `mlp_tile`: the
     Llama MLP's tile in tokens (models/llama.py; 0: off).
     `devices`: the mesh's devices (default: all local ones); `attention`: override the config's;
     `prefetch`, `async_tp`: fully_shard's; `tensor`: T, with the model's tensor plan (models/factory.py) when T > 1;
+    `moe_buckets`, `moe_calibration`: adaptive MoE's (models.factory.language_model's buckets, calibration);
     `context`: C, with the model's ring kernel (models.factory.context_kernel) when C > 1; `overrides`: fields of
     the model's config to replace ({'name': value}; an unknown field is a ConfigError); `as_is`: 'loop' or
     'scan', the Llama given as it is instead of as `Stacked` (models.factory.as_is_model)."""
@@ -72,7 +73,8 @@ def build(model_name, mesh_spec, strategy, precision, remat, batch_size, seq_len
         plan = jfsdp.fully_shard(model, mesh, batch, units=units, call=call, strategy=strategy, mp_policy=mp,
                                  remat=remat, prefetch=prefetch, rng_streams=())
         return cfg, plan, jfsdp.adamw(1e-4), loss_fn, batch
-    model, moe_opt, loss_fn = models.factory.language_model(cfg, loss, moe, moe_chunks, backend)
+    model, moe_opt, loss_fn = models.factory.language_model(cfg, loss, moe, moe_chunks, backend, buckets=moe_buckets,
+                                                            calibration=moe_calibration)
     tensor_plan = models.factory.tensor_plan(cfg) if tensor > 1 else None
     plan = jfsdp.fully_shard(model, mesh, x, strategy=strategy, mp_policy=mp,
                              remat=remat, moe=moe_opt, prefetch=prefetch, tensor_plan=tensor_plan,
@@ -167,7 +169,9 @@ def report(a, budget: int | None = None) -> dict:
         built = lambda tile: build(a.model, a.mesh, a.strategy, a.precision, a.remat, a.batch_size, a.seq_len, devices,
                                    attention, a.loss, a.moe, a.moe_chunks, backend, tensor=tensor,
                                    async_tp=async_tp_option(getattr(a, "async_tp", "auto"), tensor), mlp_tile=tile,
-                                   context=context, as_is=getattr(a, "as_is", None))
+                                   context=context, as_is=getattr(a, "as_is", None),
+                                   moe_buckets=getattr(a, "moe_buckets", None),
+                                   moe_calibration=getattr(a, "moe_calibration", None))
         tile = getattr(a, "mlp_tile", 0)
         if tile == "auto":   # the largest tile whose estimate fits; off where the untiled plan fits
             from jfsdp.planning import tiling

@@ -96,7 +96,8 @@ def shard_model(c: TrainConfig, models, model: ModelChoice, mesh, strategy, mp) 
     def shard(head):
         nonlocal loss_fn
         module, moe, loss_fn = models.factory.language_model(config, c.loss, c.moe, c.moe_chunks, head=head,
-                                                                     buckets=c.moe_buckets, capacity_cap=c.moe_capacity_cap)
+                                                                     buckets=c.moe_buckets, capacity_cap=c.moe_capacity_cap,
+                                                                     calibration=c.moe_calibration)
         plan = models.factory.tensor_plan(model.config) if c.tensor > 1 else None
         ring = models.factory.context_kernel() if c.context > 1 else None   # docs/context-parallel.md
         return jfsdp.fully_shard(module, mesh, example, strategy=strategy, mp_policy=mp, remat=c.remat, moe=moe,
@@ -132,6 +133,18 @@ def model_metrics(models, model: ModelChoice) -> dict:
         return {}
     return {"moe_aux_loss": models.moe.aux_loss, "moe_dropped": models.moe.dropped_fraction,
             "moe_capacity": models.moe.capacity_used}
+
+
+def eval_metrics(models, model: ModelChoice, loss_fn) -> dict:
+    """What an evaluation measures beside the loss, in the same forward pass: for an MoE model the
+    language-model loss alone (the loss is it plus aux_coef x the load-balancing loss), the
+    load-balancing loss and the dropped share of the validation batches' routed choices. The
+    evaluation runs the training plan, so a static capacity drops validation tokens as it drops
+    training ones, and an adaptive one follows the validation batches' load."""
+    if not model.is_moe:
+        return {}
+    return {"lm_loss": loss_fn.lm_loss, "moe_aux_loss": models.moe.aux_loss,
+            "moe_dropped": models.moe.dropped_fraction}
 
 
 def moe_variant(sharded, metrics: dict) -> dict:

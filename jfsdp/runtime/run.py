@@ -128,7 +128,11 @@ class Run:
                                                trainable=self.trainable)
             batch = self.put(self.loader.batch(self.loader.step))
             self.compiled = train_step.lower(self.state, batch).compile()
-        self.eval_loss = jax.jit(sharded.loss(self.loss_fn))
+        # the loss, and a model's evaluation metrics (build.eval_metrics) from the same forward pass
+        extra = build.eval_metrics(self.models, self.model, self.loss_fn)
+        loss = sharded.loss(self.loss_fn)
+        self.eval_fn = jax.jit(jm.forward_metrics(sharded, {"loss": self.loss_fn, **extra}) if extra
+                               else lambda params, batch: {"loss": loss(params, batch)})
         # one forward pass for all of them (jfsdp.runtime.metrics.forward_metrics), None without any
         self.model_metrics = jax.jit(jm.forward_metrics(sharded, self.metric_fns)) if self.metric_fns else None
         self.val_set = [self.put(b) for b in self.loader.val_batches(c.eval_iters)]
@@ -174,9 +178,11 @@ class Run:
                     else "no checkpoint was saved"))
 
     def evaluate(self, step: int) -> float:
-        loss = float(np.mean([float(self.eval_loss(self.state.params, b)) for b in self.val_set]))
+        got = jax.device_get([self.eval_fn(self.state.params, b) for b in self.val_set])
+        means = {k: float(np.mean([float(g[k]) for g in got])) for k in got[0]}
+        loss = means.pop("loss")
         self.history["val"].append((step, loss))
-        self.out.write(step=step, val_loss=loss)
+        self.out.write(step=step, val_loss=loss, **{f"val_{k}": v for k, v in means.items()})
         return loss
 
     def throughput(self, tps: float) -> dict:
