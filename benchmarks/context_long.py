@@ -131,7 +131,8 @@ def longest(model: str, devices: int, context: int, budget: int, overrides: dict
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--contexts", default="1,2,4,8", help="C values for the longest-sequence search (none: skip)")
-    p.add_argument("--points", default="all", help="all: also llama-8b 256k C = 8 and llama-70b 128k on 64; none")
+    p.add_argument("--points", default="all", choices=("all", "8b", "none"),
+                   help="all: also llama-8b 256k C = 8 and llama-70b 128k on 64; 8b: only the first; none")
     p.add_argument("--device-memory-gib", type=float, default=80.0)
     p.add_argument("--target", default="h100")
     p.add_argument("--model-option", action="append", default=[], metavar="NAME=VALUE",
@@ -185,10 +186,11 @@ def main(argv=None) -> int:
             out["probes"].append(point(model, devices, c, t, overrides, a.target, True, cache))
         save()
         return 0
-    if a.points == "all":
+    if a.points in ("all", "8b"):
         print("single points", flush=True)
         out["points"].append(point("llama-8b", 8, 8, 262144, overrides, a.target, True, cache))
         save()
+    if a.points == "all":
         out["points"].append(point("llama-70b", 64, 8, 131072, overrides, a.target, True, cache))
         save()
     for c in contexts:
