@@ -60,8 +60,8 @@ def _map(f, n: int, tie):
     """`lax.map(f, jnp.arange(n))`, with the stacked outputs' buffers made from a zero that depends on `tie` (an
     input of this call). lax.map's buffers start as constant zeros that depend on nothing; XLA:GPU hoists those
     out of the enclosing loop over layers and fuses them into one op, so that every call's buffers in a unit
-    (the ring's hops: 2 per hop) were allocated at once and stayed live through the whole step: 19.5 of the
-    35.3 GiB of llama-8b widths at 32,768 tokens per device, C = 8 (docs/context-parallel.md). Tied to this
+    (the ring's hops: 2 per hop) were allocated at once and stayed live through the whole step: 16.0 of the
+    35.3 GiB of llama-8b's widths with 2 layers at 32,768 tokens per device, C = 8 (docs/context-parallel.md). Tied to this
     call's input, each buffer is made where the call runs and freed after it. The values are lax.map's."""
     shapes = jax.eval_shape(f, jax.ShapeDtypeStruct((), jnp.int32))
     zero = lax.optimization_barrier((jnp.zeros((), jnp.float32), tie))[0]
