@@ -14,6 +14,7 @@ the target's topology (25-90 s a compile on a 2-core CPU machine).
 
     python benchmarks/context_long.py --json benchmarks/results/context_long.json
     python benchmarks/context_long.py --contexts 8 --points none --json /tmp/c8.json
+    python benchmarks/context_long.py --contexts none --points 8b --seq-lens 262144,1572864 ...   # llama-8b, C = 8
     python benchmarks/context_long.py --model-option mlp_tile=4096 ...   # a config field (e.g. a tiled MLP)
     python benchmarks/context_long.py --reuse FILE ...   # compiled figures of identical points taken from FILE
 """
@@ -131,7 +132,10 @@ def longest(model: str, devices: int, context: int, budget: int, overrides: dict
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--contexts", default="1,2,4,8", help="C values for the longest-sequence search (none: skip)")
-    p.add_argument("--points", default="all", help="all: also llama-8b 256k C = 8 and llama-70b 128k on 64; none")
+    p.add_argument("--points", default="all", choices=("all", "8b", "none"),
+                   help="all: also llama-8b 256k C = 8 and llama-70b 128k on 64; 8b: only the first; none")
+    p.add_argument("--seq-lens", default="262144",
+                   help="the llama-8b C = 8 single points' sequence lengths, comma-separated (default: 256k)")
     p.add_argument("--device-memory-gib", type=float, default=80.0)
     p.add_argument("--target", default="h100")
     p.add_argument("--model-option", action="append", default=[], metavar="NAME=VALUE",
@@ -185,10 +189,12 @@ def main(argv=None) -> int:
             out["probes"].append(point(model, devices, c, t, overrides, a.target, True, cache))
         save()
         return 0
-    if a.points == "all":
+    if a.points in ("all", "8b"):
         print("single points", flush=True)
-        out["points"].append(point("llama-8b", 8, 8, 262144, overrides, a.target, True, cache))
-        save()
+        for seq in (int(t) for t in a.seq_lens.split(",")):
+            out["points"].append(point("llama-8b", 8, 8, seq, overrides, a.target, True, cache))
+            save()
+    if a.points == "all":
         out["points"].append(point("llama-70b", 64, 8, 131072, overrides, a.target, True, cache))
         save()
     for c in contexts:

@@ -22,8 +22,9 @@ def plain_attention(q, k, v, causal=True):
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1).astype(v.dtype), v)
 
 
-@pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("block", [8, 37, 64])     # uneven last block, one exact block, one oversized block
+# uneven last block, one exact block (not causal: no mask at all), one oversized block (clamped to T: the exact
+# block's program, so once)
+@pytest.mark.parametrize("causal, block", [(True, 8), (False, 8), (True, 37), (False, 37), (True, 64)])
 def test_blockwise_attention_equals_plain(causal, block):
     ks = jax.random.split(jax.random.key(1), 4)
     B, T, H, K, D = 2, 37, 6, 2, 16                  # grouped-query attention 6:2
@@ -55,3 +56,42 @@ def test_blockwise_attention_memory_is_linear_in_sequence():
     assert p1 >= scores and p2 >= 3.5 * p1 * 0.9            # quadratic
     assert f2 <= 2.2 * f1 and f1 < scores / 4              # linear, and far below one score matrix
     print(f"attention temp bytes T=2048/4096: plain {p1:,}/{p2:,}, blockwise {f1:,}/{f2:,}")
+
+
+def test_the_ring_kernel_makes_no_array_per_block_under_remat():
+    """The two halves the ring runs per hop (blockwise_attention_fwd / _bwd, not causal), inside a custom VJP
+    under jax.checkpoint and grad, as a unit runs them: no value of the program is as large as one (T, block)
+    score row per head. A mask that depended on the key block only was precomputed for all blocks at once
+    there, (n, B, K, G, block, block) booleans per call (256 MiB per hop at llama-8b's heads, 16,384 tokens;
+    docs/context-parallel.md); the outputs themselves, (T, H, D), stay. (The other lever, stacked outputs
+    made from a zero tied to the call, is XLA:GPU's to see: test_context_parallel's H100 ring test.)"""
+    from models.attention import blockwise_attention_bwd, blockwise_attention_fwd
+    b, t, h, kv, d, block = 1, 256, 4, 2, 8, 16
+
+    @jax.custom_vjp
+    def att(q, k, v):
+        return fwd(q, k, v)[0]
+
+    def fwd(q, k, v):
+        o, lse = blockwise_attention_fwd(q, k, v, causal=False, block=block)
+        return o.astype(q.dtype), (q, k, v, o.astype(q.dtype), lse)
+
+    def bwd(res, do):
+        return tuple(g.astype(x.dtype) for g, x in zip(blockwise_attention_bwd(*res, do, causal=False, block=block),
+                                                        res[:3]))
+    att.defvjp(fwd, bwd)
+    q = jax.ShapeDtypeStruct((b, t, h, d), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((b, t, kv, d), jnp.bfloat16)
+    loss = lambda q, k, v: jax.checkpoint(lambda *a: att(*a).astype(jnp.float32).sum())(q, k, v)
+    jaxpr = jax.make_jaxpr(jax.grad(loss, (0, 1, 2)))(q, k, k).jaxpr
+
+    def sizes(j):
+        for eqn in j.eqns:
+            yield from (int(np.prod(v.aval.shape)) for v in eqn.outvars if hasattr(v.aval, "shape"))
+            for p in eqn.params.values():
+                for x in (p if isinstance(p, (list, tuple)) else [p]):
+                    inner = getattr(x, "jaxpr", None)
+                    if inner is not None:
+                        yield from sizes(getattr(inner, "jaxpr", inner))
+    assert max(sizes(jaxpr)) <= b * t * h * d          # the output's size; one (T, block) row per head: 16x it
+    assert b * t * h * block > b * t * h * d

@@ -128,7 +128,15 @@ def test_the_ring_hides_every_hop_but_the_first_on_an_h100_target():
     sh = jax.sharding.NamedSharding(mesh, P(None, "context"))
     q, kv = (jax.ShapeDtypeStruct((1, t, h, 128), jax.numpy.bfloat16, sharding=sh) for h in (32, 8))
     with targets.tracing_for("h100"):
-        text = jax.jit(grads).lower(q, kv, kv, q).compile(compiler_options=targets.compiler_options(context=True)).as_text()
+        compiled = jax.jit(grads).lower(q, kv, kv, q).compile(compiler_options=targets.compiler_options(context=True))
+    text = compiled.as_text()
+    # XLA:GPU's temporaries, in (T/C, H, D) fp32 buffers (the ring's partial outputs): 8.1 with each blockwise
+    # call's stacked outputs made from a zero tied to its keys (models/attention.py `_map`), 9.7 with
+    # lax.map's constant zeros, which XLA:GPU fused into one op for all calls, so that all were live at once
+    # (inside the scan over layers, hoisted out of it: 16 GiB at llama-8b's widths, 2 layers, 256k, C = 8;
+    # context-parallel.md)
+    o32 = t // c * 32 * 128 * 4
+    assert compiled.memory_analysis().temp_size_in_bytes <= 8.5 * o32
     perms = [o for o in hlo.overlap(text, c) if o.collective.kind == "collective-permute"]
     first, block = first_hops(text), t // c * 8 * 128 * 2
     # all of the ring: K and V 4(C - 1) blocks, dK and dV (fp32) 2(C - 2) + 2; the first hops: K and V twice

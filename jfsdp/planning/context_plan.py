@@ -11,8 +11,8 @@ many tokens a device holds and what the ring adds.
   another 2(C - 1) K/V blocks.
 - Memory (`ring_buffers`): what the ring holds besides what the unit holds at C = 1, at the units'
   backward peak (the recomputed ring's hops): the fp32 partial output of a hop and the running merged one
-  (up to two (B, T/C, H, D) fp32 buffers beyond the output on XLA:CPU; on XLA:GPU two per hop, 2(C - 1),
-  as its scheduler runs the hops ahead of their merges), and where a hop's (L x L) chunk pair is one
+  (up to two (B, T/C, H, D) fp32 buffers beyond the output on XLA:CPU; on XLA:GPU about one per hop, C - 1,
+  measured on the ring alone), and where a hop's (L x L) chunk pair is one
   tile of the per-block kernel (L = T/2C at most its block), XLA schedules the hops' independent kernels
   together: four score tiles (scores and exponentials of the hop's two kernel calls) per hop, 4(C - 1) in
   all (measured on XLA:CPU: docs/planner.md). Where the kernel loops over several tiles per hop, the
@@ -119,10 +119,11 @@ def ring_buffers(plan, local_batch, backend: str | None = None) -> int:
             whole = b * h * (t // 2) ** 2 * 4       # the hop's (L x L) scores in fp32
             o32 = b * t * h * d * 4
             tiles = 4 * (C - 1) * tile if tile >= whole else 0
-            # XLA:GPU's latency-hiding scheduler runs the hops' attention ahead of their merges: two fp32
-            # (B, T/C, H, D) buffers per hop stay live (the ring alone, llama-8b's heads, 8,192 tokens per
-            # device: 589 MiB of temporaries at C = 2, 2,196 at C = 8, 268 MiB = 2.1 of them per hop;
-            # benchmarks/context_ring.py --h100); XLA:CPU keeps at most two in all
-            partials = 2 * (C - 1) if backend == "gpu" else min(C - 1, 2)
+            # XLA:GPU holds about one fp32 (B, T/C, H, D) buffer per hop (the ring alone, llama-8b's heads,
+            # 8,192 tokens per device: 580 MiB of temporaries at C = 2, 1,191 at C = 8, 102 MiB = 0.8 of them
+            # per hop; benchmarks/context_ring.py --h100, 2026-11-26). It was 2.1 per hop (589 and 2,196 MiB)
+            # while the blockwise kernel's stacked outputs started from constant zeros, which XLA:GPU fused
+            # into one op for all hops (models/attention.py `_map`). XLA:CPU keeps at most two in all
+            partials = C - 1 if backend == "gpu" else min(C - 1, 2)
             best = max(best, tiles + partials * o32)
     return best
