@@ -5,7 +5,7 @@ load trace that shifts from skewed to balanced.
     python benchmarks/moe_adaptive.py --part h100 --json benchmarks/results/moe_adaptive.json
 
 Each part replaces its own entry of the JSON file. Each part's "calibration" rows are what train.py's and
-jfsdp.plan's `--moe-calibration FILE:PART` read (jfsdp.planning.moe_calibrate.read).
+jfsdp.plan's `--moe-calibration FILE:PART` read (jfsdp.config.moe_calibration.read).
 
 cpu: moe-test (1 dense + 2 MoE layers, 8 experts, top-2) as train.py runs it, 8 fake CPU devices, mesh 2x4,
   16 x 256 tokens, fp32, FULL_SHARD, remat none, fused loss, AdamW, embeddings scaled 10x (the router then
@@ -56,6 +56,7 @@ import numpy as np  # noqa: E402
 import jfsdp  # noqa: E402
 import models  # noqa: E402
 import models.factory  # noqa: E402
+from jfsdp.config import moe_calibration  # noqa: E402
 from jfsdp.planning import memory, moe_calibrate, targets  # noqa: E402
 from jfsdp.runtime import metrics as jm  # noqa: E402
 from models import moe  # noqa: E402
@@ -125,7 +126,7 @@ def cpu_part():
         # program does not depend on the load)
         calib.append({"capacity": c, "mode": mode, "chunks": k,
                       "seconds": statistics.median(t["step_s"] for t in statics[-1]["trace"])})
-    option = dataclasses.replace(base, calibration=moe_calibrate.table(calib))
+    option = dataclasses.replace(base, calibration=moe_calibration.table(calib))
     plan = jfsdp.fully_shard(module, mesh, x, moe=option)
     variants = [dataclasses.asdict(v) for v in plan.moe_stages[-1].variants]
     row = {"program": f"adaptive {p['buckets']}", **run_trace(plan, loss_fn)}
@@ -169,7 +170,7 @@ def h100_part():
                         "total_gib": memory.measure(compiled)["total"] / GiB,
                         **moe_calibrate.modelled(compiled, 8, h100_flops(cfg, c, p["seq"]), "h100")})
         print({k: v for k, v in statics[-1].items() if k not in ("exposed_bytes", "hidden_bytes")}, flush=True)
-    option = dataclasses.replace(base, calibration=moe_calibrate.table(statics))
+    option = dataclasses.replace(base, calibration=moe_calibration.table(statics))
     aplan, compiled, cs = compile_one(cfg, option)
     variants = [dataclasses.asdict(v) for v in aplan.moe_stages[-1].variants]
     whole = {"compile_s": cs, "total_gib": memory.measure(compiled)["total"] / GiB}

@@ -52,7 +52,6 @@ def language_model(cfg, loss="fused", moe="auto", moe_chunks="auto", backend=Non
     return jfsdp.Stacked(root, unit, n_units, head_method=head), None, loss_fn
 
 
-
 AS_IS_FORMS = ("loop", "scan")
 
 
@@ -83,6 +82,7 @@ def _head_features_call(model, batch):
         for layer in model.layers:
             h = layer(h)
     return model.root.head_features(h)
+
 
 # The tensor-parallel plan of jfsdp's Llama (torchtitan's, in jfsdp's parameter paths): the attention's
 # q, k, v and the FFN's gate and up projections split on their outputs (heads, FFN width), the attention's

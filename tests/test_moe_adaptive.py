@@ -16,6 +16,7 @@ import pytest
 import jfsdp
 import models
 import models.factory
+from jfsdp.config import moe_calibration
 from jfsdp.engine import moe_adaptive
 from jfsdp.planning import moe_calibrate
 from jfsdp.runtime import metrics as jm
@@ -180,7 +181,7 @@ def test_calibration_picks_the_fastest_measured_variant():
 
 
 def test_calibration_file(tmp_path):
-    """--moe-calibration FILE[:PART] (train.py, jfsdp.plan): moe_calibrate.read gives the table from a list of rows,
+    """--moe-calibration FILE[:PART] (train.py, jfsdp.plan): jfsdp.config.moe_calibration.read gives the table from a list of rows,
     from an object holding them under "calibration", or from one part of benchmarks/moe_adaptive.py's file; what
     is not such a file is a ConfigError naming it. models.factory.language_model reads a path into the MoE option."""
     rows = [{"capacity": 2, "mode": "gather", "chunks": 1, "seconds": 1.0}, {"capacity": 2, "mode": "ep", "chunks": 2,
@@ -195,14 +196,14 @@ def test_calibration_file(tmp_path):
         (tmp_path / name).write_text(json.dumps(content))
     (tmp_path / "text.json").write_text("capacity,mode\n")
     for name in ("list.json", "object.json", "parts.json", "parts.json:cpu"):
-        assert moe_calibrate.read(str(tmp_path / name)) == want, name
-    assert moe_calibrate.read(str(tmp_path / "two.json:gpu")) == {(2, "gather", 1): 1.0}
+        assert moe_calibration.read(str(tmp_path / name)) == want, name
+    assert moe_calibration.read(str(tmp_path / "two.json:gpu")) == {(2, "gather", 1): 1.0}
     for name, why in [("two.json", "several parts hold a calibration .cpu, gpu.: name one as"),
                       ("parts.json:h100", "no \"calibration\" list in it"), ("parts.json:tpu", "no part 'tpu' .it has cpu, h100."),
                       ("bad_row.json", "row 0 .* is not"), ("bad_mode.json", "row 0"), ("empty.json", "non-empty list"),
                       ("text.json", "not JSON"), ("missing.json", "No such file")]:
         with pytest.raises(jfsdp.ConfigError, match=f"moe calibration .*{why}"):
-            moe_calibrate.read(str(tmp_path / name))
+            moe_calibration.read(str(tmp_path / name))
     _, option, _ = models.factory.language_model(CFG, moe="adaptive", calibration=str(tmp_path / "list.json"))
     assert option.calibration == want
     with pytest.raises(jfsdp.ConfigError, match="--moe-calibration apply to --moe adaptive"):

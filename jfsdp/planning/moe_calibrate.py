@@ -25,7 +25,6 @@ import time
 
 import jax
 
-from jfsdp.config.moe_calibration import read, table  # noqa: F401 (the calibration file: jax-free, for the command lines)
 from jfsdp.planning import hlo
 
 # Dense bf16 peak FLOP/s and one device's NVLink bandwidth per direction (bytes/s), per compile target:
@@ -78,6 +77,3 @@ def timed(step, state, batch, steps: int = 3) -> tuple:
         jax.block_until_ready(m)
         times.append(time.perf_counter() - t)
     return statistics.median(times), state
-
-
-

@@ -130,9 +130,11 @@ class Run:
             self.compiled = train_step.lower(self.state, batch).compile()
         # the loss, and a model's evaluation metrics (build.eval_metrics) from the same forward pass
         extra = build.eval_metrics(self.models, self.model, self.loss_fn)
-        loss = sharded.loss(self.loss_fn)
-        self.eval_fn = jax.jit(jm.forward_metrics(sharded, {"loss": self.loss_fn, **extra}) if extra
-                               else lambda params, batch: {"loss": loss(params, batch)})
+        if extra:
+            self.eval_fn = jax.jit(jm.forward_metrics(sharded, {"loss": self.loss_fn, **extra}))
+        else:
+            loss = sharded.loss(self.loss_fn)
+            self.eval_fn = jax.jit(lambda params, batch: {"loss": loss(params, batch)})
         # one forward pass for all of them (jfsdp.runtime.metrics.forward_metrics), None without any
         self.model_metrics = jax.jit(jm.forward_metrics(sharded, self.metric_fns)) if self.metric_fns else None
         self.val_set = [self.put(b) for b in self.loader.val_batches(c.eval_iters)]
