@@ -153,6 +153,8 @@ def run_one(model: str, strategy: str, a, update_in_backward: bool = False) -> d
     tflops = tps * fpt / (r * s) / 1e12
     peak = jm.peak_flops(devices[0], a.precision)
     mem, mem_src = jm.device_memory(devices, compiled)
+    from jfsdp.planning.hlo import memory as compiled_memory
+    compiled_mem = compiled_memory(compiled)["total"]   # XLA's buffer assignment, beside the allocator's peak
     return {"model": model, "params": cfg.num_params(), "strategy": plan.strategy.value, "mesh": a.mesh,
             "devices": r * s, "device_kind": getattr(devices[0], "device_kind", devices[0].platform),
             "precision": a.precision, "remat": a.remat, "batch_size": a.batch_size, "seq_len": a.seq_len,
@@ -160,7 +162,7 @@ def run_one(model: str, strategy: str, a, update_in_backward: bool = False) -> d
             "step_s": step_s, "step_s_min": float(np.min(times)), "tokens_per_sec": tps,
             "flops_per_token": fpt, "flops_per_token_torchtitan": torchtitan_flops_per_token(cfg, a.seq_len),
             "tflops_per_device": tflops, "mfu": tflops * 1e12 / peak if peak else None,
-            "peak_memory_bytes": mem, "memory_source": mem_src, "loss": float(m["loss"]),
+            "peak_memory_bytes": mem, "memory_source": mem_src, "compiled_memory_bytes": compiled_mem, "loss": float(m["loss"]),
             "update_in_backward": update_in_backward, "clip": a.clip, "prefetch": plan.prefetch, "gpu_flags": getattr(a, "gpu_flags", None)}
 
 

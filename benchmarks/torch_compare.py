@@ -43,6 +43,7 @@ import tempfile
 
 SPEED_WORKER = "--_speed-worker" in sys.argv
 USER_XLA_FLAGS = os.environ.get("XLA_FLAGS")  # before the additions below; the speed subprocesses start from it
+USER_JAX_PLATFORMS = os.environ.get("JAX_PLATFORMS")  # likewise: this process forces cpu, the speed workers must not
 DUMP_DIR = None if SPEED_WORKER else tempfile.mkdtemp(prefix="torch_compare_xla_")
 if DUMP_DIR:
     atexit.register(shutil.rmtree, DUMP_DIR, True)
@@ -81,6 +82,7 @@ from models.factory import language_model  # noqa: E402
 from jfsdp.train import update_in_backward as in_backward  # noqa: E402
 from jfsdp.io import hf
 from jfsdp.planning import memory
+from jfsdp.runtime import metrics as jm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch_fsdp  # noqa: E402
@@ -352,6 +354,8 @@ def run_memory(args, log) -> list[dict]:
 def speed_jfsdp(args) -> dict:
     """Runs in a subprocess with W devices (fake CPU devices, or the GPUs present)."""
     world = int(args._speed_worker)
+    if args.device == "cuda" and jax.default_backend() != "gpu":   # both sides on the GPUs, or no comparison
+        raise SystemExit(f"error: --device cuda, but jax's backend is {jax.default_backend()}")
     cfg = models.get_config(args.speed_model)
     root, unit, n = models.parts(cfg)
     B, T = args.speed_batch, args.speed_seq
@@ -372,8 +376,9 @@ def speed_jfsdp(args) -> dict:
         jax.block_until_ready(m["loss"])
         times.append(time.perf_counter() - t0)
     timed = times[args.speed_warmup:]
+    peak, source = jm.device_memory(jax.devices()[:world])
     return {"tokens_per_sec": B * T * len(timed) / sum(timed), "step_times": times,
-            "devices": f"{world} x {jax.devices()[0].platform}"}
+            "devices": f"{world} x {jax.devices()[0].platform}", "peak_memory_bytes": peak, "memory_source": source}
 
 
 def run_speed(args, log) -> dict:
@@ -388,9 +393,11 @@ def run_speed(args, log) -> dict:
                    "--device", args.device] + [a for k in ("speed_model", "speed_batch", "speed_seq", "speed_steps",
                                                            "speed_warmup", "speed_precision", "speed_remat")
                                               for a in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
-            env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+            env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
             if USER_XLA_FLAGS:
                 env["XLA_FLAGS"] = USER_XLA_FLAGS
+            if USER_JAX_PLATFORMS:
+                env["JAX_PLATFORMS"] = USER_JAX_PLATFORMS
             subprocess.run(cmd, check=True, env=env)  # optimized code, no dumps, W devices
             with open(f.name) as g:
                 ours = json.load(g)
@@ -403,7 +410,9 @@ def run_speed(args, log) -> dict:
         theirs = torch_fsdp.run_workers(world, job, timeout=1800)["runs"][0]
         row = {"world": world, "jfsdp_tokens_per_sec": ours["tokens_per_sec"], "jfsdp_devices": ours["devices"],
                "torch_tokens_per_sec": theirs["tokens_per_sec"], "torch_step_times": theirs["step_times"],
-               "jfsdp_step_times": ours["step_times"]}
+               "jfsdp_step_times": ours["step_times"], "jfsdp_peak_memory_bytes": ours.get("peak_memory_bytes"),
+               "torch_peak_memory_bytes": theirs.get("peak_memory_bytes"),
+               "torch_peak_reserved_bytes": theirs.get("peak_reserved_bytes")}
         row["ratio"] = row["jfsdp_tokens_per_sec"] / row["torch_tokens_per_sec"]
         row["load_average_after"] = os.getloadavg()[0]
         out["worlds"].append(row)

@@ -215,6 +215,8 @@ def _worker(tmp: str, rank: int, world: int, port: int) -> None:
         batches = np.load(bpath) if os.path.exists(bpath) else None
         results = []
         for i, run in enumerate(job["runs"]):
+            if device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
             torch.manual_seed(0)
             model = build_model(job["hf_config"])
             if weights:
@@ -246,6 +248,9 @@ def _worker(tmp: str, rank: int, world: int, port: int) -> None:
             tokens = (batches.shape[1] * (batches.shape[2] - 1)) * len(timed)
             out = {"losses": losses, "step_times": times,
                    "tokens_per_sec": tokens / sum(timed) if timed else None}
+            if device == "cuda":  # the caching allocator's peaks over the whole run, this rank
+                out["peak_memory_bytes"] = int(torch.cuda.max_memory_allocated())
+                out["peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved())
             if job.get("return_params"):
                 final = full_state(model)
                 if rank == 0:

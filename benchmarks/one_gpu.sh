@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The real-GPU figures one GPU can give, in one run (docs/gpus.md, "Measured on one H100"):
+#   bash benchmarks/one_gpu.sh OUT_DIR
+# 1. jfsdp's train step, llama-1b, bf16, remat full, 8 x 2048 tokens: tokens/s, MFU, the allocator's peak
+#    beside XLA's compiled figure (benchmarks/throughput.py);
+# 2. the same model, batch and settings with PyTorch FSDP2 (transformers' Llama, torchtitan's recipe)
+#    beside jfsdp: tokens/s and each side's allocator peak (benchmarks/torch_compare.py --only speed);
+# 3. float8 unit matmuls (--precision fp8 and fp8-rowwise) on the same step;
+# 4. train.py end to end on the default corpus (llama-small, 1x1): the loss it reaches.
+# Each part has its own time limit and log, so one failure does not hide the others.
+# On one device FSDP shards nothing: these are compute, memory and allocator figures, not communication.
+set -u
+out=${1:?usage: bash benchmarks/one_gpu.sh OUT_DIR}
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+common=(--models llama-1b --strategies full_shard --mesh 1x1 --remat full --batch-size 8 --seq-len 2048
+        --warmup 3 --steps 10)
+{ nvidia-smi -L; $py -c "import jax, flax, optax, torch, transformers as t; print('jax', jax.__version__, jax.devices(), \
+'flax', flax.__version__, 'optax', optax.__version__, 'torch', torch.__version__, 'transformers', t.__version__)"; } \
+    2>&1 | tee "$out/env.log"
+timeout 170 $py benchmarks/throughput.py "${common[@]}" --precision bf16 --json "$out/throughput_bf16.json" 2>&1 \
+    | grep -v "^W0000\|^I0000" | tee "$out/throughput_bf16.log"
+timeout 200 $py benchmarks/torch_compare.py --only speed --device cuda --speed-worlds 1 --speed-model llama-1b \
+    --speed-batch 8 --speed-seq 2048 --speed-precision bf16 --speed-remat full --speed-warmup 3 --speed-steps 10 \
+    --json "$out/torch_compare_speed.json" 2>&1 | grep -v "^W0000\|^I0000" | tee "$out/torch_compare.log"
+for p in fp8 fp8-rowwise; do
+    timeout 120 $py benchmarks/throughput.py "${common[@]}" --precision $p --json "$out/throughput_$p.json" 2>&1 \
+        | grep -v "^W0000\|^I0000" | tee "$out/throughput_$p.log"
+done
+timeout 120 $py train.py --mesh 1x1 --model llama-small --precision bf16 --remat full --steps 300 --eval-every 100 \
+    --log-every 50 --metrics-out "$out/train_metrics.jsonl" 2>&1 | grep -v "^W0000\|^I0000" | tail -40 \
+    | tee "$out/train.log"
+ls -l "$out"
