@@ -248,7 +248,8 @@ def _estimates(a, cfg, case: _Case, budget: int) -> dict:
         rep["attention"] = models.llama.attention_impl(cfg.llama() if hasattr(cfg, "llama") else cfg,
                                                        plan.mp.param_dtype or jnp.float32, a.seq_len)
         rep["xla_options"] = targets.compiler_options(dict(xla_option(o) for o in a.xla_option),
-                                                      plan.prefetch or a.update_in_backward, getattr(plan, "async_tp", False))
+                                                      plan.prefetch or a.update_in_backward, getattr(plan, "async_tp", False),
+                                                      own_scan=targets.own_scan_unit(plan))
         rep["prefetch"] = plan.prefetch
         rep["schedule"] = (_as_is_schedule(plan) if getattr(plan, "as_is", False) else
                            schedule(plan.strategy, plan.remat, plan.shards, plan.prefetch))
