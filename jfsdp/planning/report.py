@@ -268,7 +268,7 @@ def _as_is_schedule(plan) -> str:
     """The overlap report's line for a model given as it is: how its units run (docs/any-model.md)."""
     if plan.scanned:
         return ("the model's own scan, XLA's pipeliner (no prefetch in call order: jfsdp does not own the loop "
-                "body; on GPUs the units are called untied from their inputs)")
+                "body; on GPUs the units are called untied from their inputs, one unit per combined collective)")
     if plan.prefetch:
         return "prefetch in call order (the next unit's gather in flight while one computes; engine/call_order.py)"
     return "each unit gathered when the model calls it (prefetch off)"
