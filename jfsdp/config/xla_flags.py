@@ -150,7 +150,8 @@ def own_scan_flags(unit: tuple | None) -> dict:
     out of both loops (the forward's first, the backward's first and last); their gathers have no
     inputs but the parameters, and under the default thresholds XLA merged those of three units into
     one op at the top of the step, with nothing to hide behind, and left two units' reduce-scatters
-    exposed at its end instead of one (4 units of width 256, H100 target: 3.74 MiB of all-gathers exposed
+    exposed at its end instead of one (tests/test_gpu_target.py's own-scan case, 4 units of width 256,
+    H100 target, the thresholds dropped through compile_step's overrides: 3.74 MiB of all-gathers exposed
     against 1.32 with these thresholds, 5.07 MiB of reduce-scatters against 2.64, `Stacked`'s
     2.53 and 2.64). One unit per collective is also FSDP's flat parameter; at llama-1b the default
     split a unit's gather into four (docs/any-model.md, "The model's own scan")."""
