@@ -546,6 +546,40 @@ def test_linen_scan_keeps_its_scan_and_equals_single_device():
     assert_close(losses, ref_losses, sharded.gather(state.params), ref_final)
 
 
+def test_linen_scan_untied_as_on_gpus_equals_single_device():
+    """The own scan's units as GPUs call them (`call_unit(..., ordered=False)`: no data dependencies, a
+    checkpoint without a CSE barrier, for XLA's collective pipeliner), run here on CPU devices by
+    marking the plan as not on a CPU: the same losses and final parameters as the plain single-device
+    trainer, as the tied path's (test_linen_scan_keeps_its_scan_and_equals_single_device)."""
+    import dataclasses
+
+    import models
+    from models.llama import LlamaBlock, ScannedLlama
+    cfg = dataclasses.replace(models.get_config("llama-test"), n_layers=3, attention="xla")
+    data = [{"inputs": b["inputs"] % cfg.vocab_size, "targets": b["targets"] % cfg.vocab_size} for b in batches(LCFG)]
+    model = ScannedLlama(cfg)
+    sharded = jfsdp.fully_shard(model, mesh("2x4"), data[0], units=LlamaBlock, remat="full", rng_streams=())
+    assert sharded.on_cpu and not sharded.prefetch
+    sharded.on_cpu = False   # the GPU path: units untied from their inputs
+    params = jax.jit(model.init)(jax.random.key(0), data[0]["inputs"])["params"]
+    mask = sharded.decay_mask()
+    opt = jfsdp.adamw(ref.LR, b1=ref.B1, b2=ref.B2, eps=ref.EPS, weight_decay=ref.WD, clip_norm=ref.CLIP, mask=mask)
+    state = jfsdp.init_state(sharded, opt, params=params)
+    step = jfsdp.make_train_step(sharded, opt, models.loss_fn(cfg))
+    jaxpr = str(jax.make_jaxpr(step)(state, data[0]))
+    assert "prevent_cse=False" in jaxpr and "prevent_cse=True" not in jaxpr   # untied: no barrier in the scan
+    losses = []
+    for b in data:
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
+    plain = optax.chain(optax.clip_by_global_norm(ref.CLIP),
+                        optax.adamw(ref.LR, b1=ref.B1, b2=ref.B2, eps=ref.EPS, weight_decay=ref.WD, mask=mask))
+    loss = lambda p, b: models.loss_fn(cfg)(model.apply({"params": p}, b["inputs"]), b)
+    with jax.default_device(jax.devices()[0]):
+        ref_losses, ref_final, _ = ref.run_steps(plain, loss, params, data)
+    assert_close(losses, ref_losses, sharded.gather(state.params), ref_final)
+
+
 def test_nnx_scan_keeps_its_scan_and_equals_single_device():
     model = ref.ScanModel(3, nnx.Rngs(0))
     data = [{k: v % 13 for k, v in b.items()} for b in batches(NCFG)]

@@ -142,17 +142,40 @@ CONTEXT_GPU_FLAGS = {
 }
 
 
-def flags_for(prefetch: bool = False, async_tp: bool = False, context: bool = False) -> dict:
+def own_scan_flags(unit: tuple | None) -> dict:
+    """For a model given as it is that runs its units in its own scan (`nn.scan`, `nnx.scan`), whose
+    gathers and reduce-scatters XLA's collective pipeliner moves (GPU_FLAGS): combine thresholds of one
+    unit, `unit` = (the largest such unit's gathered bytes, its reduced shard's bytes; what the
+    all-gather and reduce-scatter combiners measure), or {} for None. The pipeliner peels iterations
+    out of both loops (the forward's first, the backward's first and last); their gathers have no
+    inputs but the parameters, and under the default thresholds XLA merged those of three units into
+    one op at the top of the step, with nothing to hide behind, and left two units' reduce-scatters
+    exposed at its end instead of one (tests/test_gpu_target.py's own-scan case, 4 units of width 256,
+    H100 target, the thresholds dropped through compile_step's overrides: 3.74 MiB of all-gathers exposed
+    against 1.32 with these thresholds, 5.07 MiB of reduce-scatters against 2.64, `Stacked`'s
+    2.53 and 2.64). One unit per collective is also FSDP's flat parameter; at llama-1b the default
+    split a unit's gather into four (docs/any-model.md, "The model's own scan")."""
+    if not unit:
+        return {}
+    gathered, reduced = unit
+    return {"xla_gpu_all_gather_combine_threshold_bytes": int(gathered),
+            "xla_gpu_reduce_scatter_combine_threshold_bytes": int(reduced)}
+
+
+def flags_for(prefetch: bool = False, async_tp: bool = False, context: bool = False,
+              own_scan: tuple | None = None) -> dict:
     """The XLA:GPU flags jfsdp wants for a plan with (True) or without its prefetch pipeline, with or
-    without async TP, and with or without context parallelism."""
-    return {**(PREFETCH_GPU_FLAGS if prefetch else GPU_FLAGS), **(ASYNC_TP_GPU_FLAGS if async_tp else {}),
-            **(CONTEXT_GPU_FLAGS if context else {})}
+    without async TP, with or without context parallelism, and, for a model that scans its own units,
+    with `own_scan_flags(own_scan)`."""
+    return {**(PREFETCH_GPU_FLAGS if prefetch else GPU_FLAGS), **own_scan_flags(own_scan),
+            **(ASYNC_TP_GPU_FLAGS if async_tp else {}), **(CONTEXT_GPU_FLAGS if context else {})}
 
 
 def gpu_xla_flags(existing: str | None = None, prefetch: bool = False, async_tp: bool = False,
-                  context: bool = False) -> str:
+                  context: bool = False, own_scan: tuple | None = None) -> str:
     """XLA_FLAGS with jfsdp's GPU flags added (those already present win): for a process that runs
     on real GPUs (train.py), to be set before jax initializes its backend. `prefetch`, `async_tp`,
-    `context`: whether the plan will run jfsdp's prefetch pipeline, async TP and a ring over C > 1
-    (`flags_for`)."""
-    return _added(existing, flags_for(prefetch, async_tp, context))
+    `context`: whether the plan will run jfsdp's prefetch pipeline, async TP and a ring over C > 1;
+    `own_scan`: a model's own scan's unit bytes (`flags_for`; `jfsdp.planning.targets.own_scan_unit`
+    gives them for a plan)."""
+    return _added(existing, flags_for(prefetch, async_tp, context, own_scan))

@@ -248,7 +248,8 @@ def _estimates(a, cfg, case: _Case, budget: int) -> dict:
         rep["attention"] = models.llama.attention_impl(cfg.llama() if hasattr(cfg, "llama") else cfg,
                                                        plan.mp.param_dtype or jnp.float32, a.seq_len)
         rep["xla_options"] = targets.compiler_options(dict(xla_option(o) for o in a.xla_option),
-                                                      plan.prefetch or a.update_in_backward, getattr(plan, "async_tp", False))
+                                                      plan.prefetch or a.update_in_backward, getattr(plan, "async_tp", False),
+                                                      own_scan=targets.own_scan_unit(plan))
         rep["prefetch"] = plan.prefetch
         rep["schedule"] = (_as_is_schedule(plan) if getattr(plan, "as_is", False) else
                            schedule(plan.strategy, plan.remat, plan.shards, plan.prefetch))
@@ -267,7 +268,7 @@ def _as_is_schedule(plan) -> str:
     """The overlap report's line for a model given as it is: how its units run (docs/any-model.md)."""
     if plan.scanned:
         return ("the model's own scan, XLA's pipeliner (no prefetch in call order: jfsdp does not own the loop "
-                "body; on GPUs the units are called untied from their inputs)")
+                "body; on GPUs the units are called untied from their inputs, one unit per combined collective)")
     if plan.prefetch:
         return "prefetch in call order (the next unit's gather in flight while one computes; engine/call_order.py)"
     return "each unit gathered when the model calls it (prefetch off)"

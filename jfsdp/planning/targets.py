@@ -22,6 +22,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
+
+import numpy as np
 
 from jfsdp.config.errors import ConfigError
 from jfsdp.config.xla_flags import flags_for, flags_in_env
@@ -163,13 +166,29 @@ def devices(target: str, mesh, tensor: int = 1, context: int = 1) -> list:
     return list(topology_devices(str(target).strip().lower(), r * s * context * tensor))
 
 
+def own_scan_unit(plan) -> tuple | None:
+    """(gathered bytes, reduced shard bytes) of the largest unit that a model given as it is runs in its
+    own scan (`nn.scan`, `nnx.scan`) on sharded GPUs, as XLA's combiners measure them (the gather's
+    result in the gather dtype, float8 where the layout says so; the reduce-scatter's result in the
+    reduce dtype); None for every other plan. `flags_for(own_scan=...)` makes them the combine
+    thresholds."""
+    scanned = getattr(plan, "scanned", None)
+    if not getattr(plan, "as_is", False) or not scanned or plan.shards <= 1 or plan.on_cpu:
+        return None
+    from jfsdp.planning.sizes import gathered_bytes
+    units = [plan.leaf_layouts[p] for p in scanned]
+    param, reduce = plan.comm.param_dtype, plan.comm.reduce_dtype
+    return (max(gathered_bytes(ls, param or ls[0].dtype) for ls in units),
+            max(sum(math.prod(l.shard_shape) * np.dtype(reduce or l.dtype).itemsize for l in ls) for ls in units))
+
+
 def compiler_options(overrides: dict | None = None, prefetch: bool = False, async_tp: bool = False,
-                     context: bool = False) -> dict:
-    """The XLA:GPU options jfsdp compiles with: `flags_for(prefetch, async_tp, context)`, minus any flag the
-    user set in XLA_FLAGS, plus `overrides` (a value of None drops a flag). Pass to
-    `Lowered.compile(compiler_options=...)`."""
+                     context: bool = False, own_scan: tuple | None = None) -> dict:
+    """The XLA:GPU options jfsdp compiles with: `flags_for(prefetch, async_tp, context, own_scan)`, minus
+    any flag the user set in XLA_FLAGS, plus `overrides` (a value of None drops a flag). Pass to
+    `Lowered.compile(compiler_options=...)`; `own_scan_unit(plan)` for a model's own scan."""
     env = flags_in_env()
-    opts = {k: v for k, v in flags_for(prefetch, async_tp, context).items() if k not in env}
+    opts = {k: v for k, v in flags_for(prefetch, async_tp, context, own_scan).items() if k not in env}
     for k, v in (overrides or {}).items():
         if v is None:
             opts.pop(k, None)
@@ -217,5 +236,6 @@ def compile_step(target: str, plan, optimizer, loss_fn, batch, grad_accum: int =
     with tracing_for(target):
         return memory.compile_step(plan, optimizer, loss_fn, batch, grad_accum,
                                    compiler_options(overrides, getattr(plan, "prefetch", False) or update_in_backward,
-                                                    getattr(plan, "async_tp", False), getattr(plan, "context", 1) > 1),
+                                                    getattr(plan, "async_tp", False), getattr(plan, "context", 1) > 1,
+                                                    own_scan_unit(plan)),
                                    update_in_backward=update_in_backward, grad_sync=grad_sync, trainable=trainable)
