@@ -27,7 +27,7 @@ import re
 from jfsdp.config.args import ASYNC_TP, ArgParser, async_tp_option
 from jfsdp.config.errors import ConfigError
 from jfsdp.config.mesh import mesh_spec
-from jfsdp.config.moe_calibration import read as read_calibration
+from jfsdp.config.moe_calibration import check_calibrate, read as read_calibration
 from jfsdp.config.policy import Strategy, prefetch_by_default
 from jfsdp.config.sequence import check_mlp_tile
 from jfsdp.config.xla_flags import accelerator_present, gpu_xla_flags, run_hazard
@@ -101,6 +101,9 @@ def model_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
                    help="--moe adaptive: each capacity runs its fastest measured (mode, chunks) instead of the byte "
                    "model's: a JSON list of {capacity, mode, chunks, seconds}, or an object holding one under "
                    "'calibration' (benchmarks/moe_adaptive.py's parts; jfsdp/planning/moe_calibrate.py)")
+    g.add_argument("--moe-calibrate", default=d.moe_calibrate, metavar="FILE",
+                   help="--moe adaptive: before training, time every (capacity, mode, chunks) variant on this run's "
+                   "devices (one compile each), write them to FILE (what --moe-calibration reads) and run with them")
 
 
 def optimization_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
@@ -221,6 +224,8 @@ def check_flags(c: TrainConfig) -> int | None:
     try:
         async_tp_option(c.async_tp, c.tensor)
         check_mlp_tile(c.mlp_tile, c.seq_len, c.context, c.tensor)
+        if c.moe_calibrate:
+            check_calibrate(c.moe_calibrate, c.moe, c.moe_calibration)
         if c.moe_calibration:
             read_calibration(c.moe_calibration)   # read again where the run builds its model
     except ConfigError as e:

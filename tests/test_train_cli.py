@@ -79,6 +79,23 @@ def test_moe_model_trains_and_logs_its_router(tmp_path):
     assert "moe_aux_loss" in r.stdout and "moe_mode ep" in r.stdout and "== sample" in r.stdout
 
 
+def test_moe_calibrate_times_each_variant_and_runs_the_fastest(tmp_path):
+    """train.py --moe adaptive --moe-calibrate FILE: before training, every variant of the one bucket (gather,
+    and ep with one chunk) is timed on the run's devices and written to FILE, which --moe-calibration reads;
+    the run then takes the faster one at that capacity (its logged mode)."""
+    cal, metrics = tmp_path / "cal.json", tmp_path / "m.jsonl"
+    r = run_train("--mesh", "1x4", "--model", "moe-test", "--moe", "adaptive", "--moe-buckets", "16", "--moe-chunks",
+                  "1", "--batch-size", "4", "--seq-len", "32", "--steps", "2", "--log-every", "2", "--eval-every", "0",
+                  "--gen-tokens", "0", "--moe-calibrate", str(cal), "--metrics-out", str(metrics))
+    assert r.returncode == 0, r.stderr
+    from jfsdp.config.moe_calibration import read
+    table = read(str(cal))
+    assert sorted(table) == [(16, "ep", 1), (16, "gather", 1)] and all(v > 0 for v in table.values())
+    fastest = min(table, key=table.get)[1]
+    logged = [json.loads(line) for line in metrics.read_text().splitlines() if '"loss"' in line]
+    assert logged and all((x["moe_capacity"], x["moe_mode"]) == (16, fastest) for x in logged), (table, logged)
+
+
 BAD = {
     "mesh-missing-size": (["--mesh", "2x"], "mesh"),
     "mesh-zero": (["--mesh", "0x8"], "mesh"),
@@ -104,6 +121,12 @@ BAD = {
     "moe-buckets-without-adaptive": (["--model", "moe-test", "--moe-buckets", "64,128"], "apply to --moe adaptive"),
     "moe-calibration-missing": (["--model", "moe-test", "--moe", "adaptive", "--moe-calibration", "/nonexistent/c.json"],
                                 "moe calibration /nonexistent/c.json: No such file"),
+    "moe-calibrate-without-adaptive": (["--model", "moe-test", "--moe-calibrate", "c.json"],
+                                       "--moe-calibrate applies to --moe adaptive"),
+    "moe-calibrate-and-calibration": (["--model", "moe-test", "--moe", "adaptive", "--moe-calibrate", "c.json",
+                                       "--moe-calibration", "c.json"], "give one of them"),
+    "moe-calibrate-unwritable": (["--model", "moe-test", "--moe", "adaptive", "--moe-calibrate", "/nonexistent/c.json"],
+                                 "cannot write to /nonexistent"),
     "context-zero": (["--context", "0"], "--context must be at least 1"),
     "context-seq-len": (["--mesh", "1x2", "--context", "3", "--seq-len", "64"], "2*C = 6 equal chunks"),
     "context-tensor-seq-len": (["--mesh", "1x2", "--context", "2", "--tensor", "2", "--seq-len", "36"],

@@ -54,3 +54,15 @@ def read(path: str) -> dict:
             raise ConfigError(f"moe calibration {path}: row {i} {json.dumps(r)[:120]} is not {{capacity: int >= 1, mode: "
                               "gather|ep, chunks: int >= 1, seconds: > 0}")
     return table(rows)
+
+
+def check_calibrate(path: str, moe: str, calibration: str | None) -> None:
+    """train.py's --moe-calibrate FILE (measure the calibration on the run's devices, then write it): only with
+    --moe adaptive, not beside --moe-calibration, and FILE's folder must exist and be writable."""
+    if moe != "adaptive":
+        raise ConfigError("--moe-calibrate applies to --moe adaptive")
+    if calibration:
+        raise ConfigError("--moe-calibrate measures what --moe-calibration reads: give one of them")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise ConfigError(f"--moe-calibrate {path}: cannot write to {folder}")

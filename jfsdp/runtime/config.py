@@ -23,6 +23,7 @@ class TrainConfig:
     moe_buckets: str | None = None  # adaptive: capacities to compile, "64,128,256" (default: doubling up to T)
     moe_capacity_cap: float | None = None  # adaptive: no capacity above this factor x T x k / E
     moe_calibration: str | None = None  # adaptive: measured seconds per (capacity, mode, chunks), a JSON file
+    moe_calibrate: str | None = None    # adaptive: measure them on this run's devices first, write them to this file
     # optimization
     steps: int = 300
     batch_size: int = 16            # global, in sequences

@@ -19,7 +19,7 @@ from jfsdp.config.mesh import MeshSpec
 from jfsdp.io import checkpoint as jckpt
 from jfsdp.io import data as jdata
 from jfsdp.io import hf as jhf
-from jfsdp.runtime import build, distributed, fit
+from jfsdp.runtime import build, calibrate, distributed, fit
 from jfsdp.runtime import metrics as jm
 from jfsdp.runtime.config import TrainConfig
 from jfsdp.runtime.console import bad_input, fail, note
@@ -59,6 +59,8 @@ class Run:
             devices = build.take_devices(c, r, s * c.context * c.tensor)
             self.mesh = (distributed.make_mesh(c.mesh, devices=devices, tensor=c.tensor) if c.context == 1
                          else jfsdp.make_mesh(c.mesh, devices=devices, tensor=c.tensor, context=c.context))
+            if c.moe_calibrate and not model.is_moe:
+                raise jfsdp.ConfigError(f"--moe-calibrate applies to MoE models, not {c.model}")
             self.sharded, self.logits_sharded, self.loss_fn = build.shard_model(c, models, model, self.mesh,
                                                                                 self.strategy, mp)
             self.metric_fns = build.model_metrics(models, model)
@@ -118,7 +120,13 @@ class Run:
     def start(self) -> None:
         """The train state (resumed, from Hugging Face weights, or initialized), the compiled step,
         the evaluation function and its fixed validation batches."""
-        c, sharded = self.c, self.sharded
+        c = self.c
+        if c.moe_calibrate:   # after the fit check: the adaptive stage's variants timed here, then the model again
+            with bad_input():
+                table = calibrate.measure(c, self.models, self.model, self.mesh, self.strategy, self.mp, self.lead)
+                self.sharded, self.logits_sharded, self.loss_fn = build.shard_model(
+                    c, self.models, self.model, self.mesh, self.strategy, self.mp, table)
+        sharded = self.sharded
         self.schedule, opt = build.make_optimizer(c, sharded)
         t0 = time.perf_counter()
         with bad_input():
