@@ -105,23 +105,30 @@ def _hop_fwd(kernel, zigzag, q, k, v, earlier, acc):
             _merge(acc[1], _merge((oc, lc), (ox, _masked(lx, ~earlier)))))
 
 
-def _hop_bwd(kernel, zigzag, q, k, v, o, lse, do, earlier):
-    """(dq per piece of the local queries, dk, dv), fp32, through one K/V block from another rank."""
+def _hop_bwd(kernel, zigzag, q, k, v, o, lse, do, earlier, dq):
+    """(`dq`, per piece of the local queries, the running fp32 gradient (None before the first hop), with
+    this hop's share added; dk, dv fp32 of the K/V block from another rank). With zigzag the two kernel
+    calls run one after the other, the first's dq added before the second starts (an optimization
+    barrier), so that one call's fp32 dq is live at a time beside the running sums, not two."""
+    add = lambda acc, g: g if acc is None else acc + g
     if not zigzag:
         keep = lambda g: jnp.where(earlier, g, 0.0)
-        dq, dk, dv = map(keep, kernel.bwd(q, k, v, o, lse, do, False))
-        return (dq,), dk, dv
+        dqh, dk, dv = map(keep, kernel.bwd(q, k, v, o, lse, do, False))
+        return (add(dq and dq[0], dqh),), dk, dv
     (q1, q2), (k1, k2), (v1, v2) = _halves(q), _halves(k), _halves(v)
     (o1, o2), (l1, l2), (do1, do2) = _halves(o), _halves(lse), _halves(do)
     dqc, dkc, dvc = kernel.bwd(q2, k1, v1, o2, l2, do2, False)
+    dq1, dq2 = dq or (None, None)
+    dq2 = add(dq2, dqc)
     pick = lambda a, b: jnp.where(earlier, a, b)
-    dqx, dkx, dvx = kernel.bwd(pick(q1, q2), pick(k1, k2), pick(v1, v2), pick(o1, o2), pick(l1, l2),
-                               pick(do1, do2), False)
+    (dq1, dq2, dkc, dvc), x = lax.optimization_barrier(
+        ((dq1, dq2, dkc, dvc), (pick(q1, q2), pick(k1, k2), pick(v1, v2), pick(o1, o2), pick(l1, l2), pick(do1, do2))))
+    dqx, dkx, dvx = kernel.bwd(*x, False)
     zero = jnp.zeros_like
     first = lambda g: jnp.concatenate([pick(g, zero(g)), pick(zero(g), g)], 1)   # x pair: first or second half
     dk = first(dkx) + jnp.concatenate([dkc, zero(dkc)], 1)
     dv = first(dvx) + jnp.concatenate([dvc, zero(dvc)], 1)
-    return (pick(dqx, zero(dqx)), pick(zero(dqx), dqx) + dqc), dk, dv
+    return (add(dq1, pick(dqx, zero(dqx))), dq2 + pick(zero(dqx), dqx)), dk, dv
 
 
 def _arrived(local, kv):
@@ -178,9 +185,9 @@ def _ring_bwd(kernel, zigzag, axis, res, do):
             nxt = send(kv)
         # the gradient of block r - s from ranks r - s + 1 .. r - 1, in flight while this block computes
         back = send(dkv) if s > 1 else None
-        g = _hop_bwd(kernel, zigzag, *_arrived((q,), kv), *kv, *_arrived((o, lse, do), kv), (rank - s) % context < rank)
-        dq = g[0] if dq is None else tuple(a + b for a, b in zip(dq, g[0]))   # per piece: added in place
-        dkv = g[1:] if back is None else (back[0] + g[1], back[1] + g[2])
+        dq, *g = _hop_bwd(kernel, zigzag, *_arrived((q,), kv), *kv, *_arrived((o, lse, do), kv),
+                          (rank - s) % context < rank, dq)
+        dkv = tuple(g) if back is None else (back[0] + g[0], back[1] + g[1])
     # the diagonal block last, while the gradients of rank r + 1's block go home
     (q, k, v, o, lse, do), dq, dkv = lax.optimization_barrier(((q, k, v, o, lse, do), dq, dkv))
     home = send(dkv)
