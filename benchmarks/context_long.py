@@ -41,6 +41,15 @@ def _value(text: str):
     return {"true": True, "false": False}.get(text.lower(), text)
 
 
+def _cpu() -> str:
+    """This machine, as the JSON records it (it was a fixed string, wrong once the machine changed)."""
+    try:
+        name = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
+    except (OSError, StopIteration):
+        name = "CPU"
+    return f"{os.cpu_count()}-core {name} VM"
+
+
 def options(items) -> dict:
     out = {}
     for item in items:
@@ -170,7 +179,7 @@ def main(argv=None) -> int:
     import jax
     t0 = time.time()
     out = {"command": "python benchmarks/context_long.py " + " ".join(sys.argv[1:] if argv is None else argv),
-           "device": "2-core AMD EPYC VM (AVX2), no GPU: XLA:GPU compiled for the target's topology",
+           "device": f"{_cpu()}, no GPU: XLA:GPU compiled for the target's topology",
            "target": a.target, "device_memory": budget, "precision": "bf16", "remat": "full", "loss": "fused",
            "model_options": overrides, "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"),
            "machine": "compiled for an H100 target on a CPU machine, no GPU", "longest": [], "probes": [], "points": []}

@@ -67,7 +67,20 @@ def _map(f, n: int, tie):
     zero = lax.optimization_barrier((jnp.zeros((), jnp.float32), tie))[0]
     init = jax.tree.map(lambda s: jnp.broadcast_to(zero.astype(s.dtype), (n, *s.shape)), shapes)
     put = lambda i, ys: jax.tree.map(lambda y, x: lax.dynamic_update_index_in_dim(y, x, i, 0), ys, f(i))
-    return lax.fori_loop(0, n, put, init)
+    return _loop(0, n, put, init)
+
+
+def _loop(lo, hi, body, init):
+    """`lax.fori_loop(lo, hi, body, init)` as a while loop whatever its bounds. With static bounds fori_loop
+    is a scan, and under the unit's checkpoint JAX's partial evaluation split each of the kernel's scans in
+    two: a scan that stacks every iteration's key and value block (`kb[j]`, a copy of K and V per call) for
+    the other, which recomputes the rest. XLA:GPU then made the stacks' buffers from constant zeros, hoisted
+    out of the loop over layers and fused into one op, so all of them lived through the step: 84 blocked
+    K/V copies, 15.75 GiB of llama-8b's 1.5M tokens at C = 8, the largest part of what the planner called
+    the ring's per-hop partials (docs/context-parallel.md). A while loop is never split (it runs wholly
+    in the forward or wholly in the recompute); the kernel has its own VJP, so nothing differentiates
+    through it."""
+    return lax.while_loop(lambda c: c[0] < hi, lambda c: (c[0] + 1, body(c[0], c[1])), (jnp.asarray(lo, jnp.int32), init))[1]
 
 
 def _scores(qi, kj, scale):
@@ -101,7 +114,7 @@ def _forward_f32(q, k, v, causal, block, scale):
             return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv
 
         shape = (b, kh, h // kh, block)
-        m, l, acc = lax.fori_loop(0, i + 1 if causal else n, body,
+        m, l, acc = _loop(0, i + 1 if causal else n, body,
                                   (jnp.full(shape, _NEG, jnp.float32), jnp.zeros(shape, jnp.float32),
                                    jnp.zeros((*shape, d), jnp.float32)))
         return acc / l[..., None], m + jnp.log(l)     # (B, K, G, bq, D), (B, K, G, bq)
@@ -150,7 +163,7 @@ def _grads_f32(causal, block, scale, res, do):
         def body(j, dq):
             ds = dscores(i, j, probs(i, j))
             return dq + jnp.einsum("bkgqp,bpkd->bqkgd", ds.astype(k.dtype), kb[j], preferred_element_type=jnp.float32)
-        return lax.fori_loop(0, i + 1 if causal else n, body, jnp.zeros((b, block, kh, g, d), jnp.float32)) * scale
+        return _loop(0, i + 1 if causal else n, body, jnp.zeros((b, block, kh, g, d), jnp.float32)) * scale
 
     def dkv_block(j):
         def body(i, carry):
@@ -161,7 +174,7 @@ def _grads_f32(causal, block, scale, res, do):
             dk = dk + jnp.einsum("bkgqp,bqkgd->bpkd", ds.astype(q.dtype), qb[i], preferred_element_type=jnp.float32)
             return dk, dv
         zero = jnp.zeros((b, block, kh, d), jnp.float32)
-        dk, dv = lax.fori_loop(j if causal else 0, n, body, (zero, zero))
+        dk, dv = _loop(j if causal else 0, n, body, (zero, zero))
         return dk * scale, dv
 
     dq = _unblock(_map(dq_block, n, k), t).reshape(b, t, h, d)

@@ -10,9 +10,9 @@ many tokens a device holds and what the ring adds.
   gradient blocks in fp32 (the ring's accumulators). With remat (full or dots) the backward recomputes the unit's forward, ring included:
   another 2(C - 1) K/V blocks.
 - Memory (`ring_buffers`): what the ring holds besides what the unit holds at C = 1, at the units'
-  backward peak (the recomputed ring's hops): the fp32 partial output of a hop and the running merged one
-  (up to two (B, T/C, H, D) fp32 buffers beyond the output on XLA:CPU; on XLA:GPU about one per hop, C - 1,
-  measured on the ring alone), and where a hop's (L x L) chunk pair is one
+  backward peak (the recomputed ring's hops): the running fp32 sums and one hop's share (up to two
+  (B, T/C, H, D) fp32 buffers beyond the output on XLA:CPU; on XLA:GPU one, whatever C, measured on
+  llama-8b's compiled step at C = 8), and where a hop's (L x L) chunk pair is one
   tile of the per-block kernel (L = T/2C at most its block), XLA schedules the hops' independent kernels
   together: four score tiles (scores and exponentials of the hop's two kernel calls) per hop, 4(C - 1) in
   all (measured on XLA:CPU: docs/planner.md). Where the kernel loops over several tiles per hop, the
@@ -119,11 +119,13 @@ def ring_buffers(plan, local_batch, backend: str | None = None) -> int:
             whole = b * h * (t // 2) ** 2 * 4       # the hop's (L x L) scores in fp32
             o32 = b * t * h * d * 4
             tiles = 4 * (C - 1) * tile if tile >= whole else 0
-            # XLA:GPU holds about one fp32 (B, T/C, H, D) buffer per hop (the ring alone, llama-8b's heads,
-            # 8,192 tokens per device: 580 MiB of temporaries at C = 2, 1,191 at C = 8, 102 MiB = 0.8 of them
-            # per hop; benchmarks/context_ring.py --h100, 2026-11-26). It was 2.1 per hop (589 and 2,196 MiB)
-            # while the blockwise kernel's stacked outputs started from constant zeros, which XLA:GPU fused
-            # into one op for all hops (models/attention.py `_map`). XLA:CPU keeps at most two in all
-            partials = C - 1 if backend == "gpu" else min(C - 1, 2)
+            # XLA:GPU holds one fp32 (B, T/C, H, D) buffer for the whole ring, whatever C: the running dq,
+            # in its two zigzag pieces (llama-8b at 1,572,864 tokens, C = 8, H100 target: 86.82 GiB compiled,
+            # 87.59 estimated with one). It held about one per hop (C - 1) while each hop's values derived
+            # from the local q, o, dO alone were computed for all hops ahead of the ring, and the kernel's
+            # static-bound loops, split by JAX's partial evaluation under the unit's checkpoint, stacked a
+            # copy of every call's K/V blocks (jfsdp/engine/parallel/context.py `_arrived`,
+            # models/attention.py `_loop`; docs/context-parallel.md). XLA:CPU keeps at most two in all
+            partials = 1 if backend == "gpu" else min(C - 1, 2)
             best = max(best, tiles + partials * o32)
     return best

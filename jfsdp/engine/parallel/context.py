@@ -85,38 +85,60 @@ def _masked(lse, keep):
     return jnp.where(keep, lse, _NEG)
 
 
-def _hop_fwd(kernel, zigzag, q, k, v, earlier):
-    """(o, lse) of the local queries over one K/V block that came from another rank; `earlier`: from a
-    rank before this one (traced)."""
+def _pieces(x, zigzag):
+    """This rank's tokens as the ring accumulates them: its two zigzag chunks, or one contiguous block."""
+    return _halves(x) if zigzag else (x,)
+
+
+def _hop_fwd(kernel, zigzag, q, k, v, earlier, acc):
+    """`acc` (per piece of the local queries, their running (o, lse)) merged with their attention over one
+    K/V block that came from another rank; `earlier`: from a rank before this one (traced). Each piece
+    is merged where it lies, so that no hop makes a (T/C, H, D) fp32 output of its own."""
     if not zigzag:
         o, lse = kernel.fwd(q, k, v, False)
-        return o, _masked(lse, earlier)
+        return (_merge(acc[0], (o, _masked(lse, earlier))),)
     (q1, q2), (k1, k2), (v1, v2) = _halves(q), _halves(k), _halves(v)
     oc, lc = kernel.fwd(q2, k1, v1, False)                 # seen in both cases
     pick = lambda a, b: jnp.where(earlier, a, b)
     ox, lx = kernel.fwd(pick(q1, q2), pick(k1, k2), pick(v1, v2), False)
-    common = (jnp.concatenate([jnp.zeros_like(oc), oc], 1), jnp.concatenate([jnp.full_like(lc, _NEG), lc], 1))
-    other = (jnp.concatenate([ox, ox], 1), jnp.concatenate([_masked(lx, earlier), _masked(lx, ~earlier)], 1))
-    return _merge(common, other)
+    return (_merge(acc[0], (ox, _masked(lx, earlier))),
+            _merge(acc[1], _merge((oc, lc), (ox, _masked(lx, ~earlier)))))
 
 
-def _hop_bwd(kernel, zigzag, q, k, v, o, lse, do, earlier):
-    """(dq, dk, dv) fp32 through one K/V block from another rank."""
+def _hop_bwd(kernel, zigzag, q, k, v, o, lse, do, earlier, dq):
+    """(`dq`, per piece of the local queries, the running fp32 gradient (None before the first hop), with
+    this hop's share added; dk, dv fp32 of the K/V block from another rank). With zigzag the two kernel
+    calls run one after the other, the first's dq added before the second starts (an optimization
+    barrier), so that one call's fp32 dq is live at a time beside the running sums, not two."""
+    add = lambda acc, g: g if acc is None else acc + g
     if not zigzag:
         keep = lambda g: jnp.where(earlier, g, 0.0)
-        return tuple(map(keep, kernel.bwd(q, k, v, o, lse, do, False)))
+        dqh, dk, dv = map(keep, kernel.bwd(q, k, v, o, lse, do, False))
+        return (add(dq and dq[0], dqh),), dk, dv
     (q1, q2), (k1, k2), (v1, v2) = _halves(q), _halves(k), _halves(v)
     (o1, o2), (l1, l2), (do1, do2) = _halves(o), _halves(lse), _halves(do)
     dqc, dkc, dvc = kernel.bwd(q2, k1, v1, o2, l2, do2, False)
+    dq1, dq2 = dq or (None, None)
+    dq2 = add(dq2, dqc)
     pick = lambda a, b: jnp.where(earlier, a, b)
-    dqx, dkx, dvx = kernel.bwd(pick(q1, q2), pick(k1, k2), pick(v1, v2), pick(o1, o2), pick(l1, l2),
-                               pick(do1, do2), False)
+    (dq1, dq2, dkc, dvc), x = lax.optimization_barrier(
+        ((dq1, dq2, dkc, dvc), (pick(q1, q2), pick(k1, k2), pick(v1, v2), pick(o1, o2), pick(l1, l2), pick(do1, do2))))
+    dqx, dkx, dvx = kernel.bwd(*x, False)
     zero = jnp.zeros_like
     first = lambda g: jnp.concatenate([pick(g, zero(g)), pick(zero(g), g)], 1)   # x pair: first or second half
-    dq = first(dqx) + jnp.concatenate([zero(dqc), dqc], 1)
     dk = first(dkx) + jnp.concatenate([dkc, zero(dkc)], 1)
     dv = first(dvx) + jnp.concatenate([dvc, zero(dvc)], 1)
-    return dq, dk, dv
+    return (add(dq1, pick(dqx, zero(dqx))), dq2 + pick(zero(dqx), dqx)), dk, dv
+
+
+def _arrived(local, kv):
+    """This rank's `local` arrays (its queries; in the backward also o, lse, dO), made to depend on the K/V
+    block `kv` that a hop has just received (`tie`: + 0 * one of its elements). What a hop derives from them
+    alone (the zigzag's select of a query half, the blocked queries, the backward's dO·O sums) depends on
+    nothing but the rank and the hop, so XLA computed it for all hops at once ahead of the ring, shared
+    the forward's with the backward's, and kept all C - 1 of them live (docs/context-parallel.md). Tied,
+    each is made inside its hop and freed with it."""
+    return tie(local, kv[0].reshape(-1)[0])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
@@ -129,7 +151,8 @@ def _ring_fwd(kernel, zigzag, axis, q, k, v):
     send = _ring_send(axis, context)
     kv = (k, v)
     nxt = send(kv) if context > 1 else None   # hop 1 in flight while the diagonal block computes
-    acc = kernel.fwd(q, k, v, True)          # the diagonal block: causal within this rank's tokens
+    o, lse = kernel.fwd(q, k, v, True)       # the diagonal block: causal within this rank's tokens
+    acc = tuple(zip(_pieces(o, zigzag), _pieces(lse, zigzag))) if context > 1 else ((o, lse),)
     for s in range(1, context):
         # pinned: block s computes once block s - 1 has and its K/V are here, and hop s + 1 is issued from
         # there, so that it is in flight during block s (XLA's scheduler otherwise ran the diagonal last,
@@ -137,9 +160,10 @@ def _ring_fwd(kernel, zigzag, axis, q, k, v):
         kv, acc = lax.optimization_barrier((nxt, acc))   # now the block of rank r - s
         if s + 1 < context:
             nxt = send(kv)
-        acc = _merge(acc, _hop_fwd(kernel, zigzag, q, *kv, (rank - s) % context < rank))
-    o = acc[0].astype(q.dtype)
-    return o, (q, k, v, o, acc[1])
+        acc = _hop_fwd(kernel, zigzag, _arrived(q, kv), *kv, (rank - s) % context < rank, acc)
+    o, lse = (jnp.concatenate(x, 1) if len(x) > 1 else x[0] for x in zip(*acc))
+    o = o.astype(q.dtype)
+    return o, (q, k, v, o, lse)
 
 
 def _ring_bwd(kernel, zigzag, axis, res, do):
@@ -161,13 +185,14 @@ def _ring_bwd(kernel, zigzag, axis, res, do):
             nxt = send(kv)
         # the gradient of block r - s from ranks r - s + 1 .. r - 1, in flight while this block computes
         back = send(dkv) if s > 1 else None
-        g = _hop_bwd(kernel, zigzag, q, *kv, o, lse, do, (rank - s) % context < rank)
-        dq = g[0] if dq is None else dq + g[0]
-        dkv = g[1:] if back is None else (back[0] + g[1], back[1] + g[2])
+        dq, *g = _hop_bwd(kernel, zigzag, *_arrived((q,), kv), *kv, *_arrived((o, lse, do), kv),
+                          (rank - s) % context < rank, dq)
+        dkv = tuple(g) if back is None else (back[0] + g[0], back[1] + g[1])
     # the diagonal block last, while the gradients of rank r + 1's block go home
     (q, k, v, o, lse, do), dq, dkv = lax.optimization_barrier(((q, k, v, o, lse, do), dq, dkv))
     home = send(dkv)
     dqd, dkd, dvd = kernel.bwd(q, k, v, o, lse, do, True)
+    dq = jnp.concatenate(dq, 1) if len(dq) > 1 else dq[0]
     return (dq + dqd).astype(q.dtype), (home[0] + dkd).astype(k.dtype), (home[1] + dvd).astype(v.dtype)
 
 
