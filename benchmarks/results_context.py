@@ -5,7 +5,16 @@ from __future__ import annotations
 
 from results_source import GIB, g, load, source, table
 
-NAME = "context_long.json"
+NAME = "context_long.json"   # the first searches (before the two fixes below), kept as history
+# The newest measurement of each part, oldest first: what the code of each fix compiles to. C = 1 has no ring, so
+# the blockwise kernel's fix is its newest; C = 2 and 4 were not searched again after the ring's fix (their figures
+# are of the code before it, which held more); C = 8 and the 256k point after the ring's fix.
+NEWEST = ("context_long_search_after_fix_tile4096.json", "context_long_points_after_fix_tile4096.json",
+          "context_long_c8_ring_tile4096.json", "context_long_c8_256k_ring_tile4096.json")
+FIXES = {"context_long_search_after_fix_tile4096.json": "after the blockwise kernel's fix, before the ring's",
+         "context_long_points_after_fix_tile4096.json": "after the blockwise kernel's fix, before the ring's",
+         "context_long_c8_ring_tile4096.json": "after the ring's fix (per-hop buffers removed)",
+         "context_long_c8_256k_ring_tile4096.json": "after the ring's fix (per-hop buffers removed)"}
 PARTS = (("params", "parameters"), ("grads", "gradient shards"), ("optimizer", "optimizer state"),
          ("gathered", "gathered units"), ("grad_buffers", "gradient buffers"), ("activations", "activations"))
 
@@ -28,6 +37,55 @@ def _longest(d: dict) -> list[list]:
     return rows
 
 
+def _point_rows(d: dict, label: str | None = None) -> list[list]:
+    rows = []
+    for p in _points(d):
+        if "compiled" not in p:
+            continue
+        e, m = p["estimate"], p["compiled"]["total"]
+        rows.append(([label] if label else []) +
+                    [p["model"], p["context"], f"{p['seq_len']:,}", f"{p['tokens_per_device']:,}", g(m / GIB),
+                     "yes" if m <= d["device_memory"] else "no", g(e["total"] / GIB), g(e["total"] / m, 3)]
+                    + [g(e[k] / GIB) for k, _ in PARTS])
+    return rows
+
+
+POINT_HEAD = ["model", "C", "sequence", "tokens per device", "compiled (GiB)", "fits", "estimate (GiB)",
+              "estimate / compiled"] + [label for _, label in PARTS]
+
+
+def newest_section() -> list[str]:
+    """The longest sequence per (model, C) from the newest file that compiled it, and every newest point."""
+    out = ["## Now: the newest compile of each point", "",
+           "Each row from the newest file that compiled it (the code after the fix named). Tiles of 4,096 "
+           "(`--model-option mlp_tile=4096`).", ""]
+    newest = {}   # (model, devices, C, sequence) -> (file, point): a later file's compile of a point replaces an earlier one
+    for name in NEWEST:
+        for p in _points(load(name)):
+            if "compiled" in p:
+                newest[(p["model"], p["devices"], p["context"], p["seq_len"])] = (name, p)
+    per_key = {}   # (model, devices, C) -> the points of the newest code that compiled any of them
+    for name, p in newest.values():
+        key = (p["model"], p["devices"], p["context"])
+        if key in per_key and NEWEST.index(name) > NEWEST.index(per_key[key][0]) and FIXES[name] != FIXES[per_key[key][0]]:
+            del per_key[key]
+        if key not in per_key or FIXES[name] == FIXES[per_key[key][0]]:
+            per_key.setdefault(key, [name, []])[1].append(p)
+    budget = load(NEWEST[0])["device_memory"]
+    rows = [row + [", ".join(sorted({f"`{n}`" for n, q in newest.values() if q in ps})), FIXES[name]]
+            for key, (name, ps) in sorted(per_key.items())
+            for row in _longest({"device_memory": budget, "points": ps})]
+    out += table(["model", "GPUs", "C", "mesh", "longest that fits", "shortest that does not", "points compiled",
+                  "from", "code"], rows, "lrrlrrrll")
+    points = [_point_rows({"device_memory": budget, "points": [p]}, f"`{name}`")[0]
+              for name, p in sorted(newest.values(), key=lambda t: (t[1]["model"], t[1]["context"], t[1]["seq_len"]))]
+    out += ["Every newest point; the estimate's breakdown per device (GiB) beside the compiled total:", ""]
+    out += table(["file"] + POINT_HEAD, points, "l" + "lrrrrlrr" + "r" * len(PARTS))
+    for name in NEWEST:
+        out += [f"### `{name}`", ""] + source(name, load(name))
+    return out
+
+
 def context_page() -> list[str]:
     d = load(NAME)
     budget = d["device_memory"]
@@ -38,20 +96,13 @@ def context_page() -> list[str]:
            "sharded over all N) ([context-parallel.md](../context-parallel.md)). Near the target's memory "
            "XLA:GPU's own rematerialization pass recomputes values to fit, so compiled figures above about 60 "
            "GiB are after it. The estimate is the planner's (`--target gpu`), made before compiling.", ""]
+    out += newest_section()
+    out += ["## History: the first searches, before both fixes", ""]
     out += source(NAME, d)
-    out += [f"## Longest sequence in {g(budget / GIB, 0)} GiB per device, from the compiled points", ""]
+    out += [f"### Longest sequence in {g(budget / GIB, 0)} GiB per device, from the compiled points", ""]
     out += table(["model", "GPUs", "C", "mesh", "longest that fits", "shortest that does not", "points compiled"],
                  _longest(d), "lrrlrrr")
-    rows = []
-    for p in _points(d):
-        if "compiled" not in p:
-            continue
-        e, m = p["estimate"], p["compiled"]["total"]
-        rows.append([p["model"], p["context"], f"{p['seq_len']:,}", f"{p['tokens_per_device']:,}", g(m / GIB),
-                     "yes" if m <= budget else "no", g(e["total"] / GIB), g(e["total"] / m, 3)]
-                    + [g(e[k] / GIB) for k, _ in PARTS])
-    out += ["## Every compiled point", "",
+    out += ["### Every compiled point", "",
             "The estimate's breakdown per device (GiB) beside the compiled total: what holds the memory.", ""]
-    out += table(["model", "C", "sequence", "tokens per device", "compiled (GiB)", "fits", "estimate (GiB)",
-                  "estimate / compiled"] + [label for _, label in PARTS], rows, "lrrrrlrr" + "r" * len(PARTS))
+    out += table(POINT_HEAD, _point_rows(d), "lrrrrlrr" + "r" * len(PARTS))
     return out
