@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from results_source import ROOT, table
-from results_any_model import NAME as ANY_MODEL, any_model_page
+from results_any_model import NAMES as ANY_MODEL, any_model_page
 from results_context import NAME as CONTEXT_LONG, NEWEST as CONTEXT_NEWEST, context_page
 from results_gspmd import gspmd_page
 from results_tensor import FP8, ROWS, tensor_page
@@ -46,8 +46,9 @@ PAGES = {   # page -> (title for the index, builder, the JSON files it reads)
                         moe_adaptive_page, ["moe_adaptive.json"]),
     "tensor-parallel.md": ("tensor parallelism with FSDP on an H100 target: llama-8b at T = 1, 2, 4; Llama 3.1 70B "
                            "at FSDP 32 x TP 8, bf16 and fp8, one-shot and async TP", tensor_page, [*ROWS, *FP8]),
-    "any-model.md": ("a Llama given as it is beside jfsdp.Stacked at llama-1b: memory, and the exposed collectives "
-                     "on an H100 target (prefetch in call order)", any_model_page, [ANY_MODEL]),
+    "any-model.md": ("a Llama given as it is beside jfsdp.Stacked at llama-1b and llama-8b: memory, and the exposed "
+                     "collectives on an H100 target (prefetch in call order, the model's own scan)", any_model_page,
+                     list(ANY_MODEL)),
     "gspmd.md": ("jfsdp beside FSDP by sharding annotations alone (GSPMD): memory, collectives, overlap",
                  gspmd_page, ["gspmd_compare.json", "gspmd_compare_fused.json"]),
     "context-long.md": ("long sequences with context parallelism on an H100 target: llama-8b on 8 GPUs at C = 1, "

@@ -60,6 +60,11 @@ PROVENANCE = {
         "command": "python benchmarks/any_model.py --model llama-1b --depths 16 --batch 8 --seq 2048 --attention auto "
                    "--no-compile-time --target h100 --own-scan --json benchmarks/results/any_model_llama1b.json",
         "device": CPU_VM + "; the h100 rows " + H100_ON_CPU},
+    "any_model_llama8b.json": {
+        "command": "python benchmarks/any_model.py --model llama-8b --depths 32 --batch 8 --seq 2048 --attention auto "
+                   "--no-compile-time --target h100 --own-scan --json benchmarks/results/any_model_llama8b.json",
+        "device": CPU_VM.replace("2-core x86 VM", "2-core Intel Xeon VM") + "; the h100 rows "
+                  + H100_ON_CPU.replace("2-core x86", "2-core Intel Xeon")},
     # README "On GPUs", "Throughput": the machine the CPU rows ran on
     "throughput_cpu.json": {"device": CPU_VM + ", 8 fake XLA devices, shared with three other jobs"},
     # README "The optimizer inside the backward pass", the cost paragraph

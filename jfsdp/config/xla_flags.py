@@ -154,7 +154,10 @@ def own_scan_flags(unit: tuple | None) -> dict:
     H100 target, the thresholds dropped through compile_step's overrides: 3.74 MiB of all-gathers exposed
     against 1.32 with these thresholds, 5.07 MiB of reduce-scatters against 2.64, `Stacked`'s
     2.53 and 2.64). One unit per collective is also FSDP's flat parameter; at llama-1b the default
-    split a unit's gather into four (docs/any-model.md, "The model's own scan")."""
+    split a unit's gather into four (docs/any-model.md, "The model's own scan"). The reduced bytes
+    also hold the root's leaves no larger than a unit's smallest (`own_scan_unit`): at llama-8b XLA combined the
+    final norm's reduce-scatter with the backward loop's last pipelined unit, one unit's threshold then
+    split that unit in two, and the larger part ran exposed (reduce-scatters 1.27x `Stacked`'s)."""
     if not unit:
         return {}
     gathered, reduced = unit
