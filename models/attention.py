@@ -227,3 +227,8 @@ def blockwise_attention_bwd(q, k, v, o, lse, do, *, causal: bool = True, block: 
     kh = k.shape[2]
     lse = jnp.moveaxis(_blocks(lse.reshape(b, t, kh, h // kh), _chunks(t, block), block), 2, -1)
     return _grads_f32(causal, block, scale, (q, k, v, o, lse), do)
+
+
+# Public names for the loops above, used by models/tiled_mlp.py.
+tied_map = _map
+index_loop = _loop
