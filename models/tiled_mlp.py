@@ -1,8 +1,8 @@
 """The Llama MLP over the sequence in tiles (models/llama.py's `mlp_tile`), with its own VJP.
 
 The tiles run in while loops (forward: each tile's output written into the (B, T, d) output; backward: each
-tile's SwiGLU recomputed and differentiated, its dx written into dx and its weight gradients added to fp32
-sums), and every buffer those loops write into is made from a zero tied to an input of the call
+tile's SwiGLU recomputed and differentiated, its dx written into dx and its weight gradients added to sums
+in the weights' dtype, as the scan's transpose summed them), and every buffer those loops write into is made from a zero tied to an input of the call
 (`lax.optimization_barrier`). A `nn.scan` over the tiles builds its stacked outputs (the forward's y, the
 backward's dx) from constant zeros that depend on nothing; XLA:GPU hoists those out of the loop over layers,
 so one (B, T, d) buffer lived through the whole step: 1.5 GiB of llama-8b at 196,608 tokens per device
@@ -57,7 +57,7 @@ def _fwd(x, w1, w3, w2, tile):
 def _bwd(tile, res, dy):
     x, *ws = res
     n = x.shape[1] // tile
-    sums = tuple(_tied_zeros(w.shape, jnp.promote_types(w.dtype, jnp.float32), dy) for w in ws)
+    sums = tuple(_tied_zeros(w.shape, w.dtype, dy) for w in ws)
 
     def body(i, carry):
         dx, acc = carry
