@@ -139,8 +139,9 @@ def test_the_ring_hides_every_hop_but_the_first_on_an_h100_target():
     assert compiled.memory_analysis().temp_size_in_bytes <= 8.5 * o32
     perms = [o for o in hlo.overlap(text, c) if o.collective.kind == "collective-permute"]
     first, block = first_hops(text), t // c * 8 * 128 * 2
-    # all of the ring: K and V 4(C - 1) blocks, dK and dV (fp32) 2(C - 2) + 2; the first hops: K and V twice
-    assert sum(o.collective.result_bytes for o in perms) == (4 * (c - 1) + 2 * (2 * (c - 2) + 2)) * block
+    # all of the ring: K and V 4(C - 1) blocks, dK and dV 2(C - 2) + 2 (bf16, the dtype of the ring's sums
+    # for bf16 inputs: context.py `sum_dtype`; twice that while they were fp32); the first hops: K and V twice
+    assert sum(o.collective.result_bytes for o in perms) == (4 * (c - 1) + (2 * (c - 2) + 2)) * block
     assert sum(o.collective.result_bytes for o in perms if o.collective.name in first) == 4 * block
     assert all(o.hidden for o in perms if o.collective.name not in first), hlo.render_overlap(perms)
 
