@@ -2,7 +2,7 @@
 sequence's causal GQA attention in float64, beside one device's blockwise attention's (the fp32 floor),
 and the collective-permutes of the compiled forward + backward program against the ring's formula.
 
-    python benchmarks/context_ring.py [--contexts 2,4,8] [--seq-len 64] [--json FILE]
+    python benchmarks/context_ring.py [--contexts 2,4,8] [--seq-len 64] [--dtype bfloat16] [--json FILE]
     python benchmarks/context_ring.py --memory llama-small --seq-len 8192 --contexts 1,2,4 [--json FILE]
 
 The second form: the compiled train step's per-device memory (XLA's buffer assignment, fp32, remat full)
@@ -39,6 +39,8 @@ def main(argv=None) -> int:
     p.add_argument("--memory", default=None, metavar="MODEL", help="the train step's memory instead (a models/ name)")
     p.add_argument("--h100", action="store_true", help="the ring's schedule compiled for an H100 instead")
     p.add_argument("--no-context-flags", action="store_true", help="--h100 without jfsdp's XLA flags for C > 1")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="q, k, v and the cotangent in this dtype (the float64 reference from the same values)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     contexts = [int(c) for c in a.contexts.split(",")]
@@ -65,7 +67,7 @@ def main(argv=None) -> int:
         return (jax.random.normal(ks[0], (b, t, h, d)), jax.random.normal(ks[1], (b, t, kv, d)),
                 jax.random.normal(ks[2], (b, t, kv, d)), jax.random.normal(ks[3], (b, t, h, d)))
 
-    q, k, v, do = inputs(a.seq_len)
+    q, k, v, do = (x.astype(a.dtype) for x in inputs(a.seq_len))
     want = attention64(q, k, v, do)
     rel = lambda got: [float(np.max(np.abs(np.asarray(g, np.float64) - w)) / np.max(np.abs(w)))
                        for g, w in zip(got, want)]
@@ -94,7 +96,7 @@ def main(argv=None) -> int:
                          "permutes": len(perms), "permute_bytes": sum(x.result_bytes for x in perms),
                          "formula_permutes": 6 * c - 6, "formula_bytes": (6 * c - 6) * block,
                          "compile_s": round(seconds, 2)})
-    print(f"B, T, H, K, D = {q.shape[0]}, {q.shape[1]}, {q.shape[2]}, {k.shape[2]}, {q.shape[3]}; fp32 against float64, "
+    print(f"B, T, H, K, D = {q.shape[0]}, {q.shape[1]}, {q.shape[2]}, {k.shape[2]}, {q.shape[3]}; {a.dtype} against float64, "
           f"max |error| / max |float64| of out, dq, dk, dv; XLA_FLAGS={os.environ['XLA_FLAGS']}")
     for r in rows:
         extra = (f"  permutes {r['permutes']} ({r['permute_bytes']:,} B), formula {r['formula_permutes']} "
@@ -102,7 +104,7 @@ def main(argv=None) -> int:
         print(f"C={r['C']} {r['mode']:22} " + " ".join(f"{e:.2e}" for e in r["errors"]) + extra)
     if a.json:
         with open(a.json, "w") as fh:
-            json.dump({"shape": [*q.shape, k.shape[2]], "xla_flags": os.environ["XLA_FLAGS"], "rows": rows}, fh, indent=2)
+            json.dump({"shape": [*q.shape, k.shape[2]], "dtype": a.dtype, "xla_flags": os.environ["XLA_FLAGS"], "rows": rows}, fh, indent=2)
     return 0
 
 

@@ -137,7 +137,7 @@ def _flash_bwd(causal, block, scale, res, do):
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-def _grads_f32(causal, block, scale, res, do):
+def _grads_f32(causal, block, scale, res, do, dq_dtype=jnp.float32):
     """(dq, dk, dv) in fp32 from the output o and the per-query log-sum-exp lse, blocked as
     `_forward_f32` returns it: (n, B, K, G, block)."""
     q, k, v, o, lse = res
@@ -148,7 +148,8 @@ def _grads_f32(causal, block, scale, res, do):
     dob = _blocks(do.reshape(b, t, kh, g, d), n, block)
     kb, vb = _blocks(k, n, block), _blocks(v, n, block)
     # D_i = rowsum(dO * O) per query, laid out like lse: (n, B, K, G, bq)
-    dsum = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), -1).reshape(b, t, kh, g)
+    dsum = o if o.ndim == 3 else jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), -1)
+    dsum = dsum.reshape(b, t, kh, g)
     dsum = jnp.moveaxis(_blocks(dsum, n, block), 2, -1)
 
     def probs(i, j):
@@ -163,7 +164,7 @@ def _grads_f32(causal, block, scale, res, do):
         def body(j, dq):
             ds = dscores(i, j, probs(i, j))
             return dq + jnp.einsum("bkgqp,bpkd->bqkgd", ds.astype(k.dtype), kb[j], preferred_element_type=jnp.float32)
-        return _loop(0, i + 1 if causal else n, body, jnp.zeros((b, block, kh, g, d), jnp.float32)) * scale
+        return (_loop(0, i + 1 if causal else n, body, jnp.zeros((b, block, kh, g, d), jnp.float32)) * scale).astype(dq_dtype)
 
     def dkv_block(j):
         def body(i, carry):
@@ -219,11 +220,19 @@ def blockwise_attention_fwd(q, k, v, *, causal: bool = True, block: int = 512, s
 
 
 def blockwise_attention_bwd(q, k, v, o, lse, do, *, causal: bool = True, block: int = 512,
-                            scale: float | None = None):
+                            scale: float | None = None, dq_dtype=jnp.float32):
     """(dq, dk, dv) in fp32, for the attention whose output (all key sets merged) is o and whose
-    log-sum-exp is lse (B, T, H): the gradients through this key set's part of it."""
+    log-sum-exp is lse (B, T, H): the gradients through this key set's part of it. `o` may instead be
+    the row sums rowsum(dO * O) fp32 (B, T, H), all the gradients need of it. `dq_dtype`: dq's, each
+    query block's fp32 sum rounded to it (context parallelism's ring sums the hops' dq in bf16 for bf16
+    inputs: jfsdp/engine/parallel/context.py `sum_dtype`)."""
     block, scale = _check(q, k, v, block, scale)
     b, t, h, _ = q.shape
     kh = k.shape[2]
     lse = jnp.moveaxis(_blocks(lse.reshape(b, t, kh, h // kh), _chunks(t, block), block), 2, -1)
-    return _grads_f32(causal, block, scale, (q, k, v, o, lse), do)
+    return _grads_f32(causal, block, scale, (q, k, v, o, lse), do, dq_dtype)
+
+
+# Public names for the loops above, used by models/tiled_mlp.py.
+tied_map = _map
+index_loop = _loop

@@ -120,7 +120,8 @@ def context_kernel(block: int = 512):
     """The per-block attention of context parallelism's ring (jfsdp.engine.parallel.context) for the Llama
     models: blockwise attention's two halves (models/attention.py), which give the log-sum-exp that the
     ring's merge needs. fully_shard's `context_attention` at C > 1."""
-    from jfsdp.engine.parallel.context import Kernel   # here: importing this module must not start jax
+    from jfsdp.engine.parallel.context import Kernel, sum_dtype   # here: importing this module must not start jax
     return Kernel(lambda q, k, v, causal: blockwise_attention_fwd(q, k, v, causal=causal, block=block),
-                  lambda q, k, v, o, lse, do, causal: blockwise_attention_bwd(q, k, v, o, lse, do, causal=causal,
-                                                                               block=block))
+                  lambda q, k, v, o, lse, do, causal: blockwise_attention_bwd(
+                      q, k, v, o, lse, do, causal=causal, block=block, dq_dtype=sum_dtype(q)),
+                  sums=True)

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from models.attention import blockwise_attention
+from models.tiled_mlp import tiled_swiglu
 
 ATTENTION = ("auto", "blockwise", "cudnn", "xla")
 # Below this many tokens the T x T scores of the XLA reference are small (4 MiB per head-batch at 1024)
@@ -159,8 +160,16 @@ class FeedForward(nn.Module):
             return self.swiglu(x)
         if t % tile:
             raise ValueError(f"mlp_tile {tile} does not divide the {t} tokens of this call")
-        # (B, T, d) -> (T/tile, B, tile, d): a loop over the tiles, each one's intermediates recomputed in its
-        # own backward (nn.remat), the weights shared by every tile (variable_broadcast)
+        if self.is_initializing():   # the parameters, made as the untiled call makes them
+            return self.swiglu(x)
+        ws = [getattr(self, n).variables["params"]["kernel"] for n in ("w1", "w3", "w2")]
+        if all(isinstance(w, jax.Array) for w in ws):
+            # a loop over the tiles with its own VJP, each tile's intermediates recomputed in the backward
+            # and no buffer XLA can hoist out of the loop over layers (models/tiled_mlp.py)
+            return tiled_swiglu(x, *ws, tile)
+        # kernels that are not plain arrays (float8's): (B, T, d) -> (T/tile, B, tile, d), a scan over the
+        # tiles, each one's intermediates recomputed in its own backward (nn.remat), the weights shared by
+        # every tile (variable_broadcast)
         b, d = x.shape[0], x.shape[2]
         tiles = x.reshape(b, t // tile, tile, d).swapaxes(0, 1)
         body = nn.remat(lambda mdl, carry, xt: (carry, mdl.swiglu(xt)), prevent_cse=False)

@@ -37,12 +37,18 @@ def reference():
 
 
 def tile_loops(jaxpr) -> list:
-    """The lengths of the scans in `jaxpr` (and its sub-jaxprs) whose body runs under jax.checkpoint."""
+    """The trip counts of the loops in `jaxpr` (and its sub-jaxprs) whose body runs under jax.checkpoint: a
+    scan's length, a while loop's constant bound (models/attention.py's `index_loop`: `i < n`)."""
     found = []
     for eqn in jaxpr.eqns:
         subs = list(jax.extend.core.jaxprs_in_params(eqn.params))
-        if eqn.primitive.name == "scan" and any(e.primitive.name == "remat2" for s in subs for e in s.eqns):
+        if not any(e.primitive.name == "remat2" for s in subs for e in s.eqns):
+            pass
+        elif eqn.primitive.name == "scan":
             found.append(eqn.params["length"])
+        elif eqn.primitive.name == "while":
+            bound = eqn.params["cond_jaxpr"].jaxpr.eqns[-1].invars[1]
+            found.append(getattr(bound, "val", None))
         for s in subs:
             found += tile_loops(s)
     return found

@@ -214,7 +214,12 @@ class StagePasses:
             return (dh, nxt, dg, acc), None
         (dh, g, pend, acc), _ = lax.scan(body, (dh, nxt, pend, acc), jnp.arange(n - 2, 0, -1))
         one = self.reduce(pend)  # unit 1's reduce-scatter, during unit 0's backward ...
-        dg, dh = saved.pullback(0, g)(dh)
+        # unit 0's residuals read at an index computed from the loop's dh (0, never folded: XLA keeps 0 * x for
+        # floats), not at a constant 0: XLA copied a constant-index row out of the stacked residuals before
+        # the loop (the stack passes through it), and the copy lived through it: one unit input, 1.5 GiB of
+        # llama-8b at 196,608 tokens per device (docs/context-parallel.md)
+        zero = (0 * jax.tree.leaves(dh)[0].reshape(-1)[0]).astype(jnp.int32)
+        dg, dh = saved.pullback(zero, g)(dh)
         dg, one = lax.optimization_barrier((dg, one))  # ... finished before unit 0's, not combined with it
         return _with(dh, dextra), consume(consume(acc, 1, one), 0, self.reduce(dg))
 

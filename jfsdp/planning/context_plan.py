@@ -7,11 +7,11 @@ many tokens a device holds and what the ring adds.
 - Communication (`ring_bytes`): per unit and pass, the forward ring sends 2(C - 1) K/V blocks (K and V,
   C - 1 hops), and the backward ring 2(C - 1) K/V blocks and 2(C - 1) gradient blocks (dK and dV travel one
   hop behind them, and one last hop takes them home; the diagonal block's stay home): 6C - 6 blocks, the
-  gradient blocks in fp32 (the ring's accumulators). With remat (full or dots) the backward recomputes the unit's forward, ring included:
-  another 2(C - 1) K/V blocks.
+  gradient blocks in the dtype of the ring's sums (bf16 for bf16 inputs, else fp32). With remat (full or
+  dots) the backward recomputes the unit's forward, ring included: another 2(C - 1) K/V blocks.
 - Memory (`ring_buffers`): what the ring holds besides what the unit holds at C = 1, at the units'
-  backward peak (the recomputed ring's hops): the running fp32 sums and one hop's share (up to two
-  (B, T/C, H, D) fp32 buffers beyond the output on XLA:CPU; on XLA:GPU one, whatever C, measured on
+  backward peak (the recomputed ring's hops): the running sums and one hop's share (up to two
+  (B, T/C, H, D) buffers in the sums' dtype beyond the output on XLA:CPU; on XLA:GPU one, whatever C, measured on
   llama-8b's compiled step at C = 8), and where a hop's (L x L) chunk pair is one
   tile of the per-block kernel (L = T/2C at most its block), XLA schedules the hops' independent kernels
   together: four score tiles (scores and exponentials of the hop's two kernel calls) per hop, 4(C - 1) in
@@ -74,14 +74,21 @@ def ring_bytes(plan, batch, backend: str | None = None) -> float:
     dt = wire_dtype(plan.mp.param_dtype or jnp.float32, backend)
     local = jax.tree.map(lambda a: local_shape(a, plan.n_devices, C), batch)
     forward_passes = 1 if plan.remat == "none" else 2
+    sums = _sum_bytes(dt)
     total = 0.0
     for calls, n in attention_shapes(plan, local, dt):
         for _, k in calls:
             block = math.prod(k.shape)
             total += n * (forward_passes * 2 * (C - 1) * block * jnp.dtype(dt).itemsize   # K, V forward
                           + 2 * (C - 1) * block * jnp.dtype(dt).itemsize                 # K, V backward
-                          + 2 * (C - 1) * block * 4)                                      # dK, dV (fp32)
+                          + 2 * (C - 1) * block * sums)                                   # dK, dV
     return total
+
+
+def _sum_bytes(dt) -> int:
+    """Bytes per element of the ring's sums across hops (jfsdp/engine/parallel/context.py `sum_dtype`):
+    bfloat16 for bfloat16 inputs, else fp32."""
+    return jnp.dtype(jnp.promote_types(dt, jnp.bfloat16)).itemsize
 
 
 def _largest_intermediate(jaxpr) -> int:
@@ -117,11 +124,12 @@ def ring_buffers(plan, local_batch, backend: str | None = None) -> int:
             jaxpr = jax.make_jaxpr(lambda q, k, v: kernel.fwd(q, k, v, False))(half(q), half(k), half(k)).jaxpr
             tile = _largest_intermediate(jaxpr)
             whole = b * h * (t // 2) ** 2 * 4       # the hop's (L x L) scores in fp32
-            o32 = b * t * h * d * 4
+            o32 = b * t * h * d * _sum_bytes(dt)
             tiles = 4 * (C - 1) * tile if tile >= whole else 0
-            # XLA:GPU holds one fp32 (B, T/C, H, D) buffer for the whole ring, whatever C: the running dq,
-            # in its two zigzag pieces (llama-8b at 1,572,864 tokens, C = 8, H100 target: 86.82 GiB compiled,
-            # 87.59 estimated with one). It held about one per hop (C - 1) while each hop's values derived
+            # XLA:GPU holds one (B, T/C, H, D) buffer for the whole ring, whatever C: the running dq, in its
+            # two zigzag pieces, in the sums' dtype (bf16 for bf16 inputs since the sums across hops are;
+            # llama-8b at 1,572,864 tokens, C = 8, H100 target: 86.82 GiB compiled, 87.59 estimated with one
+            # fp32 buffer, before). It held about one per hop (C - 1) while each hop's values derived
             # from the local q, o, dO alone were computed for all hops ahead of the ring, and the kernel's
             # static-bound loops, split by JAX's partial evaluation under the unit's checkpoint, stacked a
             # copy of every call's K/V blocks (jfsdp/engine/parallel/context.py `_arrived`,

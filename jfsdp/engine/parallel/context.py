@@ -50,9 +50,13 @@ _NEG = -1e30   # the log-sum-exp of an empty (wholly masked) row: exp(_NEG - l) 
 class Kernel(NamedTuple):
     """The per-block attention the ring runs.
     fwd(q, k, v, causal) -> (o fp32 (B, T, H, D), lse fp32 (B, T, H));
-    bwd(q, k, v, o, lse, do, causal) -> (dq, dk, dv) fp32, given the merged o and lse of the whole row."""
+    bwd(q, k, v, o, lse, do, causal) -> (dq, dk, dv) fp32 (dq may come in `sum_dtype`), given the merged o
+    and lse of the whole row.
+    `sums`: bwd takes, in o's place, the row sums rowsum(dO * O) fp32 (B, T, H), all it needs of o: the
+    ring computes them once, and o (a (T/C, H, D) array) is not held through the backward's hops."""
     fwd: Callable
     bwd: Callable
+    sums: bool = False
 
 
 def ring_attention(q, k, v, kernel: Kernel, *, zigzag: bool = True, axis: str = CONTEXT_AXIS):
@@ -106,11 +110,12 @@ def _hop_fwd(kernel, zigzag, q, k, v, earlier, acc):
 
 
 def _hop_bwd(kernel, zigzag, q, k, v, o, lse, do, earlier, dq):
-    """(`dq`, per piece of the local queries, the running fp32 gradient (None before the first hop), with
-    this hop's share added; dk, dv fp32 of the K/V block from another rank). With zigzag the two kernel
-    calls run one after the other, the first's dq added before the second starts (an optimization
+    """(`dq`, per piece of the local queries, the running gradient in `sum_dtype` (None before the first
+    hop), with this hop's share added; dk, dv fp32 of the K/V block from another rank). With zigzag the
+    two kernel calls run one after the other, the first's dq added before the second starts (an optimization
     barrier), so that one call's fp32 dq is live at a time beside the running sums, not two."""
-    add = lambda acc, g: g if acc is None else acc + g
+    dt = sum_dtype(q)
+    add = lambda acc, g: (g if acc is None else acc + g).astype(dt)
     if not zigzag:
         keep = lambda g: jnp.where(earlier, g, 0.0)
         dqh, dk, dv = map(keep, kernel.bwd(q, k, v, o, lse, do, False))
@@ -128,7 +133,15 @@ def _hop_bwd(kernel, zigzag, q, k, v, o, lse, do, earlier, dq):
     first = lambda g: jnp.concatenate([pick(g, zero(g)), pick(zero(g), g)], 1)   # x pair: first or second half
     dk = first(dkx) + jnp.concatenate([dkc, zero(dkc)], 1)
     dv = first(dvx) + jnp.concatenate([dvc, zero(dvc)], 1)
-    return (add(dq1, pick(dqx, zero(dqx))), dq2 + pick(zero(dqx), dqx)), dk, dv
+    return (add(dq1, pick(dqx, zero(dqx))), add(dq2, pick(zero(dqx), dqx))), dk, dv
+
+
+def sum_dtype(x):
+    """The dtype of the ring's sums across hops (dQ, and the dK/dV that travel the ring) for inputs like x:
+    bfloat16's own (each hop's share comes in fp32 from the kernel and is rounded once as it is added, as
+    the result is in the end: half the memory and half the bytes sent; measured errors in
+    docs/context-parallel.md), float16 and fp32 as fp32. The softmax statistics stay fp32."""
+    return jnp.promote_types(x.dtype, jnp.bfloat16)
 
 
 def _arrived(local, kv):
@@ -172,6 +185,8 @@ def _ring_bwd(kernel, zigzag, axis, res, do):
     if context == 1:
         dq, dk, dv = kernel.bwd(q, k, v, o, lse, do, True)
         return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    if kernel.sums:
+        o = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), -1)
     send = _ring_send(axis, context)
     # the backward ring sends K and V again, after the cotangent exists: otherwise XLA merges its hops
     # with the forward's, and keeps all C - 1 blocks received in the forward pass alive until here
@@ -187,7 +202,7 @@ def _ring_bwd(kernel, zigzag, axis, res, do):
         back = send(dkv) if s > 1 else None
         dq, *g = _hop_bwd(kernel, zigzag, *_arrived((q,), kv), *kv, *_arrived((o, lse, do), kv),
                           (rank - s) % context < rank, dq)
-        dkv = tuple(g) if back is None else (back[0] + g[0], back[1] + g[1])
+        dkv = tuple((x if b is None else b + x).astype(sum_dtype(k)) for b, x in zip(back or (None, None), g))
     # the diagonal block last, while the gradients of rank r + 1's block go home
     (q, k, v, o, lse, do), dq, dkv = lax.optimization_barrier(((q, k, v, o, lse, do), dq, dkv))
     home = send(dkv)
