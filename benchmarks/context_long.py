@@ -60,6 +60,9 @@ def options(items) -> dict:
     return out
 
 
+RING_SUMS = "fp32"   # --ring-sums: the ring backward's sums across hops (models.factory.context_kernel)
+
+
 def point(model: str, devices: int, context: int, seq: int, overrides: dict, target: str, compile_: bool,
           cache: dict) -> dict:
     """One plan: `devices` GPUs of `target`, mesh 1x(devices/C) --context C, devices/C sequences of `seq`."""
@@ -68,13 +71,15 @@ def point(model: str, devices: int, context: int, seq: int, overrides: dict, tar
     from jfsdp.planning import memory, report, targets
 
     rows = devices // context
-    key = json.dumps([model, devices, context, seq, overrides, target], sort_keys=True)
+    key = json.dumps([model, devices, context, seq, overrides, target] + ([RING_SUMS] if RING_SUMS != "fp32" else []),
+                     sort_keys=True)
     out = {"model": model, "devices": devices, "mesh": f"1x{rows}", "context": context, "seq_len": seq,
-           "sequences": rows, "tokens_per_device": seq // context, "overrides": overrides}
+           "sequences": rows, "tokens_per_device": seq // context, "overrides": overrides, "ring_sums": RING_SUMS}
     devs = targets.devices(target, (1, rows), 1, context)
     with targets.tracing_for(target):
         cfg, plan, opt, loss_fn, batch = report.build(model, f"1x{rows}", "full_shard", "bf16", "full", rows, seq,
-                                                      devs, "cudnn", context=context, overrides=overrides)
+                                                      devs, "cudnn", context=context, overrides=overrides,
+                                                      ring_sums=RING_SUMS)
         est = memory.estimate(plan, opt, loss_fn, batch, prefetch=True, backend="gpu")
         out["estimate"] = est.as_dict()
         if compile_ and key in cache:
@@ -149,6 +154,8 @@ def main(argv=None) -> int:
     p.add_argument("--target", default="h100")
     p.add_argument("--model-option", action="append", default=[], metavar="NAME=VALUE",
                    help="replace a field of the models' configs (e.g. a tiled MLP's tile size, once it exists)")
+    p.add_argument("--ring-sums", default="fp32", choices=("fp32", "bf16"),
+                   help="the ring backward's sums across hops (train.py's --ring-sums)")
     p.add_argument("--reuse", default=None, help="a JSON of an earlier run: its compiled figures for identical points")
     p.add_argument("--seed-log", default=None, help="an earlier run's printed log: its compiled totals for identical "
                    "points (the breakdown is recomputed; argument/temp not known)")
@@ -157,6 +164,8 @@ def main(argv=None) -> int:
                    "with the estimate's breakdown recomputed at each point; for a run stopped before its end")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
+    global RING_SUMS
+    RING_SUMS = a.ring_sums
     overrides = options(a.model_option)
     budget = int(a.device_memory_gib * GIB)
     cache = {}
@@ -165,8 +174,9 @@ def main(argv=None) -> int:
             old = json.load(fh)
         for q in old.get("probes", []) + old.get("points", []):
             if "compiled" in q:
-                cache[json.dumps([q["model"], q["devices"], q["context"], q["seq_len"], q["overrides"], old["target"]],
-                                 sort_keys=True)] = q
+                sums = [q["ring_sums"]] if q.get("ring_sums", "fp32") != "fp32" else []
+                cache[json.dumps([q["model"], q["devices"], q["context"], q["seq_len"], q["overrides"], old["target"]]
+                                 + sums, sort_keys=True)] = q
     for log in ([a.seed_log] if a.seed_log else []) + (a.from_logs or []):
         import re
         for line in open(log):

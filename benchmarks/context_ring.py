@@ -2,7 +2,7 @@
 sequence's causal GQA attention in float64, beside one device's blockwise attention's (the fp32 floor),
 and the collective-permutes of the compiled forward + backward program against the ring's formula.
 
-    python benchmarks/context_ring.py [--contexts 2,4,8] [--seq-len 64] [--dtype bfloat16] [--json FILE]
+    python benchmarks/context_ring.py [--contexts 2,4,8] [--seq-len 64] [--dtype bfloat16] [--ring-sums bf16] [--json FILE]
     python benchmarks/context_ring.py --memory llama-small --seq-len 8192 --contexts 1,2,4 [--json FILE]
 
 The second form: the compiled train step's per-device memory (XLA's buffer assignment, fp32, remat full)
@@ -39,6 +39,8 @@ def main(argv=None) -> int:
     p.add_argument("--memory", default=None, metavar="MODEL", help="the train step's memory instead (a models/ name)")
     p.add_argument("--h100", action="store_true", help="the ring's schedule compiled for an H100 instead")
     p.add_argument("--no-context-flags", action="store_true", help="--h100 without jfsdp's XLA flags for C > 1")
+    p.add_argument("--ring-sums", default="fp32", choices=["fp32", "bf16"],
+                   help="the ring backward's sums across hops (train.py's --ring-sums)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="q, k, v and the cotangent in this dtype (the float64 reference from the same values)")
     p.add_argument("--json", default=None)
@@ -76,7 +78,7 @@ def main(argv=None) -> int:
         o, vjp = jax.vjp(lambda *x: blockwise_attention(*x, block=a.block), q, k, v)
         return (o, *vjp(do))
     rows = [{"C": 1, "mode": "one device, blockwise", "errors": rel(jax.jit(single)(q, k, v, do))}]
-    kernel = context_kernel(block=a.block)
+    kernel = context_kernel(block=a.block, ring_sums=a.ring_sums)
     for c in contexts:
         mesh = Mesh(np.array(jax.devices()[:c]), ("context",))
         for zz in (True, False):

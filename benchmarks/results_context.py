@@ -10,11 +10,14 @@ NAME = "context_long.json"   # the first searches (before the two fixes below), 
 # the blockwise kernel's fix is its newest; C = 2 and 4 were not searched again after the ring's fix (their figures
 # are of the code before it, which held more); C = 8 and the 256k point after the ring's fix.
 NEWEST = ("context_long_search_after_fix_tile4096.json", "context_long_points_after_fix_tile4096.json",
-          "context_long_c8_ring_tile4096.json", "context_long_c8_256k_ring_tile4096.json")
+          "context_long_c8_ring_tile4096.json", "context_long_c8_256k_ring_tile4096.json",
+          "context_long_c8_ring2_tile4096.json", "context_long_c8_256k_ring2_tile4096.json")
 FIXES = {"context_long_search_after_fix_tile4096.json": "after the blockwise kernel's fix, before the ring's",
          "context_long_points_after_fix_tile4096.json": "after the blockwise kernel's fix, before the ring's",
          "context_long_c8_ring_tile4096.json": "after the ring's fix (per-hop buffers removed)",
-         "context_long_c8_256k_ring_tile4096.json": "after the ring's fix (per-hop buffers removed)"}
+         "context_long_c8_256k_ring_tile4096.json": "after the ring's fix (per-hop buffers removed)",
+         "context_long_c8_ring2_tile4096.json": "after the tiled MLP's VJP and the ring's bf16 sums",
+         "context_long_c8_256k_ring2_tile4096.json": "after the tiled MLP's VJP and the ring's bf16 sums"}
 PARTS = (("params", "parameters"), ("grads", "gradient shards"), ("optimizer", "optimizer state"),
          ("gathered", "gathered units"), ("grad_buffers", "gradient buffers"), ("activations", "activations"))
 
@@ -58,25 +61,26 @@ def newest_section() -> list[str]:
     """The longest sequence per (model, C) from the newest file that compiled it, and every newest point."""
     out = ["## Now: the newest compile of each point", "",
            "Each row from the newest file that compiled it (the code after the fix named). Tiles of 4,096 "
-           "(`--model-option mlp_tile=4096`).", ""]
+           "(`--model-option mlp_tile=4096`). Ring sums: the ring backward's sums across hops, fp32 (the default) "
+           "or bf16 (`--ring-sums bf16`, less accurate: [context-parallel.md](../context-parallel.md)).", ""]
     newest = {}   # (model, devices, C, sequence) -> (file, point): a later file's compile of a point replaces an earlier one
     for name in NEWEST:
         for p in _points(load(name)):
             if "compiled" in p:
-                newest[(p["model"], p["devices"], p["context"], p["seq_len"])] = (name, p)
+                newest[(p["model"], p["devices"], p["context"], p["seq_len"], p.get("ring_sums", "fp32"))] = (name, p)
     per_key = {}   # (model, devices, C) -> the points of the newest code that compiled any of them
     for name, p in newest.values():
-        key = (p["model"], p["devices"], p["context"])
+        key = (p["model"], p["devices"], p["context"], p.get("ring_sums", "fp32"))
         if key in per_key and NEWEST.index(name) > NEWEST.index(per_key[key][0]) and FIXES[name] != FIXES[per_key[key][0]]:
             del per_key[key]
         if key not in per_key or FIXES[name] == FIXES[per_key[key][0]]:
             per_key.setdefault(key, [name, []])[1].append(p)
     budget = load(NEWEST[0])["device_memory"]
-    rows = [row + [", ".join(sorted({f"`{n}`" for n, q in newest.values() if q in ps})), FIXES[name]]
+    rows = [row + [key[3], ", ".join(sorted({f"`{n}`" for n, q in newest.values() if q in ps})), FIXES[name]]
             for key, (name, ps) in sorted(per_key.items())
             for row in _longest({"device_memory": budget, "points": ps})]
     out += table(["model", "GPUs", "C", "mesh", "longest that fits", "shortest that does not", "points compiled",
-                  "from", "code"], rows, "lrrlrrrll")
+                  "ring sums", "from", "code"], rows, "lrrlrrrlll")
     points = [_point_rows({"device_memory": budget, "points": [p]}, f"`{name}`")[0]
               for name, p in sorted(newest.values(), key=lambda t: (t[1]["model"], t[1]["context"], t[1]["seq_len"]))]
     out += ["Every newest point; the estimate's breakdown per device (GiB) beside the compiled total:", ""]

@@ -63,6 +63,10 @@ def model_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
                    help="context-parallel size: a mesh axis of C devices between fsdp and tensor (R*S*C*T devices in "
                    "all) over which each sequence is split, attention as a ring, weights sharded over fsdp x context "
                    "(docs/context-parallel.md)")
+    g.add_argument("--ring-sums", default=d.ring_sums, choices=("fp32", "bf16"),
+                   help="with --context C > 1: the ring backward's sums across hops (dQ, dK, dV) in fp32, or in bf16 "
+                   "with bf16 compute: half their memory and ring bytes, dK up to 1.9x one device's error at C = 8 "
+                   "(docs/context-parallel.md)")
     g.add_argument("--async-tp", default=d.async_tp, choices=ASYNC_TP,
                    help="with --tensor T > 1: run each TP all-gather and reduce-scatter as a ring of T-1 transfers, "
                    "each overlapping a block's matmul (a collective matmul; auto: on GPUs)")
@@ -221,6 +225,8 @@ def check_flags(c: TrainConfig) -> int | None:
         check_tensor_flags(c)
     if c.context != 1:
         check_context_flags(c)
+    if c.ring_sums != "fp32" and (c.context == 1 or c.precision == "fp32"):
+        fail(f"--ring-sums {c.ring_sums} applies to --context C > 1 with bf16 compute")
     try:
         async_tp_option(c.async_tp, c.tensor)
         check_mlp_tile(c.mlp_tile, c.seq_len, c.context, c.tensor)

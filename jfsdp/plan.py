@@ -47,6 +47,9 @@ def _args(argv):
     p.add_argument("--tensor", type=int, default=1, metavar="T",
                    help="tensor-parallel size (train.py's --tensor): mesh RxS x T devices, Megatron TP with sequence "
                    "parallelism over the innermost T (docs/tensor-parallel.md)")
+    p.add_argument("--ring-sums", choices=("fp32", "bf16"), default="fp32",
+                   help="with --context C > 1 (train.py's --ring-sums): the ring backward's sums across hops in fp32, "
+                   "or in bf16 for bf16 compute (half their memory and bytes, less accurate: docs/context-parallel.md)")
     p.add_argument("--context", type=int, default=1, metavar="C",
                    help="context-parallel size (train.py's --context): mesh RxS x C (x T) devices, each sequence "
                    "split over C, attention as a ring (docs/context-parallel.md)")

@@ -116,12 +116,20 @@ def tensor_plan(cfg):
     return jfsdp.TensorPlan(rules, sequence_dim=1, divides=divides)
 
 
-def context_kernel(block: int = 512):
+RING_SUMS = ("fp32", "bf16")
+
+
+def context_kernel(block: int = 512, ring_sums: str = "fp32"):
     """The per-block attention of context parallelism's ring (jfsdp.engine.parallel.context) for the Llama
     models: blockwise attention's two halves (models/attention.py), which give the log-sum-exp that the
-    ring's merge needs. fully_shard's `context_attention` at C > 1."""
+    ring's merge needs. fully_shard's `context_attention` at C > 1. `ring_sums` "bf16": the backward's sums
+    across hops (dQ, dK, dV) in bf16 for bf16 compute, half their memory and bytes, at the price of accuracy
+    (train.py's --ring-sums; docs/context-parallel.md); "fp32" (default) keeps them in fp32."""
+    if ring_sums not in RING_SUMS:
+        raise jfsdp.ConfigError(f"ring sums '{ring_sums}': choose fp32 or bf16")
     from jfsdp.engine.parallel.context import Kernel, sum_dtype   # here: importing this module must not start jax
+    low = ring_sums == "bf16"
     return Kernel(lambda q, k, v, causal: blockwise_attention_fwd(q, k, v, causal=causal, block=block),
                   lambda q, k, v, o, lse, do, causal: blockwise_attention_bwd(
-                      q, k, v, o, lse, do, causal=causal, block=block, dq_dtype=sum_dtype(q)),
-                  sums=True)
+                      q, k, v, o, lse, do, causal=causal, block=block, dq_dtype=sum_dtype(q, low)),
+                  sums=True, low_sums=low)

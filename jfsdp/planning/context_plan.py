@@ -7,7 +7,7 @@ many tokens a device holds and what the ring adds.
 - Communication (`ring_bytes`): per unit and pass, the forward ring sends 2(C - 1) K/V blocks (K and V,
   C - 1 hops), and the backward ring 2(C - 1) K/V blocks and 2(C - 1) gradient blocks (dK and dV travel one
   hop behind them, and one last hop takes them home; the diagonal block's stay home): 6C - 6 blocks, the
-  gradient blocks in the dtype of the ring's sums (bf16 for bf16 inputs, else fp32). With remat (full or
+  gradient blocks in the dtype of the ring's sums (fp32; bf16 with `--ring-sums bf16`). With remat (full or
   dots) the backward recomputes the unit's forward, ring included: another 2(C - 1) K/V blocks.
 - Memory (`ring_buffers`): what the ring holds besides what the unit holds at C = 1, at the units'
   backward peak (the recomputed ring's hops): the running sums and one hop's share (up to two
@@ -74,7 +74,7 @@ def ring_bytes(plan, batch, backend: str | None = None) -> float:
     dt = wire_dtype(plan.mp.param_dtype or jnp.float32, backend)
     local = jax.tree.map(lambda a: local_shape(a, plan.n_devices, C), batch)
     forward_passes = 1 if plan.remat == "none" else 2
-    sums = _sum_bytes(dt)
+    sums = _sum_bytes(dt, plan.context_attention)
     total = 0.0
     for calls, n in attention_shapes(plan, local, dt):
         for _, k in calls:
@@ -85,10 +85,11 @@ def ring_bytes(plan, batch, backend: str | None = None) -> float:
     return total
 
 
-def _sum_bytes(dt) -> int:
-    """Bytes per element of the ring's sums across hops (jfsdp/engine/parallel/context.py `sum_dtype`):
-    bfloat16 for bfloat16 inputs, else fp32."""
-    return jnp.dtype(jnp.promote_types(dt, jnp.bfloat16)).itemsize
+def _sum_bytes(dt, kernel) -> int:
+    """Bytes per element of the ring's sums across hops (jfsdp/engine/parallel/context.py `sum_dtype`): fp32,
+    or with the kernel's `low_sums` bfloat16 for bfloat16 inputs."""
+    low = getattr(kernel, "low_sums", False)
+    return jnp.dtype(jnp.promote_types(dt, jnp.bfloat16 if low else jnp.float32)).itemsize
 
 
 def _largest_intermediate(jaxpr) -> int:
@@ -124,10 +125,10 @@ def ring_buffers(plan, local_batch, backend: str | None = None) -> int:
             jaxpr = jax.make_jaxpr(lambda q, k, v: kernel.fwd(q, k, v, False))(half(q), half(k), half(k)).jaxpr
             tile = _largest_intermediate(jaxpr)
             whole = b * h * (t // 2) ** 2 * 4       # the hop's (L x L) scores in fp32
-            o32 = b * t * h * d * _sum_bytes(dt)
+            o32 = b * t * h * d * _sum_bytes(dt, kernel)
             tiles = 4 * (C - 1) * tile if tile >= whole else 0
             # XLA:GPU holds one (B, T/C, H, D) buffer for the whole ring, whatever C: the running dq, in its
-            # two zigzag pieces, in the sums' dtype (bf16 for bf16 inputs since the sums across hops are;
+            # two zigzag pieces, in the sums' dtype (bf16 with --ring-sums bf16 for bf16 inputs;
             # llama-8b at 1,572,864 tokens, C = 8, H100 target: 86.82 GiB compiled, 87.59 estimated with one
             # fp32 buffer, before). It held about one per hop (C - 1) while each hop's values derived
             # from the local q, o, dO alone were computed for all hops ahead of the ring, and the kernel's

@@ -25,7 +25,7 @@ DEFAULT_MEMORY = 80 * 2**30   # per device, where neither --device-memory nor a 
 
 def build(model_name, mesh_spec, strategy, precision, remat, batch_size, seq_len, devices=None, attention=None,
           loss="fused", moe="auto", moe_chunks="auto", backend=None, prefetch=None, tensor=1, async_tp=None, context=1,
-          overrides=None, mlp_tile=0, as_is=None, moe_buckets=None, moe_calibration=None):
+          overrides=None, mlp_tile=0, as_is=None, moe_buckets=None, moe_calibration=None, ring_sums="fp32"):
     """(cfg, plan, optimizer, loss_fn, batch shapes) for a named model; nothing allocated. `mlp_tile`: the
     Llama MLP's tile in tokens (models/llama.py; 0: off).
     `devices`: the mesh's devices (default: all local ones); `attention`: override the config's;
@@ -79,7 +79,7 @@ def build(model_name, mesh_spec, strategy, precision, remat, batch_size, seq_len
     plan = jfsdp.fully_shard(model, mesh, x, strategy=strategy, mp_policy=mp,
                              remat=remat, moe=moe_opt, prefetch=prefetch, tensor_plan=tensor_plan,
                              async_tp=async_tp if tensor > 1 else None,
-                             context_attention=models.factory.context_kernel() if context > 1 else None)
+                             context_attention=models.factory.context_kernel(ring_sums=ring_sums) if context > 1 else None)
     return cfg, plan, jfsdp.adamw(1e-4), loss_fn, {"inputs": x, "targets": x}
 
 
@@ -171,7 +171,8 @@ def report(a, budget: int | None = None) -> dict:
                                    async_tp=async_tp_option(getattr(a, "async_tp", "auto"), tensor), mlp_tile=tile,
                                    context=context, as_is=getattr(a, "as_is", None),
                                    moe_buckets=getattr(a, "moe_buckets", None),
-                                   moe_calibration=getattr(a, "moe_calibration", None))
+                                   moe_calibration=getattr(a, "moe_calibration", None),
+                                   ring_sums=getattr(a, "ring_sums", "fp32"))
         tile = getattr(a, "mlp_tile", 0)
         if tile == "auto":   # the largest tile whose estimate fits; off where the untiled plan fits
             from jfsdp.planning import tiling

@@ -101,7 +101,7 @@ def shard_model(c: TrainConfig, models, model: ModelChoice, mesh, strategy, mp, 
                                                                      buckets=c.moe_buckets, capacity_cap=c.moe_capacity_cap,
                                                                      calibration=calibration or c.moe_calibration)
         plan = models.factory.tensor_plan(model.config) if c.tensor > 1 else None
-        ring = models.factory.context_kernel() if c.context > 1 else None   # docs/context-parallel.md
+        ring = models.factory.context_kernel(ring_sums=c.ring_sums) if c.context > 1 else None   # docs/context-parallel.md
         return jfsdp.fully_shard(module, mesh, example, strategy=strategy, mp_policy=mp, remat=c.remat, moe=moe,
                                  tensor_plan=plan, async_tp=async_tp_option(c.async_tp, c.tensor),
                                  context_attention=ring)

@@ -11,6 +11,7 @@ class TrainConfig:
     mesh: str = "2x8"
     tensor: int = 1                 # tensor-parallel size T (a third mesh axis; docs/tensor-parallel.md)
     context: int = 1                # context-parallel size C (the sequence split over it; docs/context-parallel.md)
+    ring_sums: str = "fp32"         # C > 1: the ring backward's sums across hops, fp32 or (bf16 compute) bf16
     async_tp: str = "auto"          # T > 1: the TP collectives as rings that overlap the matmuls (auto: on GPUs)
     strategy: str = "full_shard"
     model: str = "llama-tiny"

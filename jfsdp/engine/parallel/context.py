@@ -53,10 +53,12 @@ class Kernel(NamedTuple):
     bwd(q, k, v, o, lse, do, causal) -> (dq, dk, dv) fp32 (dq may come in `sum_dtype`), given the merged o
     and lse of the whole row.
     `sums`: bwd takes, in o's place, the row sums rowsum(dO * O) fp32 (B, T, H), all it needs of o: the
-    ring computes them once, and o (a (T/C, H, D) array) is not held through the backward's hops."""
+    ring computes them once, and o (a (T/C, H, D) array) is not held through the backward's hops.
+    `low_sums`: the sums across hops in bf16 for bf16 inputs (`sum_dtype`); default fp32."""
     fwd: Callable
     bwd: Callable
     sums: bool = False
+    low_sums: bool = False
 
 
 def ring_attention(q, k, v, kernel: Kernel, *, zigzag: bool = True, axis: str = CONTEXT_AXIS):
@@ -114,8 +116,7 @@ def _hop_bwd(kernel, zigzag, q, k, v, o, lse, do, earlier, dq):
     hop), with this hop's share added; dk, dv fp32 of the K/V block from another rank). With zigzag the
     two kernel calls run one after the other, the first's dq added before the second starts (an optimization
     barrier), so that one call's fp32 dq is live at a time beside the running sums, not two."""
-    dt = sum_dtype(q)
-    add = lambda acc, g: (g if acc is None else acc + g).astype(dt)
+    add = lambda acc, g: (g if acc is None else acc + g).astype(sum_dtype(q, kernel.low_sums))
     if not zigzag:
         keep = lambda g: jnp.where(earlier, g, 0.0)
         dqh, dk, dv = map(keep, kernel.bwd(q, k, v, o, lse, do, False))
@@ -136,12 +137,11 @@ def _hop_bwd(kernel, zigzag, q, k, v, o, lse, do, earlier, dq):
     return (add(dq1, pick(dqx, zero(dqx))), add(dq2, pick(zero(dqx), dqx))), dk, dv
 
 
-def sum_dtype(x):
+def sum_dtype(x, low: bool = False):
     """The dtype of the ring's sums across hops (dQ, and the dK/dV that travel the ring) for inputs like x:
-    bfloat16's own (each hop's share comes in fp32 from the kernel and is rounded once as it is added, as
-    the result is in the end: half the memory and half the bytes sent; measured errors in
-    docs/context-parallel.md), float16 and fp32 as fp32. The softmax statistics stay fp32."""
-    return jnp.promote_types(x.dtype, jnp.bfloat16)
+    fp32, or with `low` bfloat16's own for bf16 inputs (each hop's fp32 share rounded as it is added: half the
+    memory and bytes, dK up to 1.9x one device's error at C = 8: docs/context-parallel.md)."""
+    return jnp.promote_types(x.dtype, jnp.bfloat16 if low else jnp.float32)
 
 
 def _arrived(local, kv):
@@ -202,7 +202,7 @@ def _ring_bwd(kernel, zigzag, axis, res, do):
         back = send(dkv) if s > 1 else None
         dq, *g = _hop_bwd(kernel, zigzag, *_arrived((q,), kv), *kv, *_arrived((o, lse, do), kv),
                           (rank - s) % context < rank, dq)
-        dkv = tuple((x if b is None else b + x).astype(sum_dtype(k)) for b, x in zip(back or (None, None), g))
+        dkv = tuple((x if b is None else b + x).astype(sum_dtype(k, kernel.low_sums)) for b, x in zip(back or (None, None), g))
     # the diagonal block last, while the gradients of rank r + 1's block go home
     (q, k, v, o, lse, do), dq, dkv = lax.optimization_barrier(((q, k, v, o, lse, do), dq, dkv))
     home = send(dkv)
