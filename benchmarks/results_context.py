@@ -11,13 +11,15 @@ NAME = "context_long.json"   # the first searches (before the two fixes below), 
 # are of the code before it, which held more); C = 8 and the 256k point after the ring's fix.
 NEWEST = ("context_long_search_after_fix_tile4096.json", "context_long_points_after_fix_tile4096.json",
           "context_long_c8_ring_tile4096.json", "context_long_c8_256k_ring_tile4096.json",
-          "context_long_c8_ring2_tile4096.json", "context_long_c8_256k_ring2_tile4096.json")
+          "context_long_c8_ring2_tile4096.json", "context_long_c8_256k_ring2_tile4096.json",
+          "context_long_c8_fp32sums_tile4096.json")
 FIXES = {"context_long_search_after_fix_tile4096.json": "after the blockwise kernel's fix, before the ring's",
          "context_long_points_after_fix_tile4096.json": "after the blockwise kernel's fix, before the ring's",
          "context_long_c8_ring_tile4096.json": "after the ring's fix (per-hop buffers removed)",
          "context_long_c8_256k_ring_tile4096.json": "after the ring's fix (per-hop buffers removed)",
          "context_long_c8_ring2_tile4096.json": "after the tiled MLP's VJP and the ring's bf16 sums",
-         "context_long_c8_256k_ring2_tile4096.json": "after the tiled MLP's VJP and the ring's bf16 sums"}
+         "context_long_c8_256k_ring2_tile4096.json": "after the tiled MLP's VJP and the ring's bf16 sums",
+         "context_long_c8_fp32sums_tile4096.json": "after the tiled MLP's VJP, the ring's sums fp32 (the default)"}
 PARTS = (("params", "parameters"), ("grads", "gradient shards"), ("optimizer", "optimizer state"),
          ("gathered", "gathered units"), ("grad_buffers", "gradient buffers"), ("activations", "activations"))
 
