@@ -6,20 +6,22 @@ from __future__ import annotations
 from results_source import GIB, g, load, source, table
 
 NAME = "context_long.json"   # the first searches (before the two fixes below), kept as history
-# The newest measurement of each part, oldest first: what the code of each fix compiles to. C = 1 has no ring, so
-# the blockwise kernel's fix is its newest; C = 2 and 4 were not searched again after the ring's fix (their figures
-# are of the code before it, which held more); C = 8 and the 256k point after the ring's fix.
+# The newest measurement of each part, oldest first: what the code of each fix compiles to (the last two: the
+# searches at C = 1, 2, 4 with the session's final code; the 70B point was not compiled again).
 NEWEST = ("context_long_search_after_fix_tile4096.json", "context_long_points_after_fix_tile4096.json",
           "context_long_c8_ring_tile4096.json", "context_long_c8_256k_ring_tile4096.json",
           "context_long_c8_ring2_tile4096.json", "context_long_c8_256k_ring2_tile4096.json",
-          "context_long_c8_fp32sums_tile4096.json")
+          "context_long_c8_fp32sums_tile4096.json", "context_long_search_c1_now_tile4096.json",
+          "context_long_search_c24_now_tile4096.json")
 FIXES = {"context_long_search_after_fix_tile4096.json": "after the blockwise kernel's fix, before the ring's",
          "context_long_points_after_fix_tile4096.json": "after the blockwise kernel's fix, before the ring's",
          "context_long_c8_ring_tile4096.json": "after the ring's fix (per-hop buffers removed)",
          "context_long_c8_256k_ring_tile4096.json": "after the ring's fix (per-hop buffers removed)",
          "context_long_c8_ring2_tile4096.json": "after the tiled MLP's VJP and the ring's bf16 sums",
          "context_long_c8_256k_ring2_tile4096.json": "after the tiled MLP's VJP and the ring's bf16 sums",
-         "context_long_c8_fp32sums_tile4096.json": "after the tiled MLP's VJP, the ring's sums fp32 (the default)"}
+         "context_long_c8_fp32sums_tile4096.json": "after the tiled MLP's VJP, the ring's sums fp32 (the default)",
+         "context_long_search_c1_now_tile4096.json": "after the tiled MLP's VJP, the ring's sums fp32 (the default)",
+         "context_long_search_c24_now_tile4096.json": "after the tiled MLP's VJP, the ring's sums fp32 (the default)"}
 PARTS = (("params", "parameters"), ("grads", "gradient shards"), ("optimizer", "optimizer state"),
          ("gathered", "gathered units"), ("grad_buffers", "gradient buffers"), ("activations", "activations"))
 
