@@ -514,10 +514,11 @@ def test_bf16_on_an_as_is_plan_matches_single_device_bf16(nnx_reference):
 
 
 # ---- a model that scans its own blocks keeps its scan
-def test_linen_scan_keeps_its_scan_and_equals_single_device():
-    """`models.llama.ScannedLlama` runs its blocks under `nn.scan`: given as it is, the unit is gathered per
-    iteration (its stacked parameters sharded by rows within each layer, like a Stacked stage) and it
-    trains as the plain single-device trainer of the same model does."""
+def linen_scan_run(untied: bool):
+    """`models.llama.ScannedLlama` (3 blocks under its own `nn.scan`) given as it is on 2x4, remat full, trained
+    by jfsdp and by the plain single-device trainer (optax, same init and data): losses and final parameters
+    asserted equal. `untied`: the units called as on GPUs (the plan marked not on a CPU), with the jaxpr of the
+    step checked to hold no CSE barrier."""
     import dataclasses
 
     import models
@@ -526,14 +527,21 @@ def test_linen_scan_keeps_its_scan_and_equals_single_device():
     data = [{"inputs": b["inputs"] % cfg.vocab_size, "targets": b["targets"] % cfg.vocab_size} for b in batches(LCFG)]
     model = ScannedLlama(cfg)
     sharded = jfsdp.fully_shard(model, mesh("2x4"), data[0], units=LlamaBlock, remat="full", rng_streams=())
-    assert sharded.scanned == {("layers",): 3} and sharded.units == (("layers",),)
-    assert sharded.param_specs["layers"]["attention"]["wq"]["kernel"] == jax.sharding.PartitionSpec(None, "fsdp")
+    if untied:
+        assert sharded.on_cpu and not sharded.prefetch
+        sharded.on_cpu = False   # the GPU path: units untied from their inputs
+    else:
+        assert sharded.scanned == {("layers",): 3} and sharded.units == (("layers",),)
+        assert sharded.param_specs["layers"]["attention"]["wq"]["kernel"] == jax.sharding.PartitionSpec(None, "fsdp")
     params = jax.jit(model.init)(jax.random.key(0), data[0]["inputs"])["params"]
     # a stacked bias looks like a matrix to a mask that reads shapes: the decay mask comes from the plan
     mask = sharded.decay_mask()
     opt = jfsdp.adamw(ref.LR, b1=ref.B1, b2=ref.B2, eps=ref.EPS, weight_decay=ref.WD, clip_norm=ref.CLIP, mask=mask)
     state = jfsdp.init_state(sharded, opt, params=params)
     step = jfsdp.make_train_step(sharded, opt, models.loss_fn(cfg))
+    if untied:
+        jaxpr = str(jax.make_jaxpr(step)(state, data[0]))
+        assert "prevent_cse=False" in jaxpr and "prevent_cse=True" not in jaxpr   # untied: no barrier in the scan
     losses = []
     for b in data:
         state, m = step(state, b)
@@ -544,6 +552,13 @@ def test_linen_scan_keeps_its_scan_and_equals_single_device():
     with jax.default_device(jax.devices()[0]):
         ref_losses, ref_final, _ = ref.run_steps(plain, loss, params, data)
     assert_close(losses, ref_losses, sharded.gather(state.params), ref_final)
+
+
+def test_linen_scan_keeps_its_scan_and_equals_single_device():
+    """`models.llama.ScannedLlama` runs its blocks under `nn.scan`: given as it is, the unit is gathered per
+    iteration (its stacked parameters sharded by rows within each layer, like a Stacked stage) and it
+    trains as the plain single-device trainer of the same model does."""
+    linen_scan_run(untied=False)
 
 
 def test_linen_scan_untied_as_on_gpus_equals_single_device():
@@ -551,33 +566,7 @@ def test_linen_scan_untied_as_on_gpus_equals_single_device():
     checkpoint without a CSE barrier, for XLA's collective pipeliner), run here on CPU devices by
     marking the plan as not on a CPU: the same losses and final parameters as the plain single-device
     trainer, as the tied path's (test_linen_scan_keeps_its_scan_and_equals_single_device)."""
-    import dataclasses
-
-    import models
-    from models.llama import LlamaBlock, ScannedLlama
-    cfg = dataclasses.replace(models.get_config("llama-test"), n_layers=3, attention="xla")
-    data = [{"inputs": b["inputs"] % cfg.vocab_size, "targets": b["targets"] % cfg.vocab_size} for b in batches(LCFG)]
-    model = ScannedLlama(cfg)
-    sharded = jfsdp.fully_shard(model, mesh("2x4"), data[0], units=LlamaBlock, remat="full", rng_streams=())
-    assert sharded.on_cpu and not sharded.prefetch
-    sharded.on_cpu = False   # the GPU path: units untied from their inputs
-    params = jax.jit(model.init)(jax.random.key(0), data[0]["inputs"])["params"]
-    mask = sharded.decay_mask()
-    opt = jfsdp.adamw(ref.LR, b1=ref.B1, b2=ref.B2, eps=ref.EPS, weight_decay=ref.WD, clip_norm=ref.CLIP, mask=mask)
-    state = jfsdp.init_state(sharded, opt, params=params)
-    step = jfsdp.make_train_step(sharded, opt, models.loss_fn(cfg))
-    jaxpr = str(jax.make_jaxpr(step)(state, data[0]))
-    assert "prevent_cse=False" in jaxpr and "prevent_cse=True" not in jaxpr   # untied: no barrier in the scan
-    losses = []
-    for b in data:
-        state, m = step(state, b)
-        losses.append(float(m["loss"]))
-    plain = optax.chain(optax.clip_by_global_norm(ref.CLIP),
-                        optax.adamw(ref.LR, b1=ref.B1, b2=ref.B2, eps=ref.EPS, weight_decay=ref.WD, mask=mask))
-    loss = lambda p, b: models.loss_fn(cfg)(model.apply({"params": p}, b["inputs"]), b)
-    with jax.default_device(jax.devices()[0]):
-        ref_losses, ref_final, _ = ref.run_steps(plain, loss, params, data)
-    assert_close(losses, ref_losses, sharded.gather(state.params), ref_final)
+    linen_scan_run(untied=True)
 
 
 def test_nnx_scan_keeps_its_scan_and_equals_single_device():
