@@ -81,14 +81,16 @@ def take_devices(c: TrainConfig, r: int, s: int) -> list:
     return devices[: r * s]
 
 
-def shard_model(c: TrainConfig, models, model: ModelChoice, mesh, strategy, mp, calibration=None) -> tuple:
+def shard_model(c: TrainConfig, models, model: ModelChoice, mesh, strategy, mp, calibration=None,
+                moe_variant=None) -> tuple:
     """(the sharded model the loss trains, the sharded model that returns logits, the loss function).
     --mlp-tile is applied here, not to `model.config`: the checkpoints' identity keeps the config without it
     (tiling changes how the MLP runs, not its parameters, so a run resumes under any tile).
     The fused loss takes (hidden, head weight) from the root; sampling needs logits: a second sharded
     model over the same parameters with the plain head (nothing is compiled until it is used).
     `calibration`: an adaptive MoE stage's measured {(capacity, mode, chunks): seconds} (--moe-calibrate),
-    instead of --moe-calibration's file."""
+    instead of --moe-calibration's file; `moe_variant`: a function of the MoE option that replaces it (one
+    variant's own program, jfsdp.runtime.calibrate)."""
     # an MoE model's cost model reads the tokens per device from the example: one micro-batch
     rows = max(1, c.batch_size // c.grad_accum) if model.is_moe else 1
     example = jax.ShapeDtypeStruct((rows, c.seq_len), jnp.int32)
@@ -100,6 +102,8 @@ def shard_model(c: TrainConfig, models, model: ModelChoice, mesh, strategy, mp, 
         module, moe, loss_fn = models.factory.language_model(config, c.loss, c.moe, c.moe_chunks, head=head,
                                                                      buckets=c.moe_buckets, capacity_cap=c.moe_capacity_cap,
                                                                      calibration=calibration or c.moe_calibration)
+        if moe_variant is not None:
+            moe = moe_variant(moe)
         plan = models.factory.tensor_plan(model.config) if c.tensor > 1 else None
         ring = models.factory.context_kernel(ring_sums=c.ring_sums) if c.context > 1 else None   # docs/context-parallel.md
         return jfsdp.fully_shard(module, mesh, example, strategy=strategy, mp_policy=mp, remat=c.remat, moe=moe,

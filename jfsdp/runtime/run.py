@@ -123,9 +123,10 @@ class Run:
         c = self.c
         if c.moe_calibrate:   # after the fit check: the adaptive stage's variants timed here, then the model again
             with bad_input():
-                table = calibrate.measure(c, self.models, self.model, self.mesh, self.strategy, self.mp, self.lead)
-                self.sharded, self.logits_sharded, self.loss_fn = build.shard_model(
-                    c, self.models, self.model, self.mesh, self.strategy, self.mp, table)
+                shard = lambda **kw: build.shard_model(c, self.models, self.model, self.mesh, self.strategy, self.mp, **kw)
+                table = calibrate.measure(c, self.sharded, lambda v: shard(moe_variant=v),
+                                          self.model.config.vocab_size, self.lead)
+                self.sharded, self.logits_sharded, self.loss_fn = shard(calibration=table)
         sharded = self.sharded
         self.schedule, opt = build.make_optimizer(c, sharded)
         t0 = time.perf_counter()
