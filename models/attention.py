@@ -64,13 +64,19 @@ def _map(f, n: int, tie):
     35.3 GiB of llama-8b's widths with 2 layers at 32,768 tokens per device, C = 8 (docs/context-parallel.md). Tied to this
     call's input, each buffer is made where the call runs and freed after it. The values are lax.map's."""
     shapes = jax.eval_shape(f, jax.ShapeDtypeStruct((), jnp.int32))
-    zero = lax.optimization_barrier((jnp.zeros((), jnp.float32), tie))[0]
+    zero = tied_zeros((), jnp.float32, tie)
     init = jax.tree.map(lambda s: jnp.broadcast_to(zero.astype(s.dtype), (n, *s.shape)), shapes)
     put = lambda i, ys: jax.tree.map(lambda y, x: lax.dynamic_update_index_in_dim(y, x, i, 0), ys, f(i))
-    return _loop(0, n, put, init)
+    return index_loop(0, n, put, init)
 
 
-def _loop(lo, hi, body, init):
+def tied_zeros(shape, dtype, tie):
+    """Zeros of `shape` made from a zero that depends on `tie` (`lax.optimization_barrier`): a buffer XLA cannot
+    hoist out of an enclosing loop (`_map`'s stacks here, models/tiled_mlp.py's outputs and sums)."""
+    return jnp.broadcast_to(lax.optimization_barrier((jnp.zeros((), jnp.float32), tie))[0].astype(dtype), shape)
+
+
+def index_loop(lo, hi, body, init):
     """`lax.fori_loop(lo, hi, body, init)` as a while loop whatever its bounds. With static bounds fori_loop
     is a scan, and under the unit's checkpoint JAX's partial evaluation split each of the kernel's scans in
     two: a scan that stacks every iteration's key and value block (`kb[j]`, a copy of K and V per call) for
@@ -114,7 +120,7 @@ def _forward_f32(q, k, v, causal, block, scale):
             return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv
 
         shape = (b, kh, h // kh, block)
-        m, l, acc = _loop(0, i + 1 if causal else n, body,
+        m, l, acc = index_loop(0, i + 1 if causal else n, body,
                                   (jnp.full(shape, _NEG, jnp.float32), jnp.zeros(shape, jnp.float32),
                                    jnp.zeros((*shape, d), jnp.float32)))
         return acc / l[..., None], m + jnp.log(l)     # (B, K, G, bq, D), (B, K, G, bq)
@@ -164,7 +170,7 @@ def _grads_f32(causal, block, scale, res, do, dq_dtype=jnp.float32):
         def body(j, dq):
             ds = dscores(i, j, probs(i, j))
             return dq + jnp.einsum("bkgqp,bpkd->bqkgd", ds.astype(k.dtype), kb[j], preferred_element_type=jnp.float32)
-        return (_loop(0, i + 1 if causal else n, body, jnp.zeros((b, block, kh, g, d), jnp.float32)) * scale).astype(dq_dtype)
+        return (index_loop(0, i + 1 if causal else n, body, jnp.zeros((b, block, kh, g, d), jnp.float32)) * scale).astype(dq_dtype)
 
     def dkv_block(j):
         def body(i, carry):
@@ -175,7 +181,7 @@ def _grads_f32(causal, block, scale, res, do, dq_dtype=jnp.float32):
             dk = dk + jnp.einsum("bkgqp,bqkgd->bpkd", ds.astype(q.dtype), qb[i], preferred_element_type=jnp.float32)
             return dk, dv
         zero = jnp.zeros((b, block, kh, d), jnp.float32)
-        dk, dv = _loop(j if causal else 0, n, body, (zero, zero))
+        dk, dv = index_loop(j if causal else 0, n, body, (zero, zero))
         return dk * scale, dv
 
     dq = _unblock(_map(dq_block, n, k), t).reshape(b, t, h, d)
@@ -232,7 +238,3 @@ def blockwise_attention_bwd(q, k, v, o, lse, do, *, causal: bool = True, block: 
     lse = jnp.moveaxis(_blocks(lse.reshape(b, t, kh, h // kh), _chunks(t, block), block), 2, -1)
     return _grads_f32(causal, block, scale, (q, k, v, o, lse), do, dq_dtype)
 
-
-# Public names for the loops above, used by models/tiled_mlp.py.
-tied_map = _map
-index_loop = _loop

@@ -7,7 +7,7 @@ in the weights' dtype, as the scan's transpose summed them), and every buffer th
 backward's dx) from constant zeros that depend on nothing; XLA:GPU hoists those out of the loop over layers,
 so one (B, T, d) buffer lived through the whole step: 1.5 GiB of llama-8b at 196,608 tokens per device
 (docs/context-parallel.md). Tied, each is made where its loop runs and freed after it, as the blockwise
-kernel's are (models/attention.py `tied_map`). The values are the untiled MLP's, tile by tile."""
+kernel's are (models/attention.py `tied_zeros`). The values are the untiled MLP's, tile by tile."""
 from __future__ import annotations
 
 import functools
@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from models.attention import index_loop
+from models.attention import index_loop, tied_zeros
 
 
 def _dense(x, w):
@@ -27,11 +27,6 @@ def _dense(x, w):
 
 def swiglu(x, w1, w3, w2):
     return _dense(jax.nn.silu(_dense(x, w1)) * _dense(x, w3), w2)
-
-
-def _tied_zeros(shape, dtype, tie):
-    zero = lax.optimization_barrier((jnp.zeros((), dtype), tie))[0]
-    return jnp.broadcast_to(zero, shape)
 
 
 def _tile(a, i, tile):
@@ -45,7 +40,7 @@ def tiled_swiglu(x, w1, w3, w2, tile: int):
     n = x.shape[1] // tile
     part = jax.checkpoint(swiglu, prevent_cse=False)
     out = jax.eval_shape(swiglu, jax.ShapeDtypeStruct((*x.shape[:1], tile, *x.shape[2:]), x.dtype), w1, w3, w2)
-    y = _tied_zeros((x.shape[0], x.shape[1], *out.shape[2:]), out.dtype, x)
+    y = tied_zeros((x.shape[0], x.shape[1], *out.shape[2:]), out.dtype, x)
     body = lambda i, y: lax.dynamic_update_slice_in_dim(y, part(_tile(x, i, tile), w1, w3, w2), i * tile, axis=1)
     return index_loop(0, n, body, y)
 
@@ -57,7 +52,7 @@ def _fwd(x, w1, w3, w2, tile):
 def _bwd(tile, res, dy):
     x, *ws = res
     n = x.shape[1] // tile
-    sums = tuple(_tied_zeros(w.shape, w.dtype, dy) for w in ws)
+    sums = tuple(tied_zeros(w.shape, w.dtype, dy) for w in ws)
 
     def body(i, carry):
         dx, acc = carry
@@ -65,7 +60,7 @@ def _bwd(tile, res, dy):
         dxt, *dws = vjp(_tile(dy, i, tile))
         dx = lax.dynamic_update_slice_in_dim(dx, dxt.astype(dx.dtype), i * tile, axis=1)
         return dx, tuple(a + d.astype(a.dtype) for a, d in zip(acc, dws))
-    dx, acc = index_loop(0, n, body, (_tied_zeros(x.shape, x.dtype, dy), sums))
+    dx, acc = index_loop(0, n, body, (tied_zeros(x.shape, x.dtype, dy), sums))
     return (dx, *(a.astype(w.dtype) for a, w in zip(acc, ws)))
 
 

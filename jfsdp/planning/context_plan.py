@@ -134,7 +134,7 @@ def ring_buffers(plan, local_batch, backend: str | None = None) -> int:
             # from the local q, o, dO alone were computed for all hops ahead of the ring, and the kernel's
             # static-bound loops, split by JAX's partial evaluation under the unit's checkpoint, stacked a
             # copy of every call's K/V blocks (jfsdp/engine/parallel/context.py `_arrived`,
-            # models/attention.py `_loop`; docs/context-parallel.md). XLA:CPU keeps at most two in all
+            # models/attention.py `index_loop`; docs/context-parallel.md). XLA:CPU keeps at most two in all
             partials = 1 if backend == "gpu" else min(C - 1, 2)
             best = max(best, tiles + partials * o32)
     return best
