@@ -86,10 +86,9 @@ def ring_bytes(plan, batch, backend: str | None = None) -> float:
 
 
 def _sum_bytes(dt, kernel) -> int:
-    """Bytes per element of the ring's sums across hops (jfsdp/engine/parallel/context.py `sum_dtype`): fp32,
-    or with the kernel's `low_sums` bfloat16 for bfloat16 inputs."""
-    low = getattr(kernel, "low_sums", False)
-    return jnp.dtype(jnp.promote_types(dt, jnp.bfloat16 if low else jnp.float32)).itemsize
+    """Bytes per element of the ring's sums across hops for inputs of dtype `dt` (the ring's `sum_dtype`)."""
+    from jfsdp.engine.parallel.context import sum_dtype
+    return jnp.dtype(sum_dtype(dt, getattr(kernel, "low_sums", False))).itemsize
 
 
 def _largest_intermediate(jaxpr) -> int:

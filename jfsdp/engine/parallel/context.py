@@ -138,10 +138,10 @@ def _hop_bwd(kernel, zigzag, q, k, v, o, lse, do, earlier, dq):
 
 
 def sum_dtype(x, low: bool = False):
-    """The dtype of the ring's sums across hops (dQ, and the dK/dV that travel the ring) for inputs like x:
+    """The dtype of the ring's sums across hops (dQ, the dK/dV that travel the ring) for x (array or dtype):
     fp32, or with `low` bfloat16's own for bf16 inputs (each hop's fp32 share rounded as it is added: half the
     memory and bytes, dK up to 1.9x one device's error at C = 8: docs/context-parallel.md)."""
-    return jnp.promote_types(x.dtype, jnp.bfloat16 if low else jnp.float32)
+    return jnp.promote_types(getattr(x, "dtype", x), jnp.bfloat16 if low else jnp.float32)
 
 
 def _arrived(local, kv):
