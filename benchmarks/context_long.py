@@ -63,6 +63,13 @@ def options(items) -> dict:
 RING_SUMS = "fp32"   # --ring-sums: the ring backward's sums across hops (models.factory.context_kernel)
 
 
+def cache_key(model, devices, context, seq, overrides, target, ring_sums="fp32") -> str:
+    """A point's identity in --reuse's cache (the ring's sums named only where not the default, so that files
+    written before the option stay reusable)."""
+    return json.dumps([model, devices, context, seq, overrides, target] + ([ring_sums] if ring_sums != "fp32" else []),
+                      sort_keys=True)
+
+
 def point(model: str, devices: int, context: int, seq: int, overrides: dict, target: str, compile_: bool,
           cache: dict) -> dict:
     """One plan: `devices` GPUs of `target`, mesh 1x(devices/C) --context C, devices/C sequences of `seq`."""
@@ -71,8 +78,7 @@ def point(model: str, devices: int, context: int, seq: int, overrides: dict, tar
     from jfsdp.planning import memory, report, targets
 
     rows = devices // context
-    key = json.dumps([model, devices, context, seq, overrides, target] + ([RING_SUMS] if RING_SUMS != "fp32" else []),
-                     sort_keys=True)
+    key = cache_key(model, devices, context, seq, overrides, target, RING_SUMS)
     out = {"model": model, "devices": devices, "mesh": f"1x{rows}", "context": context, "seq_len": seq,
            "sequences": rows, "tokens_per_device": seq // context, "overrides": overrides, "ring_sums": RING_SUMS}
     devs = targets.devices(target, (1, rows), 1, context)
@@ -174,9 +180,8 @@ def main(argv=None) -> int:
             old = json.load(fh)
         for q in old.get("probes", []) + old.get("points", []):
             if "compiled" in q:
-                sums = [q["ring_sums"]] if q.get("ring_sums", "fp32") != "fp32" else []
-                cache[json.dumps([q["model"], q["devices"], q["context"], q["seq_len"], q["overrides"], old["target"]]
-                                 + sums, sort_keys=True)] = q
+                cache[cache_key(q["model"], q["devices"], q["context"], q["seq_len"], q["overrides"], old["target"],
+                                q.get("ring_sums", "fp32"))] = q
     for log in ([a.seed_log] if a.seed_log else []) + (a.from_logs or []):
         import re
         for line in open(log):
@@ -184,7 +189,7 @@ def main(argv=None) -> int:
             if m:
                 model, c, t = m.group(1), int(m.group(2)), int(m.group(3).replace(",", ""))
                 devices = 64 if model == "llama-70b" else 8
-                cache[json.dumps([model, devices, c, t, overrides, a.target], sort_keys=True)] = {
+                cache[cache_key(model, devices, c, t, overrides, a.target, a.ring_sums)] = {   # the log's own setting
                     "compiled": {"total": int(float(m.group(4)) * GIB)}, "compile_s": float(m.group(5))}
     import jax
     t0 = time.time()
