@@ -42,13 +42,12 @@ def tile_loops(jaxpr) -> list:
     found = []
     for eqn in jaxpr.eqns:
         subs = list(jax.extend.core.jaxprs_in_params(eqn.params))
-        if not any(e.primitive.name == "remat2" for s in subs for e in s.eqns):
-            pass
-        elif eqn.primitive.name == "scan":
-            found.append(eqn.params["length"])
-        elif eqn.primitive.name == "while":
-            bound = eqn.params["cond_jaxpr"].jaxpr.eqns[-1].invars[1]
-            found.append(getattr(bound, "val", None))
+        if any(e.primitive.name == "remat2" for s in subs for e in s.eqns):
+            if eqn.primitive.name == "scan":
+                found.append(eqn.params["length"])
+            elif eqn.primitive.name == "while":
+                bound = eqn.params["cond_jaxpr"].jaxpr.eqns[-1].invars[1]
+                found.append(getattr(bound, "val", None))
         for s in subs:
             found += tile_loops(s)
     return found
