@@ -6,22 +6,18 @@ from __future__ import annotations
 from results_source import GIB, g, load, source, table
 
 NAME = "context_long.json"   # the first searches (before the two fixes below), kept as history
-# The newest measurement of each part, oldest first: what the code of each fix compiles to (the last two: the
+# The newest measurement of each part, oldest first, and the code each was compiled with (the last two: the
 # searches at C = 1, 2, 4 with the session's final code; the 70B point was not compiled again).
-NEWEST = ("context_long_search_after_fix_tile4096.json", "context_long_points_after_fix_tile4096.json",
-          "context_long_c8_ring_tile4096.json", "context_long_c8_256k_ring_tile4096.json",
-          "context_long_c8_ring2_tile4096.json", "context_long_c8_256k_ring2_tile4096.json",
-          "context_long_c8_fp32sums_tile4096.json", "context_long_search_c1_now_tile4096.json",
-          "context_long_search_c24_now_tile4096.json")
-FIXES = {"context_long_search_after_fix_tile4096.json": "after the blockwise kernel's fix, before the ring's",
-         "context_long_points_after_fix_tile4096.json": "after the blockwise kernel's fix, before the ring's",
-         "context_long_c8_ring_tile4096.json": "after the ring's fix (per-hop buffers removed)",
-         "context_long_c8_256k_ring_tile4096.json": "after the ring's fix (per-hop buffers removed)",
-         "context_long_c8_ring2_tile4096.json": "after the tiled MLP's VJP and the ring's bf16 sums",
-         "context_long_c8_256k_ring2_tile4096.json": "after the tiled MLP's VJP and the ring's bf16 sums",
-         "context_long_c8_fp32sums_tile4096.json": "after the tiled MLP's VJP, the ring's sums fp32 (the default)",
-         "context_long_search_c1_now_tile4096.json": "after the tiled MLP's VJP, the ring's sums fp32 (the default)",
-         "context_long_search_c24_now_tile4096.json": "after the tiled MLP's VJP, the ring's sums fp32 (the default)"}
+_BLOCKWISE = "after the blockwise kernel's fix, before the ring's"
+_RING = "after the ring's fix (per-hop buffers removed)"
+_BF16 = "after the tiled MLP's VJP and the ring's bf16 sums"
+_NOW = "after the tiled MLP's VJP, the ring's sums fp32 (the default)"
+NEWEST = {"context_long_search_after_fix_tile4096.json": _BLOCKWISE,
+          "context_long_points_after_fix_tile4096.json": _BLOCKWISE,
+          "context_long_c8_ring_tile4096.json": _RING, "context_long_c8_256k_ring_tile4096.json": _RING,
+          "context_long_c8_ring2_tile4096.json": _BF16, "context_long_c8_256k_ring2_tile4096.json": _BF16,
+          "context_long_c8_fp32sums_tile4096.json": _NOW, "context_long_search_c1_now_tile4096.json": _NOW,
+          "context_long_search_c24_now_tile4096.json": _NOW}
 PARTS = (("params", "parameters"), ("grads", "gradient shards"), ("optimizer", "optimizer state"),
          ("gathered", "gathered units"), ("grad_buffers", "gradient buffers"), ("activations", "activations"))
 
@@ -72,17 +68,16 @@ def newest_section() -> list[str]:
         for p in _points(load(name)):
             if "compiled" in p:
                 newest[(p["model"], p["devices"], p["context"], p["seq_len"], p.get("ring_sums", "fp32"))] = (name, p)
-    per_key = {}   # (model, devices, C) -> the points of the newest code that compiled any of them
+    order, groups = list(NEWEST), {}   # (model, devices, C, ring sums) -> [(file, point)]
     for name, p in newest.values():
-        key = (p["model"], p["devices"], p["context"], p.get("ring_sums", "fp32"))
-        if key in per_key and NEWEST.index(name) > NEWEST.index(per_key[key][0]) and FIXES[name] != FIXES[per_key[key][0]]:
-            del per_key[key]
-        if key not in per_key or FIXES[name] == FIXES[per_key[key][0]]:
-            per_key.setdefault(key, [name, []])[1].append(p)
-    budget = load(NEWEST[0])["device_memory"]
-    rows = [row + [key[3], ", ".join(sorted({f"`{n}`" for n, q in newest.values() if q in ps})), FIXES[name]]
-            for key, (name, ps) in sorted(per_key.items())
-            for row in _longest({"device_memory": budget, "points": ps})]
+        groups.setdefault((p["model"], p["devices"], p["context"], p.get("ring_sums", "fp32")), []).append((name, p))
+    budget = load(order[0])["device_memory"]
+    rows = []
+    for key, items in sorted(groups.items()):   # the points of the newest code that compiled any of them
+        code = NEWEST[max((n for n, _ in items), key=order.index)]
+        mine = [(n, p) for n, p in items if NEWEST[n] == code]
+        rows += [row + [key[3], ", ".join(sorted({f"`{n}`" for n, _ in mine})), code]
+                 for row in _longest({"device_memory": budget, "points": [p for _, p in mine]})]
     out += table(["model", "GPUs", "C", "mesh", "longest that fits", "shortest that does not", "points compiled",
                   "ring sums", "from", "code"], rows, "lrrlrrrlll")
     points = [_point_rows({"device_memory": budget, "points": [p]}, f"`{name}`")[0]
