@@ -3,6 +3,7 @@ hands each unit call to the engine, and the batch contract (the package's docstr
 says how they fit together)."""
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 import jax
@@ -17,6 +18,7 @@ from jfsdp.engine import call_order
 from jfsdp.engine.fsdp import any_unreduced, is_unreduced, unshard_tree
 from jfsdp.engine.flax_models import Found, UnitMatcher, adapt
 from jfsdp.engine.float8_any import mark_units, unit_compute
+from jfsdp.engine.as_is import late_root
 from jfsdp.engine.as_is.params import ParamTree, abstract, unboxed
 from jfsdp.engine.layout import is_layout, paths
 from jfsdp.engine.model_tree import path_text, scanned_units, subtree
@@ -133,11 +135,17 @@ class AsIs(ParamTree, TensorAsIs, FSDP):
         tree = jax.tree.unflatten(treedef, [x if u is not None else self.gather_root(x, l)
                                             for (_, x), l, u in zip(flat, lay, keys)])
 
-        order = self._call_order(params, tree) if self.prefetch and not any_unreduced(params) else None
+        prefetch = self.prefetch and not any_unreduced(params)
+        order = self._call_order(tree, [x for _, x in flat], lay) if prefetch else None
 
         def hook(path, shards, fn, inputs):
             if order is not None:
-                return order.call(path, fn, inputs)
+                out = order.call(path, fn, inputs)
+                if order.late_gathered is not None:   # the last unit's call: the root read after it, bound anew
+                    late_root.rebind(self.model, tree, [self._leaf_paths()[i][0] for i in self.late_leaves],
+                                     order.late_gathered)
+                    order.late_gathered = None
+                return out
             ls = jax.tree.unflatten(jax.tree.structure(shards, is_leaf=is_unreduced), self._unit_layouts(path, shards))
             tied = self.on_cpu or (path is not None and tuple(path) not in self.scanned)   # GPUs: own scan pipelined
             if self.mp.float8 is not None:
@@ -154,11 +162,20 @@ class AsIs(ParamTree, TensorAsIs, FSDP):
             out = self.model.apply(tree, batch, hook, units, key, self.matcher.classes)
         return self.mp.cast_output(out)
 
-    def _call_order(self, params, tree):
+    def _call_order(self, tree, leaves, lay):
         shards = {u: subtree(tree, u) for u in self.units}
         lays = {u: jax.tree.unflatten(jax.tree.structure(shards[u]), self.leaf_layouts[u]) for u in self.units}
+        late = self.late_leaves   # the root leaves read after the last unit: gathered during its call
+        gather = lambda xs: [self.gather_root(x, lay[i]) for x, i in zip(xs, late)]
         return call_order.CallOrder(self.units, shards, lays, self.comm, self.policy, self.on_cpu,
-                                    self.shards > 1 and not self.strategy.reshard_after_forward)
+                                    self.shards > 1 and not self.strategy.reshard_after_forward,
+                                    ([leaves[i] for i in late], gather) if late else None)
+
+    @functools.cached_property
+    def late_leaves(self) -> tuple:
+        """The root leaves the model reads only after its last unit (indices into the flat parameters):
+        late_root.py, from one abstract trace of the model when a step is first traced."""
+        return late_root.late_leaves(self)
 
     def _unit_layouts(self, path, shards):
         """The layouts of a unit's leaves; for a unit made inside the model's own NNX scan (path None),
