@@ -1,7 +1,7 @@
 """Prefetch in call order, for a model given as it is: unit i+1 gathered while unit i computes, unit i-1
 re-gathered while unit i's backward computes, unit i's reduce-scatter during unit i-1's backward.
 
-The model's own Python loop calls its units one by one (as_is.py intercepts each call), so there is no
+The model's own Python loop calls its units one by one (as_is/model.py intercepts each call), so there is no
 loop to pipeline as pipeline.py does for `Stacked`. Instead each unit call is one custom VJP that hands
 values to its neighbours through extra arguments and outputs; the order is the one the model called
 its units in when fully_shard traced it (`AsIs.units`), checked at every trace:
