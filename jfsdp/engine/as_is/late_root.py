@@ -58,7 +58,10 @@ def late_leaves(plan) -> tuple:
         return seen
 
     abstract = [jax.ShapeDtypeStruct(flat[i][1].full_shape, dtype(flat[i][1])) for i in root]
-    used = _used_inputs(jax.make_jaxpr(unit_inputs)(abstract, plan.example_batch).jaxpr)
+    traced = jax.make_jaxpr(unit_inputs, return_shape=True)(abstract, plan.example_batch)
+    if not traced[1]:   # no unit call seen (a method under nn.jit replaying a cached trace): none late
+        return ()
+    used = _used_inputs(traced[0].jaxpr)
     return tuple(i for i, u in zip(root, used) if not u)
 
 
