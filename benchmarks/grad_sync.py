@@ -8,7 +8,7 @@ Llama at width 256 (llama-test's shape), 4 units, K=4 micro-batches of 8 x 16 to
 AdamW, remat full, XLA:CPU on 8 fake devices under train.py's XLA:CPU flags (the memory-minimizing
 scheduler). Rows: `Stacked` on 1x8 full_shard, 2x4 hybrid_shard and 8x1 no_shard (every stage run by the
 stage passes, whose backward adds each unit's gradient to the running sum in place), and the same model
-given as it is with its own Python loop and with its own `nn.scan` (jfsdp/engine/as_is.py). Nothing is
+given as it is with its own Python loop and with its own `nn.scan` (jfsdp/engine/as_is/). Nothing is
 allocated: each step is compiled from abstract inputs.
 """
 from __future__ import annotations

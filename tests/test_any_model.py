@@ -457,13 +457,14 @@ def test_the_fit_check_refuses_an_as_is_model_that_does_not_fit(monkeypatch):
 
 def test_accumulation_and_frozen_on_an_as_is_plan(nnx_reference):
     """grad_accum=2 gives the losses of one whole batch (the loss is a mean over equal micro-batches), with
-    grad_sync 'every' and 'once'; a frozen embedding stays bit-identical."""
+    grad_sync 'every' and 'once', and with prefetch in call order; a frozen embedding stays bit-identical."""
     data, ref_losses, _ = nnx_reference
     units = (nnx_ex.LocalBlock, nnx_ex.GlobalBlock)
     runs, finals = {}, {}
     frozen = lambda path: not path.startswith("embed")
     for name, kw, accum, step_kw in (("accum", {}, 2, {}), ("once", {}, 2, {"grad_sync": "once"}),
-                                     ("frozen", {}, 1, {"trainable": frozen})):
+                                     ("frozen", {}, 1, {"trainable": frozen}),
+                                     ("prefetched", {"prefetch": True}, 2, {})):
         sharded = jfsdp.fully_shard(nnx_model(), mesh("2x4"), data[0], units=units, remat="full", **kw)
         opt = jfsdp_optimizer()
         state = jfsdp.init_state(sharded, opt, trainable=step_kw.get("trainable"))
@@ -476,6 +477,9 @@ def test_accumulation_and_frozen_on_an_as_is_plan(nnx_reference):
         assert_planner_formula(sharded, step, state, data[0], grad_accum=accum, **step_kw)
     np.testing.assert_allclose(runs["accum"], ref_losses, rtol=1e-5)
     np.testing.assert_allclose(runs["once"], runs["accum"], rtol=1e-6)   # one reduction per step, same result
+    # prefetch in call order: the final norm, read after the last unit, gathered in every micro-batch
+    # (engine/as_is/late_root.py), which the formula counts
+    np.testing.assert_allclose(runs["prefetched"], ref_losses, rtol=1e-5)
     # frozen embedding: bit-identical after training, and the run differs from the full one
     np.testing.assert_array_equal(finals["frozen"]["embed"]["embedding"],
                                   nnx.state(nnx_model(), nnx.Param).to_pure_dict()["embed"]["embedding"])

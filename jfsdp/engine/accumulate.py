@@ -16,7 +16,7 @@ after the scan. A stage of a `Stacked`/`Staged` model then runs the stage passes
 jfsdp/engine/pipeline.py (prefetching where the plan prefetches, one unit per iteration where not),
 whose backward adds each unit's gradient to the sum in place and hands back slot + gradient: one
 unsharded gradient held. (Differentiating the plain scan would build the micro-batch's gradients in a
-stacked buffer of their own and add it to the sum afterwards: two.) A model given as it is (as_is.py)
+stacked buffer of their own and add it to the sum afterwards: two.) A model given as it is (as_is/)
 holds one with its own loop (each unit's slot gets slot + gradient) and two when it scans its units.
 """
 from __future__ import annotations

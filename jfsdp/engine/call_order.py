@@ -1,7 +1,7 @@
 """Prefetch in call order, for a model given as it is: unit i+1 gathered while unit i computes, unit i-1
 re-gathered while unit i's backward computes, unit i's reduce-scatter during unit i-1's backward.
 
-The model's own Python loop calls its units one by one (as_is.py intercepts each call), so there is no
+The model's own Python loop calls its units one by one (as_is/model.py intercepts each call), so there is no
 loop to pipeline as pipeline.py does for `Stacked`. Instead each unit call is one custom VJP that hands
 values to its neighbours through extra arguments and outputs; the order is the one the model called
 its units in when fully_shard traced it (`AsIs.units`), checked at every trace:
@@ -16,6 +16,13 @@ its units in when fully_shard traced it (`AsIs.units`), checked at every trace:
   gradient of unit k+1's gathered parameters (the cotangent of what call k handed on) is
   reduce-scattered inside call k's backward, in flight while unit k's backward computes, and unit k's
   own gradient waits for it, which keeps XLA from deferring or combining the reduce-scatters.
+- the root's leaves that the model reads after its last unit (`late`: an untied head, the final norm;
+  as_is/late_root.py) are tied to the last call's inputs and gathered there, in flight while the last
+  unit computes, and bound into the model's parameters when it returns. The transpose of that tie (a
+  barrier on the cotangents, on GPUs) holds the gradients leaving the last unit's backward until the
+  head's reduce-scatter is done: issued when the head's backward ends, it is in flight during the last
+  unit's backward, not combined with the embedding's and unit 0's at the end of the step. As
+  `Stacked`'s pipeline does with `extra`/`dextra` (pipeline.py).
 
 The ties are optimization barriers on GPUs and 0 * x data dependencies on CPU (pipeline.py's `tie`).
 """
@@ -52,11 +59,12 @@ class CallOrder:
     """One forward trace's unit calls in the recorded order: `call(path, fn, inputs)` runs unit `path`
     (`fn(gathered params, inputs) -> outputs`) as the next unit of `order`."""
 
-    def __init__(self, order, shards, layouts, comm, policy, on_cpu: bool, keep_gathered: bool):
+    def __init__(self, order, shards, layouts, comm, policy, on_cpu: bool, keep_gathered: bool, late=None):
         self.top = current_trace()   # every unit call must be made in it: gathered parameters cross calls
         self.order, self.shards, self.layouts = tuple(order), shards, layouts
         self.comm, self.policy, self.on_cpu, self.keep = comm, policy, on_cpu, keep_gathered
         self.k, self.pre, self.slot = 0, None, None
+        self.late, self.late_gathered = late, None   # (shards, gather) of the root read after the last unit
 
     def call(self, path, fn, inputs):
         n, k = len(self.order), self.k
@@ -74,7 +82,12 @@ class CallOrder:
         prev = None if first or self.keep else self.shards[self.order[k - 1]]
         own = self.shards[self.order[k]] if first or last else None
         run = self._run(fn, k)
-        out, self.pre, self.slot = run(own, self.pre, nxt, prev, None if self.keep else self.slot, inputs)
+        pre = self.pre
+        if last and self.late:   # the head's gather issued when the last unit starts (its transpose: the head's
+            # reduce-scatter finished before the gradients of the last unit go on to unit n-2's backward)
+            late, (pre, inputs) = ordered(self.late[0], (pre, inputs), self.on_cpu)
+            self.late_gathered = self.late[1](late)
+        out, self.pre, self.slot = run(own, pre, nxt, prev, None if self.keep else self.slot, inputs)
         self.k += 1
         return out
 

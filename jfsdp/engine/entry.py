@@ -1,6 +1,6 @@
 """`fully_shard`: the one way in. A model given as units (`Stacked`, `Staged`) becomes an `FSDP`; a Flax
 model given as it is (a Linen or NNX module, with `units=` naming its FSDP units) becomes an `AsIs`.
-Both are the same engine (sharded.py, as_is.py)."""
+Both are the same engine (sharded.py, as_is/)."""
 from __future__ import annotations
 
 from collections.abc import Mapping

@@ -168,7 +168,7 @@ class NNXModel:
         return jax.tree.map(fold, self.rest, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
     def apply(self, params, batch, hook, units, key, classes=None):
-        model = self.merged(params, None if key is None else self.fresh_rest(key))
+        self.live = model = self.merged(params, None if key is None else self.fresh_rest(key))   # (late_root.py)
         with _nnx_calls(_targets(model, units), hook, classes):
             return self.call(model, batch)
 

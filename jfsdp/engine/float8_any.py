@@ -1,4 +1,4 @@
-"""Float8 training for a Flax model given as it is (as_is.py): the units' dense matmuls in float8 and
+"""Float8 training for a Flax model given as it is (as_is/): the units' dense matmuls in float8 and
 their kernels all-gathered in float8, with float8.py's recipe (`Float8Layout`, `unshard_float8`,
 `float8_dot`, the `Float8` filter), reached from outside the model's code.
 

@@ -1,5 +1,5 @@
 """What `fully_shard` returns for a `Stacked`/`Staged` model: the model placed on a mesh with a strategy, and
-its sharded loss API (a model given as it is gets `AsIs`, as_is.py, the same engine).
+its sharded loss API (a model given as it is gets `AsIs`, as_is/, the same engine).
 
 `FSDP` extends the parameter layout (params.py) with the engine: the forward pass inside `shard_map`
 gathers the root where it is used and runs each stage by the plain scan (fsdp.py), the prefetch pipeline

@@ -79,6 +79,14 @@ class AsIsView:
     def root_use(self) -> tuple:
         return self._structure["root_use"]
 
+    def root_in_every_micro_batch(self, dtype) -> int:
+        """Bytes of the root leaves gathered in every micro-batch, not once per step: those that prefetch in
+        call order gathers during the last unit's call, tied to its inputs (engine/as_is/late_root.py)."""
+        if not self.plan.prefetch:
+            return 0
+        leaves = jax.tree.leaves(self.plan.layouts, is_leaf=is_layout)
+        return sum(stored_bytes(leaves[i], dtype) for i in self.plan.late_leaves)
+
     @property
     def regathered(self) -> list:
         """Each unit's leaves (layouts, as `unit_layouts` or `split` give them) that its backward pass gathers

@@ -134,8 +134,10 @@ def comm_formula(plan: FSDP, backend: str | None = None, grad_accum: int = 1, gr
     for key, times in (("all-gather", grad_accum), ("all-to-all", grad_accum), ("reduce-scatter", k_reduce),
                        ("all-reduce", k_reduce)):
         out[key] *= times
-    if plan.strategy.sharded and getattr(plan, "root_gathered_once", False):
-        out["all-gather"] -= root_p * (S - 1) / S * (grad_accum - 1)   # the root's gathers: once per step
+    if plan.strategy.sharded and getattr(plan, "root_gathered_once", False) and grad_accum > 1:
+        # the root's gathers once per step, but a head gathered in the last unit call (as_is/late_root.py)
+        late = plan.root_in_every_micro_batch(pdt) if grad_sync == "every" else 0
+        out["all-gather"] -= (root_p - late) * (S - 1) / S * (grad_accum - 1)
     if getattr(plan, "context", 1) > 1:
         if batch is None:
             raise ConfigError("at C > 1 the ring's bytes depend on the batch: comm_formula(..., batch=)")

@@ -67,7 +67,7 @@ def build(model_name, mesh_spec, strategy, precision, remat, batch_size, seq_len
     if batch_size % n:
         raise ConfigError(f"batch size {batch_size} does not divide over the {n} devices of the mesh")
     mp = jfsdp.MixedPrecision.parse(precision)
-    if as_is:   # the model's own loop or scan, its units intercepted (jfsdp/engine/as_is.py)
+    if as_is:   # the model's own loop or scan, its units intercepted (jfsdp/engine/as_is/)
         model, units, call, loss_fn = models.factory.as_is_model(cfg, as_is, loss)
         batch = {"inputs": x, "targets": x}
         plan = jfsdp.fully_shard(model, mesh, batch, units=units, call=call, strategy=strategy, mp_policy=mp,

@@ -1,19 +1,9 @@
-"""A Flax model given as it is (Linen or NNX): FSDP units named by class or path, the model's own code.
-
-`AsIs` is the same engine as `FSDP` (it is one: the strategies, mixed precision, the loss contract,
-gradient accumulation, `loss_and_grad` and `loss` are FSDP's), with a different way to describe the
-model. Its parameters are the model's own tree, every leaf split by rows over the `fsdp` axis
-(`Layout`), none stacked. While the model's code runs (flax_models.py), each call of a unit instance
-goes to `call_unit` (unit_call.py): gathered just before, freed after, re-gathered in the backward
-pass, its gradient reduce-scattered. Every other parameter belongs to the root, gathered once per step
-and reduced once, like the root of a `Stacked` model.
-
-Random numbers: each step draws from `fold_in(seed, step)`, then per device and micro-batch (a batch
-row index), then per unit (Linen folds in the module path; NNX modules carry their own streams).
-A run is deterministic for a seed, a mesh and `grad_accum`; on another mesh the dropout masks differ.
-"""
+"""`AsIs`: construction (tracing the model once for its parameters and units), the sharded forward that
+hands each unit call to the engine, and the batch contract (the package's docstring, as_is/__init__.py,
+says how they fit together)."""
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 import jax
@@ -28,23 +18,16 @@ from jfsdp.engine import call_order
 from jfsdp.engine.fsdp import any_unreduced, is_unreduced, unshard_tree
 from jfsdp.engine.flax_models import Found, UnitMatcher, adapt
 from jfsdp.engine.float8_any import mark_units, unit_compute
-from jfsdp.engine.model_tree import path_text, scanned_units, subtree, with_subtree, without
-from jfsdp.engine.layout import is_layout, listing, paths
+from jfsdp.engine.as_is import late_root
+from jfsdp.engine.as_is.params import ParamTree, abstract, unboxed
+from jfsdp.engine.layout import is_layout, paths
+from jfsdp.engine.model_tree import path_text, scanned_units, subtree
 from jfsdp.engine.parallel.as_is_tensor import TensorAsIs
 from jfsdp.engine.parallel.logical import linen_names, nnx_names
 from jfsdp.engine.sharded import FSDP
 from jfsdp.engine.unit_call import call_unit
 
 RNG_ROWS = "jfsdp_rng"   # the batch key that carries (step, row) to the devices when the model draws random numbers
-
-
-def _abstract(tree):
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
-
-
-def _unboxed(tree):
-    import flax.linen as nn
-    return nn.meta.unbox(tree)
 
 
 def _where(error) -> str:
@@ -56,7 +39,7 @@ def _where(error) -> str:
     return f" at {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].name})" if frames else ""
 
 
-class AsIs(TensorAsIs, FSDP):
+class AsIs(ParamTree, TensorAsIs, FSDP):
     """A Flax model as it is, placed on a mesh with a strategy. Build it with `fully_shard(model, mesh,
     example_batch, units=...)`."""
     as_is = True   # the planner sees it as root + stages through jfsdp.planning.as_is.AsIsView
@@ -69,8 +52,8 @@ class AsIs(TensorAsIs, FSDP):
         self.set_tensor(logical_rules, strategy, mp_policy)   # T > 1: parallel/as_is_tensor.py
         self.prefetch, self.moe, self.moe_stages = False, None, ()
         self.seed = seed
-        self.example_batch = _abstract(example_batch if isinstance(example_batch, Mapping)
-                                       else {"inputs": example_batch})
+        self.example_batch = abstract(example_batch if isinstance(example_batch, Mapping)
+                                      else {"inputs": example_batch})
         self.matcher = UnitMatcher(units)
         self.lay_out(self._discover(), strategy.sharded)
         # each leaf's unit (None: the root), and each unit's leaf layouts in the order of its tree
@@ -98,10 +81,10 @@ class AsIs(TensorAsIs, FSDP):
                 if others:
                     raise ConfigError(f"the model has variable collections {', '.join(others)} besides 'params' (e.g. "
                                       "batch statistics it writes during training): not supported, only 'params'")
-                params = _unboxed(variables.get("params", {}))
+                params = unboxed(variables.get("params", {}))
                 self.names = linen_names(variables.get("params", {}))   # logical axis names, for T > 1
             else:
-                params, self.names = _abstract(m.params()), nnx_names(m.params_state)
+                params, self.names = abstract(m.params()), nnx_names(m.params_state)
                 jax.eval_shape(lambda b: m.trace_units(b, self.matcher, found), self.example_batch)
         except ConfigError:
             raise
@@ -142,72 +125,6 @@ class AsIs(TensorAsIs, FSDP):
                 return u
         return None
 
-    # ---- the parameter layout: the model's own tree, every leaf its own row-sharded Layout
-    def split(self, tree):
-        """A tree in the model's layout -> (everything but the scanned units, [each scanned unit's stacked
-        subtree]): the `Stacked` form that the parameter code, checkpoints and the planner share."""
-        paths_ = list(self.scanned)
-        return without(tree, paths_), [subtree(tree, p) for p in paths_]
-
-    def join(self, root, stages):
-        for p, sub in zip(self.scanned, stages):
-            root = with_subtree(root, p, sub)
-        return root
-
-    def _conform(self, tree, stored: bool, what: str):
-        tree = _unboxed(tree)
-        if self.model.kind == "nnx" and hasattr(tree, "to_pure_dict"):
-            tree = tree.to_pure_dict()
-        want, got = paths(self.layouts, is_layout), paths(tree)
-        if set(want) != set(got):
-            raise ConfigError(f"{what} do not match the model's parameters: missing {listing(set(want) - set(got)) or 'none'}; "
-                              f"unexpected {listing(set(got) - set(want)) or 'none'}")
-        root_l, stage_l = self.split(self.layouts)
-        lead = self.join(jax.tree.map(lambda _: (), root_l, is_leaf=is_layout),
-                         [jax.tree.map(lambda _: (n,), l, is_leaf=is_layout) for l, n in zip(stage_l, self.stage_sizes)])
-        leads = jax.tree.leaves(lead, is_leaf=lambda x: isinstance(x, tuple))
-        for (k, l), n in zip(want.items(), leads):
-            shape = (*n, *(l.stored_full_shape if stored else l.full_shape))
-            if np.shape(got[k]) != shape:
-                raise ConfigError(f"{what}{k} has shape {np.shape(got[k])}, expected {shape}")
-        return jax.tree.unflatten(jax.tree.structure(self.layouts, is_leaf=is_layout), [got[k] for k in want])
-
-    def _init_full(self, rng, _inputs=None):
-        m = self.model
-        if m.kind == "linen":
-            return _unboxed(m.init_variables(rng, self._zeros_batch())["params"])
-        if m.init_fn is None:
-            raise ConfigError("an NNX model is initialized from its constructor: pass fully_shard(..., init=make) where "
-                              "make(rngs) builds the model, or give init_state the weights (params=, or a concrete model)")
-        from flax import nnx
-        return nnx.state(m.init_fn(nnx.Rngs(rng)), nnx.Param).to_pure_dict()
-
-    def _zeros_inputs(self):
-        return None
-
-    def abstract_params(self):
-        """The shards as ShapeDtypeStructs carrying their shardings (from the layouts: no initializer runs)."""
-        root_l, stage_l = self.split(self.layouts)
-        root_s, stage_s = self.split(self.param_shardings)
-        sds = lambda lead: lambda l, s: jax.ShapeDtypeStruct((*lead, *l.stored_full_shape), l.dtype, sharding=s)
-        return self.join(jax.tree.map(sds(()), root_l, root_s, is_leaf=is_layout),
-                         [jax.tree.map(sds((n,)), l, s, is_leaf=is_layout)
-                          for l, s, n in zip(stage_l, stage_s, self.stage_sizes)])
-
-    def init_full(self, rng):
-        return jax.jit(self._init_full)(rng)
-
-    def own_params(self):
-        """An NNX model's own weights (a concrete module), for `init_state(sharded, opt)` without rng."""
-        if self.model.kind != "nnx" or any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(self.model.params())):
-            return None
-        return self.model.params()
-
-    def from_layers(self, root, layers):
-        raise ConfigError("a model given as it is keeps its own parameter tree: pass it whole (init_state(params=...))")
-
-    to_layers = from_layers
-
     # ---- the sharded forward
     def forward(self, params, batch, rows=None):
         """The model's outputs for one device's batch, from shards (inside shard_map)."""
@@ -218,11 +135,17 @@ class AsIs(TensorAsIs, FSDP):
         tree = jax.tree.unflatten(treedef, [x if u is not None else self.gather_root(x, l)
                                             for (_, x), l, u in zip(flat, lay, keys)])
 
-        order = self._call_order(params, tree) if self.prefetch and not any_unreduced(params) else None
+        prefetch = self.prefetch and not any_unreduced(params)
+        order = self._call_order(tree, [x for _, x in flat], lay) if prefetch else None
 
         def hook(path, shards, fn, inputs):
             if order is not None:
-                return order.call(path, fn, inputs)
+                out = order.call(path, fn, inputs)
+                if order.late_gathered is not None:   # the last unit's call: the root read after it, bound anew
+                    late_root.rebind(self.model, tree, [self._leaf_paths()[i][0] for i in self.late_leaves],
+                                     order.late_gathered)
+                    order.late_gathered = None
+                return out
             ls = jax.tree.unflatten(jax.tree.structure(shards, is_leaf=is_unreduced), self._unit_layouts(path, shards))
             tied = self.on_cpu or (path is not None and tuple(path) not in self.scanned)   # GPUs: own scan pipelined
             if self.mp.float8 is not None:
@@ -239,11 +162,20 @@ class AsIs(TensorAsIs, FSDP):
             out = self.model.apply(tree, batch, hook, units, key, self.matcher.classes)
         return self.mp.cast_output(out)
 
-    def _call_order(self, params, tree):
+    def _call_order(self, tree, leaves, lay):
         shards = {u: subtree(tree, u) for u in self.units}
         lays = {u: jax.tree.unflatten(jax.tree.structure(shards[u]), self.leaf_layouts[u]) for u in self.units}
+        late = self.late_leaves   # the root leaves read after the last unit: gathered during its call
+        gather = lambda xs: [self.gather_root(x, lay[i]) for x, i in zip(xs, late)]
         return call_order.CallOrder(self.units, shards, lays, self.comm, self.policy, self.on_cpu,
-                                    self.shards > 1 and not self.strategy.reshard_after_forward)
+                                    self.shards > 1 and not self.strategy.reshard_after_forward,
+                                    ([leaves[i] for i in late], gather) if late else None)
+
+    @functools.cached_property
+    def late_leaves(self) -> tuple:
+        """The root leaves the model reads only after its last unit (indices into the flat parameters):
+        late_root.py, from one abstract trace of the model when a step is first traced."""
+        return late_root.late_leaves(self)
 
     def _unit_layouts(self, path, shards):
         """The layouts of a unit's leaves; for a unit made inside the model's own NNX scan (path None),
