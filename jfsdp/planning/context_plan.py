@@ -111,14 +111,14 @@ def _largest_intermediate(jaxpr) -> int:
 
 # XLA:GPU at C > 1: the ring's buffers at the units' backward peak, counted as (B, T/C, H, D) buffers: GPU_SUMS in
 # the sums' dtype (the running dQ accumulator; the dK, dV that travel the ring, sent and received) and GPU_FP32
-# in fp32 (a call's fp32 dK, dV; the x pair's inputs in the kernel's layout). Fitted, with `_widened`, on
+# in fp32 (a call's fp32 dK, dV; the x pair's inputs in the kernel's layout). Fitted, with `widened_bytes`, on
 # llama-8b's compiled step at 1,572,864 tokens, C = 8, tiles of 4,096, fp32 and bf16 sums (H100 target,
 # 2026-11-26: 80.83 and 78.76 GiB compiled, estimated 81.59 and 78.59); 0.94 of compiled at 262,144 tokens
 # (docs/results/context-long.md).
 GPU_SUMS, GPU_FP32 = 2, 1
 
 
-def _widened(plan, local_batch, dt) -> int:
+def widened_bytes(plan, local_batch, dt) -> int:
     """Bytes of the fp32 copies of a unit's hidden state (its input's shape) among the residuals that the traced
     working set of a unit counts (`jfsdp.planning.activations.working_bytes`), where the hidden state is in a
     narrower dtype `dt`: the norms' widened inputs and products, which XLA:GPU computes inside the fusions that
@@ -160,13 +160,13 @@ def ring_buffers(plan, local_batch, backend: str | None = None) -> int:
             tiles = 4 * (C - 1) * tile if tile >= whole else 0
             # XLA:GPU: GPU_SUMS (B, T/C, H, D) buffers in the sums' dtype and GPU_FP32 in fp32 for the whole ring,
             # whatever C, less the hidden state's fp32 copies that the trace counts and XLA:GPU never holds
-            # (`_widened`). It held
+            # (`widened_bytes`). It held
             # about one buffer per hop (C - 1) while each hop's values derived from the local q, o, dO alone
             # were computed for all hops ahead of the ring, and the kernel's static-bound loops, split by JAX's
             # partial evaluation under the unit's checkpoint, stacked a copy of every call's K/V blocks
             # (jfsdp/engine/parallel/ring.py `_arrived`, models/attention.py `index_loop`;
             # docs/context-parallel.md). XLA:CPU keeps at most two in all
-            gpu = GPU_SUMS * o32 + GPU_FP32 * b * t * h * d * 4 - _widened(plan, local_batch, dt)
+            gpu = GPU_SUMS * o32 + GPU_FP32 * b * t * h * d * 4 - widened_bytes(plan, local_batch, dt)
             held = tiles + (gpu if backend == "gpu" else min(C - 1, 2) * o32)
             best = held if best is None else max(best, held)
     return best or 0
