@@ -1,4 +1,4 @@
-"""Context parallelism (jfsdp/engine/parallel/context.py): ring attention over a `context` axis against
+"""Context parallelism (jfsdp/engine/parallel/context.py, ring.py): ring attention over a `context` axis against
 the whole sequence's causal grouped-query attention computed in float64 without jfsdp, the zigzag load
 balance counted, and the ring's collective-permutes read from the compiled program."""
 import functools

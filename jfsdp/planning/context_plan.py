@@ -11,7 +11,7 @@ many tokens a device holds and what the ring adds.
   dots) the backward recomputes the unit's forward, ring included: another 2(C - 1) K/V blocks.
 - Memory (`ring_buffers`): what the ring holds besides what the unit holds at C = 1, at the units'
   backward peak (the recomputed ring's hops): the running sums and one hop's share (up to two
-  (B, T/C, H, D) buffers in the sums' dtype beyond the output on XLA:CPU; on XLA:GPU two and one in fp32,
+  (B, T/C, H, D) buffers in the sums' dtype beyond the output on XLA:CPU; on XLA:GPU two and 1.25 in fp32,
   whatever C, less the hidden state's fp32 copies that the traced working set counts and XLA:GPU fuses away,
   fitted on llama-8b's compiled step at C = 8: `GPU_SUMS`), and where a hop's (L x L) chunk pair is one
   tile of the per-block kernel (L = T/2C at most its block), XLA schedules the hops' independent kernels
@@ -111,11 +111,11 @@ def _largest_intermediate(jaxpr) -> int:
 
 # XLA:GPU at C > 1: the ring's buffers at the units' backward peak, counted as (B, T/C, H, D) buffers: GPU_SUMS in
 # the sums' dtype (the running dQ accumulator; the dK, dV that travel the ring, sent and received) and GPU_FP32
-# in fp32 (a call's fp32 dK, dV; the x pair's inputs in the kernel's layout). Fitted, with `widened_bytes`, on
-# llama-8b's compiled step at 1,572,864 tokens, C = 8, tiles of 4,096, fp32 and bf16 sums (H100 target,
-# 2026-11-26: 80.83 and 78.76 GiB compiled, estimated 81.59 and 78.59); 0.94 of compiled at 262,144 tokens
-# (docs/results/context-long.md).
-GPU_SUMS, GPU_FP32 = 2, 1
+# in fp32 (a call's fp32 dK, dV; the x pair's inputs in the kernel's layout; the next K/V in flight). Fitted,
+# with `widened_bytes`, on llama-8b's compiled step at C = 8, tiles of 4,096, fp32 and bf16 sums (H100 target,
+# 2026-11-26; docs/results/context-long.md), erring high at the fit's edge: 1,572,864 tokens compile to 80.83
+# and 78.76 GiB (estimated 82.34 and 79.34), 1,605,632 to 80.07 with bf16 sums (80.64); 0.95 at 262,144 tokens.
+GPU_SUMS, GPU_FP32 = 2, 1.25
 
 
 def widened_bytes(plan, local_batch, dt) -> int:
@@ -166,7 +166,7 @@ def ring_buffers(plan, local_batch, backend: str | None = None) -> int:
             # partial evaluation under the unit's checkpoint, stacked a copy of every call's K/V blocks
             # (jfsdp/engine/parallel/ring.py `_arrived`, models/attention.py `index_loop`;
             # docs/context-parallel.md). XLA:CPU keeps at most two in all
-            gpu = GPU_SUMS * o32 + GPU_FP32 * b * t * h * d * 4 - widened_bytes(plan, local_batch, dt)
+            gpu = GPU_SUMS * o32 + int(GPU_FP32 * b * t * h * d * 4) - widened_bytes(plan, local_batch, dt)
             held = tiles + (gpu if backend == "gpu" else min(C - 1, 2) * o32)
             best = held if best is None else max(best, held)
     return best or 0

@@ -9,8 +9,9 @@ per device), so no device ever holds the whole sequence's keys. Forward: C - 1 h
 Backward: C - 1 hops of K and V; the gradient of each block travels one hop behind it (C - 2 hops: the
 ranks after its owner add their shares), and one last hop brings each dK, dV home, while the diagonal
 block computes last; dQ stays local (a kernel with `Into` adds each call's dQ into one accumulator of the
-rank's queries, in place, in the kernel's own layout). Only this rank's block is saved for the backward pass, which receives
-the others again (a data dependency on the cotangent keeps XLA from reusing the forward's received blocks).
+rank's queries, in place, in the kernel's own layout). Only this rank's block is saved for the backward
+pass, which receives the others again (a data dependency on the cotangent keeps XLA from reusing the
+forward's received blocks).
 Both passes are pinned as a pipeline by optimization barriers: block s computes after block s - 1, and the
 sends it overlaps are issued between the two, so that on GPUs every hop but each pass's first is in flight
 while a block's attention computes (jfsdp.config.xla_flags.CONTEXT_GPU_FLAGS lets four sends be in flight).
