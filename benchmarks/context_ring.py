@@ -1,4 +1,4 @@
-"""Ring attention (jfsdp/engine/parallel/context.py) on C fake CPU devices: its error against the whole
+"""Ring attention (jfsdp/engine/parallel/ring.py) on C fake CPU devices: its error against the whole
 sequence's causal GQA attention in float64, beside one device's blockwise attention's (the fp32 floor),
 and the collective-permutes of the compiled forward + backward program against the ring's formula.
 

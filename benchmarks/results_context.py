@@ -6,18 +6,22 @@ from __future__ import annotations
 from results_source import GIB, g, load, source, table
 
 NAME = "context_long.json"   # the first searches (before the two fixes below), kept as history
-# The newest measurement of each part, oldest first, and the code each was compiled with (the last two: the
-# searches at C = 1, 2, 4 with the session's final code; the 70B point was not compiled again).
+# The newest measurement of each part, oldest first, and the code each was compiled with (the last four: C = 8 with
+# fp32 and bf16 sums, the searches at C = 2, 4 and the two single points, llama-70b's included, after the ring's
+# dQ accumulator; C = 1 runs no ring and was not compiled again).
 _BLOCKWISE = "after the blockwise kernel's fix, before the ring's"
 _RING = "after the ring's fix (per-hop buffers removed)"
 _BF16 = "after the tiled MLP's VJP and the ring's bf16 sums"
 _NOW = "after the tiled MLP's VJP, the ring's sums fp32 (the default)"
+_INTO = "after the ring's dQ accumulator in the kernel's layout (ring.py `Into`)"
 NEWEST = {"context_long_search_after_fix_tile4096.json": _BLOCKWISE,
           "context_long_points_after_fix_tile4096.json": _BLOCKWISE,
           "context_long_c8_ring_tile4096.json": _RING, "context_long_c8_256k_ring_tile4096.json": _RING,
           "context_long_c8_ring2_tile4096.json": _BF16, "context_long_c8_256k_ring2_tile4096.json": _BF16,
           "context_long_c8_fp32sums_tile4096.json": _NOW, "context_long_search_c1_now_tile4096.json": _NOW,
-          "context_long_search_c24_now_tile4096.json": _NOW}
+          "context_long_search_c24_now_tile4096.json": _NOW,
+          "context_long_c8_into_tile4096.json": _INTO, "context_long_c8_into_bf16_tile4096.json": _INTO,
+          "context_long_search_c24_into_tile4096.json": _INTO, "context_long_points_into_tile4096.json": _INTO}
 PARTS = (("params", "parameters"), ("grads", "gradient shards"), ("optimizer", "optimizer state"),
          ("gathered", "gathered units"), ("grad_buffers", "gradient buffers"), ("activations", "activations"))
 

@@ -70,6 +70,15 @@ def _map(f, n: int, tie):
     return index_loop(0, n, put, init)
 
 
+def _map_into(f, n: int, ys, at):
+    """`ys` (stacked blocks) with blocks at + i, i < n, replaced by f(i, that block): the loop writes into `ys`
+    in place (a while loop whose carry is `ys`; `at` may be traced)."""
+    def put(i, ys):
+        at_i = at + i
+        return lax.dynamic_update_index_in_dim(ys, f(i, lax.dynamic_index_in_dim(ys, at_i, 0, keepdims=False)), at_i, 0)
+    return index_loop(0, n, put, ys)
+
+
 def tied_zeros(shape, dtype, tie):
     """Zeros of `shape` made from a zero that depends on `tie` (`lax.optimization_barrier`): a buffer XLA cannot
     hoist out of an enclosing loop (`_map`'s stacks here, models/tiled_mlp.py's outputs and sums)."""
@@ -143,9 +152,10 @@ def _flash_bwd(causal, block, scale, res, do):
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-def _grads_f32(causal, block, scale, res, do, dq_dtype=jnp.float32):
+def _grads_f32(causal, block, scale, res, do, dq_dtype=jnp.float32, dq_into=None, dq_at=0):
     """(dq, dk, dv) in fp32 from the output o and the per-query log-sum-exp lse, blocked as
-    `_forward_f32` returns it: (n, B, K, G, block)."""
+    `_forward_f32` returns it: (n, B, K, G, block). `dq_into` (blockwise_attention_bwd's): dq is
+    `dq_into` with this call's query blocks added at blocks dq_at, dq_at + 1, ..."""
     q, k, v, o, lse = res
     b, t, h, d = q.shape
     kh, g = k.shape[2], h // k.shape[2]
@@ -166,11 +176,12 @@ def _grads_f32(causal, block, scale, res, do, dq_dtype=jnp.float32):
         dp = jnp.einsum("bqkgd,bpkd->bkgqp", dob[i], vb[j], preferred_element_type=jnp.float32)
         return p * (dp - dsum[i][..., None])
 
-    def dq_block(i):
+    def dq_block(i, acc=None):
         def body(j, dq):
             ds = dscores(i, j, probs(i, j))
-            return dq + jnp.einsum("bkgqp,bpkd->bqkgd", ds.astype(k.dtype), kb[j], preferred_element_type=jnp.float32)
-        return (index_loop(0, i + 1 if causal else n, body, jnp.zeros((b, block, kh, g, d), jnp.float32)) * scale).astype(dq_dtype)
+            return dq + jnp.einsum("bkgqp,bpkd->bkgqd", ds.astype(k.dtype), kb[j], preferred_element_type=jnp.float32)
+        dq = (index_loop(0, i + 1 if causal else n, body, jnp.zeros((b, kh, g, block, d), jnp.float32)) * scale).astype(dq_dtype)
+        return dq if acc is None else acc + dq
 
     def dkv_block(j):
         def body(i, carry):
@@ -184,7 +195,11 @@ def _grads_f32(causal, block, scale, res, do, dq_dtype=jnp.float32):
         dk, dv = index_loop(j if causal else 0, n, body, (zero, zero))
         return dk * scale, dv
 
-    dq = _unblock(_map(dq_block, n, k), t).reshape(b, t, h, d)
+    if dq_into is None:   # (n, B, K, G, block, D) -> (B, T, H, D)
+        dq = _unblock(jnp.moveaxis(_map(dq_block, n, k), 4, 2), t).reshape(b, t, h, d)
+    else:
+        acc = dq_into.reshape(dq_into.shape[0], b, kh, g, block, d)
+        dq = _map_into(dq_block, n, acc, dq_at // block).reshape(dq_into.shape)
     dk, dv = _map(dkv_block, n, k)
     return dq, _unblock(dk, t), _unblock(dv, t)
 
@@ -226,15 +241,42 @@ def blockwise_attention_fwd(q, k, v, *, causal: bool = True, block: int = 512, s
 
 
 def blockwise_attention_bwd(q, k, v, o, lse, do, *, causal: bool = True, block: int = 512,
-                            scale: float | None = None, dq_dtype=jnp.float32):
+                            scale: float | None = None, dq_dtype=jnp.float32, dq_into=None, dq_at=0):
     """(dq, dk, dv) in fp32, for the attention whose output (all key sets merged) is o and whose
     log-sum-exp is lse (B, T, H): the gradients through this key set's part of it. `o` may instead be
     the row sums rowsum(dO * O) fp32 (B, T, H), all the gradients need of it. `dq_dtype`: dq's, each
     query block's fp32 sum rounded to it (context parallelism's ring sums the hops' dq in bf16 for bf16
-    inputs: jfsdp/engine/parallel/context.py `sum_dtype`)."""
+    inputs: jfsdp/engine/parallel/ring.py `sum_dtype`).
+    `dq_into`: an accumulator (`blockwise_dq_zeros`) of the dq of a longer run of queries, of which q are the
+    tokens from `dq_at` on (a multiple of the accumulator's block, which this call uses in `block`'s place;
+    may be traced): the dq returned is the accumulator with this call's dq added, block by block in place,
+    each block's fp32 sum rounded to dq_dtype first as without it (the ring of context parallelism sums its
+    hops' dq so, with no full-size array of its own per hop: jfsdp/engine/parallel/ring.py)."""
+    if dq_into is not None:
+        block = dq_into.shape[3]
+        if q.shape[1] % block:
+            raise ValueError(f"blockwise_attention_bwd: {q.shape[1]} queries are not whole blocks of dq_into's {block}")
     block, scale = _check(q, k, v, block, scale)
     b, t, h, _ = q.shape
     kh = k.shape[2]
     lse = jnp.moveaxis(_blocks(lse.reshape(b, t, kh, h // kh), _chunks(t, block), block), 2, -1)
-    return _grads_f32(causal, block, scale, (q, k, v, o, lse), do, dq_dtype)
+    return _grads_f32(causal, block, scale, (q, k, v, o, lse), do, dq_dtype, dq_into, dq_at)
+
+
+def blockwise_dq_zeros(q, piece: int, *, block: int = 512, dtype=jnp.float32, after=None):
+    """A zero dq accumulator for `blockwise_attention_bwd(..., dq_into=)`: for the queries q (B, T, H, D), to be
+    filled by calls on `piece` tokens at a time (T a multiple of it), in blocks of b = min(block, piece):
+    (T / b, B, H, b, D) in `dtype`, the layout the kernel writes its query blocks in. Made from a zero tied to
+    `after` (`tied_zeros`: made where it is needed, not hoisted). None where `piece` is not whole blocks."""
+    b_, t, h, d = q.shape
+    block = min(block, piece)
+    if piece % block or t % block:
+        return None
+    return tied_zeros((t // block, b_, h, block, d), dtype, q if after is None else after)
+
+
+def blockwise_dq_out(acc, q_shape):
+    """A `blockwise_dq_zeros` accumulator (n, B, H, block, D) as dq (B, T, H, D) of queries of shape `q_shape`."""
+    n, b, h, block, d = acc.shape
+    return jnp.moveaxis(acc, 2, 3).swapaxes(0, 1).reshape(b, n * block, h, d)[:, :q_shape[1]]
 

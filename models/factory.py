@@ -7,7 +7,7 @@ from __future__ import annotations
 import jfsdp
 from models import moe as moe_model
 from models import loss_fn as loss_fn_of, parts
-from models.attention import blockwise_attention_bwd, blockwise_attention_fwd
+from models.attention import blockwise_attention_bwd, blockwise_attention_fwd, blockwise_dq_out, blockwise_dq_zeros
 from models.llama import Llama, LlamaBlock, LlamaConfig, ScannedLlama
 from models.moe import MoEConfig
 
@@ -127,9 +127,14 @@ def context_kernel(block: int = 512, ring_sums: str = "fp32"):
     (train.py's --ring-sums; docs/context-parallel.md); "fp32" (default) keeps them in fp32."""
     if ring_sums not in RING_SUMS:
         raise jfsdp.ConfigError(f"ring sums '{ring_sums}': choose fp32 or bf16")
-    from jfsdp.engine.parallel.context import Kernel, sum_dtype   # here: importing this module must not start jax
+    from jfsdp.engine.parallel.ring import Into, Kernel, sum_dtype   # here: importing this module must not start jax
     low = ring_sums == "bf16"
+    # the ring's running dQ as one accumulator in the kernel's layout, each call adding into it in place
+    into = Into(lambda q, piece, after: blockwise_dq_zeros(q, piece, block=block, dtype=sum_dtype(q, low), after=after),
+                lambda q, k, v, o, lse, do, causal, acc, at: blockwise_attention_bwd(
+                    q, k, v, o, lse, do, causal=causal, dq_dtype=acc.dtype, dq_into=acc, dq_at=at),
+                lambda acc, q: blockwise_dq_out(acc, q.shape))
     return Kernel(lambda q, k, v, causal: blockwise_attention_fwd(q, k, v, causal=causal, block=block),
                   lambda q, k, v, o, lse, do, causal: blockwise_attention_bwd(
                       q, k, v, o, lse, do, causal=causal, block=block, dq_dtype=sum_dtype(q, low)),
-                  sums=True, low_sums=low)
+                  sums=True, low_sums=low, into=into)

@@ -1,4 +1,4 @@
-"""Context parallelism (jfsdp/engine/parallel/context.py): ring attention over a `context` axis against
+"""Context parallelism (jfsdp/engine/parallel/context.py, ring.py): ring attention over a `context` axis against
 the whole sequence's causal grouped-query attention computed in float64 without jfsdp, the zigzag load
 balance counted, and the ring's collective-permutes read from the compiled program."""
 import functools
@@ -68,14 +68,22 @@ def inputs(t, b=2, h=4, kv=2, d=8):
             jax.random.normal(ks[2], (b, t, kv, d)), jax.random.normal(ks[3], (b, t, h, d)))
 
 
-@pytest.mark.parametrize("context, zz", [(2, True), (4, True), (2, False)], ids=["zigzag-2", "zigzag-4", "contiguous-2"])
-def test_ring_attention_equals_full_causal_attention(context, zz):
+@pytest.mark.parametrize("context, zz, into", [(2, True, None), (4, True, None), (2, False, None), (4, True, BLOCK),
+                                              (4, True, 3)],
+                         ids=["zigzag-2", "zigzag-4", "contiguous-2", "zigzag-4-into", "zigzag-4-into-refused"])
+def test_ring_attention_equals_full_causal_attention(context, zz, into):
     """Output and dq, dk, dv of ring attention (GQA 4:2) equal the full sequence's in float64; the
     compiled program's collective-permutes are the ring's: forward C - 1 hops of the K and V blocks,
     backward C - 1 hops of K and V, C - 2 of the dK, dV gathered so far (the diagonal block's stay home)
-    and one of dK, dV home, each one local K (or V) block: 6C - 6."""
+    and one of dK, dV home, each one local K (or V) block: 6C - 6. `into`: the models' kernel
+    (models/factory.py `context_kernel`) with blocks of that size, whose dq the ring adds into one
+    accumulator (ring.py `Into`); blocks of 3 do not tile a 4-token zigzag chunk, so its ring sums the
+    calls' dq as without it."""
+    from models.factory import context_kernel
     q, k, v, do = inputs(8 * context)
-    compiled = ring_program(context, zz).lower(q, k, v, do).compile()
+    kernel = KERNEL if into is None else context_kernel(block=into)
+    assert into is None or (kernel.into.zeros(q[:, :8], 4, q) is None) == (into == 3)
+    compiled = ring_program(context, zz, kernel=kernel).lower(q, k, v, do).compile()
     for name, got, want in zip(("out", "dq", "dk", "dv"), compiled(q, k, v, do), attention64(q, k, v, do)):
         err = np.max(np.abs(np.asarray(got, np.float64) - want)) / np.max(np.abs(want))
         assert err < RTOL, (name, err)

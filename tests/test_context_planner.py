@@ -90,3 +90,23 @@ def test_kept_activations_fall_as_1_over_c_and_the_estimate_and_ring_formula_hol
     fixed = 2 * temps[4] - temps[2]      # temp = fixed + A / C, from C = 2 and 4
     assert 0 <= fixed < temps[1] / 3, temps
     assert temps[1] - fixed == pytest.approx(2 * (temps[2] - fixed), rel=0.10), temps
+
+
+def test_the_gpu_ring_term_leaves_out_the_hidden_states_fp32_copies():
+    """On XLA:GPU the ring's part of the estimate (context_plan.ring_buffers) is two (B, T/C, H, D) buffers in the
+    sums' dtype and 1.25 in fp32, less the fp32 copies of the hidden state that the traced working set counts
+    (`widened_bytes`). Counted by hand for a bf16 Llama unit: its two RMSNorms each keep their input widened
+    to fp32 and its product with the rsqrt, four (B, T/C, dim) fp32 arrays; fp32 compute widens nothing."""
+    from jfsdp.config.policy import MixedPrecision
+    c, rows = 2, DEVICES // 2
+    model, _, _ = factory.language_model(CFG, "fused")
+    mesh = jfsdp.make_mesh(f"1x{rows}", jax.devices()[:DEVICES], context=c)
+    x = jax.ShapeDtypeStruct((rows, SEQ), jnp.int32)
+    for sums, itemsize in (("fp32", 4), ("bf16", 2)):
+        plan = jfsdp.fully_shard(model, mesh, x, remat="full", mp_policy=MixedPrecision.parse("bf16"),
+                                 context_attention=factory.context_kernel(64, ring_sums=sums))
+        local = {"inputs": jax.ShapeDtypeStruct((1, SEQ // c), jnp.int32)}
+        hidden = SEQ // c * CFG.dim          # one row of T/C tokens per device
+        assert context_plan.widened_bytes(plan, local, jnp.bfloat16) == 4 * hidden * 4
+        assert context_plan.widened_bytes(plan, local, jnp.float32) == 0
+        assert context_plan.ring_buffers(plan, local, "gpu") == (2 * itemsize + 5 - 16) * hidden

@@ -128,7 +128,7 @@ ASYNC_TP_GPU_FLAGS = {
 }
 
 
-# For a plan with context parallelism (C > 1), whose ring attention (jfsdp/engine/parallel/context.py) has,
+# For a plan with context parallelism (C > 1), whose ring attention (jfsdp/engine/parallel/ring.py) has,
 # while one block's attention computes, the next hop's K and V and the previous hop's dK and dV in flight:
 CONTEXT_GPU_FLAGS = {
     # Four collectives in flight instead of one (two with the pipeline or async TP). With one, the ring's

@@ -11,8 +11,9 @@ many tokens a device holds and what the ring adds.
   dots) the backward recomputes the unit's forward, ring included: another 2(C - 1) K/V blocks.
 - Memory (`ring_buffers`): what the ring holds besides what the unit holds at C = 1, at the units'
   backward peak (the recomputed ring's hops): the running sums and one hop's share (up to two
-  (B, T/C, H, D) buffers in the sums' dtype beyond the output on XLA:CPU; on XLA:GPU one, whatever C, measured on
-  llama-8b's compiled step at C = 8), and where a hop's (L x L) chunk pair is one
+  (B, T/C, H, D) buffers in the sums' dtype beyond the output on XLA:CPU; on XLA:GPU two and 1.25 in fp32,
+  whatever C, less the hidden state's fp32 copies that the traced working set counts and XLA:GPU fuses away,
+  fitted on llama-8b's compiled step at C = 8: `GPU_SUMS`), and where a hop's (L x L) chunk pair is one
   tile of the per-block kernel (L = T/2C at most its block), XLA schedules the hops' independent kernels
   together: four score tiles (scores and exponentials of the hop's two kernel calls) per hop, 4(C - 1) in
   all (measured on XLA:CPU: docs/planner.md). Where the kernel loops over several tiles per hop, the
@@ -28,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from jfsdp.config.policy import wire_dtype
+from jfsdp.planning.activations import saved_residuals
 from jfsdp.planning.sizes import as_shapes, stages
 
 
@@ -107,6 +109,36 @@ def _largest_intermediate(jaxpr) -> int:
     return best
 
 
+# XLA:GPU at C > 1: the ring's buffers at the units' backward peak, counted as (B, T/C, H, D) buffers: GPU_SUMS in
+# the sums' dtype (the running dQ accumulator; the dK, dV that travel the ring, sent and received) and GPU_FP32
+# in fp32 (a call's fp32 dK, dV; the x pair's inputs in the kernel's layout; the next K/V in flight). Fitted,
+# with `widened_bytes`, on llama-8b's compiled step at C = 8, tiles of 4,096, fp32 and bf16 sums (H100 target,
+# 2026-11-26; docs/results/context-long.md), erring high at the fit's edge: 1,572,864 tokens compile to 80.83
+# and 78.76 GiB (estimated 82.34 and 79.34), 1,605,632 to 80.07 with bf16 sums (80.64); 0.95 at 262,144 tokens.
+GPU_SUMS, GPU_FP32 = 2, 1.25
+
+
+def widened_bytes(plan, local_batch, dt) -> int:
+    """Bytes of the fp32 copies of a unit's hidden state (its input's shape) among the residuals that the traced
+    working set of a unit counts (`jfsdp.planning.activations.working_bytes`), where the hidden state is in a
+    narrower dtype `dt`: the norms' widened inputs and products, which XLA:GPU computes inside the fusions that
+    use them and never holds (llama-8b: four per unit, 12 GiB at 196,608 tokens per device). The largest stage's."""
+    if jnp.dtype(dt).itemsize >= 4:
+        return 0
+    m = plan.model
+    root_layouts, stage_layouts = plan.split(plan.layouts)
+    h = jax.eval_shape(lambda r, x: m.root.apply({"params": r}, x, method=m.embed_method),
+                       as_shapes(root_layouts, dt), local_batch["inputs"])
+    best = 0
+    for st, layouts in zip(m.stages, stage_layouts):
+        unit_fn = lambda x, p, unit=st.unit: unit.apply({"params": p}, x)
+        res = saved_residuals(unit_fn, (h, as_shapes(layouts, dt)))
+        best = max(best, sum(math.prod(a.shape) * 4 for a, _ in res
+                             if a.dtype == jnp.float32 and tuple(a.shape) == tuple(h.shape)))
+        h = jax.eval_shape(unit_fn, h, as_shapes(layouts, dt))
+    return best
+
+
 def ring_buffers(plan, local_batch, backend: str | None = None) -> int:
     """Bytes the ring holds at the units' backward peak beyond the unit's working set at C = 1 (module
     docstring), for one device's batch `local_batch`; 0 at C = 1."""
@@ -116,7 +148,7 @@ def ring_buffers(plan, local_batch, backend: str | None = None) -> int:
     backend = backend or jax.default_backend()
     dt = wire_dtype(plan.mp.param_dtype or jnp.float32, backend)
     kernel = plan.context_attention
-    best = 0
+    best = None   # (negative on XLA:GPU where the widened copies outweigh the ring's buffers)
     for calls, _ in attention_shapes(plan, local_batch, dt):
         for q, k in calls:
             b, t, h, d = q.shape
@@ -124,16 +156,17 @@ def ring_buffers(plan, local_batch, backend: str | None = None) -> int:
             jaxpr = jax.make_jaxpr(lambda q, k, v: kernel.fwd(q, k, v, False))(half(q), half(k), half(k)).jaxpr
             tile = _largest_intermediate(jaxpr)
             whole = b * h * (t // 2) ** 2 * 4       # the hop's (L x L) scores in fp32
-            o32 = b * t * h * d * _sum_bytes(dt, kernel)
+            o32 = b * t * h * d * _sum_bytes(dt, kernel)   # in the sums' dtype
             tiles = 4 * (C - 1) * tile if tile >= whole else 0
-            # XLA:GPU holds one (B, T/C, H, D) buffer for the whole ring, whatever C: the running dq, in its
-            # two zigzag pieces, in the sums' dtype (bf16 with --ring-sums bf16 for bf16 inputs;
-            # llama-8b at 1,572,864 tokens, C = 8, H100 target: 86.82 GiB compiled, 87.59 estimated with one
-            # fp32 buffer, before). It held about one per hop (C - 1) while each hop's values derived
-            # from the local q, o, dO alone were computed for all hops ahead of the ring, and the kernel's
-            # static-bound loops, split by JAX's partial evaluation under the unit's checkpoint, stacked a
-            # copy of every call's K/V blocks (jfsdp/engine/parallel/context.py `_arrived`,
-            # models/attention.py `index_loop`; docs/context-parallel.md). XLA:CPU keeps at most two in all
-            partials = 1 if backend == "gpu" else min(C - 1, 2)
-            best = max(best, tiles + partials * o32)
-    return best
+            # XLA:GPU: GPU_SUMS (B, T/C, H, D) buffers in the sums' dtype and GPU_FP32 in fp32 for the whole ring,
+            # whatever C, less the hidden state's fp32 copies that the trace counts and XLA:GPU never holds
+            # (`widened_bytes`). It held
+            # about one buffer per hop (C - 1) while each hop's values derived from the local q, o, dO alone
+            # were computed for all hops ahead of the ring, and the kernel's static-bound loops, split by JAX's
+            # partial evaluation under the unit's checkpoint, stacked a copy of every call's K/V blocks
+            # (jfsdp/engine/parallel/ring.py `_arrived`, models/attention.py `index_loop`;
+            # docs/context-parallel.md). XLA:CPU keeps at most two in all
+            gpu = GPU_SUMS * o32 + int(GPU_FP32 * b * t * h * d * 4) - widened_bytes(plan, local_batch, dt)
+            held = tiles + (gpu if backend == "gpu" else min(C - 1, 2) * o32)
+            best = held if best is None else max(best, held)
+    return best or 0
