@@ -179,7 +179,7 @@ class StagePasses:
             return None
         return self.gather(read(acc, i), at_row(amax, i))
 
-    def backward(self, saved: Saved, dh, acc, read, consume, dextra=None):
+    def backward(self, saved: Saved, dh, acc, read, consume, dextra=None, lead=None):
         n, on_cpu = self.n, self.on_cpu
         if not self.prefetch:
             def plain(carry, i):
@@ -197,6 +197,8 @@ class StagePasses:
             g = self.gather(last, at_row(saved.amax, n - 1))
         if n == 1:
             dg, dh = saved.pullback(0, g)(dh)
+            if lead is not None:   # the lead's reduce-scatter, then the unit's (as below)
+                dg, dh = lax.optimization_barrier((dg, lead(dh)))
             return _with(dh, dextra), consume(acc, 0, self.reduce(dg))
         nxt = None
         if not self.keep_gathered:
@@ -220,7 +222,11 @@ class StagePasses:
         # llama-8b at 196,608 tokens per device (docs/context-parallel.md)
         zero = (0 * jax.tree.leaves(dh)[0].reshape(-1)[0]).astype(jnp.int32)
         dg, dh = saved.pullback(zero, g)(dh)
-        dg, one = lax.optimization_barrier((dg, one))  # ... finished before unit 0's, not combined with it
+        if lead is not None:   # the lead's (the embedding's) VJP on unit 0's dh: its gradient, reduce-scatter
+            # included, while unit 0's weight gradients compute; after unit 1's, combined with neither
+            dh, one = tie(dh, one, on_cpu)
+            dh = lead(dh)
+        dg, (one, dh) = lax.optimization_barrier((dg, (one, dh)))  # ... finished before unit 0's, not combined with it
         return _with(dh, dextra), consume(consume(acc, 1, one), 0, self.reduce(dg))
 
 
@@ -243,11 +249,14 @@ def _unreduced_bwd(passes: StagePasses, hs, dh, shards):
     return dh, grads
 
 
-def pipelined_stage(passes: StagePasses):
-    """(h, stacked shards, extra) -> (h, extra) with its own VJP: `passes.forward`, then `passes.backward`
-    whose consumer stacks each unit's reduced gradient shard into the stage's gradient. `extra` (a list
-    of arrays, maybe empty) comes out unchanged, tied to the last unit: the caller's gather of it runs
-    while that unit computes, and the reduce-scatter of its gradient while that unit's backward does."""
+def pipelined_stage(passes: StagePasses, lead: Callable | None = None):
+    """(h, stacked shards, extra, lead params) -> (h, extra) with its own VJP: `passes.forward`, then
+    `passes.backward` whose consumer stacks each unit's reduced gradient shard into the stage's gradient.
+    `extra` (a list of arrays, maybe empty) comes out unchanged, tied to the last unit: the caller's gather
+    of it runs while that unit computes, and the reduce-scatter of its gradient while that unit's backward
+    does. `lead(lead params, x) -> h`: what computes the stage's input (the embedding, its gather
+    included), run inside the stage on its input x (not differentiated), so that its backward, reduce-scatter
+    included, runs as soon as unit 0's dh exists, under unit 0's weight gradients (None: the input is h)."""
     def read(acc, i):
         return at_row(acc[0], i)
 
@@ -256,20 +265,24 @@ def pipelined_stage(passes: StagePasses):
         return shards, jax.tree.map(lambda a, x: lax.dynamic_update_index_in_dim(a, x, i, 0), grads, shard)
 
     @jax.custom_vjp
-    def stage(h, shards, extra):
-        return passes.forward(h, shards, False, extra)[0]
+    def stage(h, shards, extra, lead_p):
+        return passes.forward(h if lead is None else lead(lead_p, h), shards, False, extra)[0]
 
-    def stage_fwd(h, shards, extra):
+    def stage_fwd(h, shards, extra, lead_p):
+        lead_vjp = None
+        if lead is not None:
+            h, lead_vjp = jax.vjp(lambda p: lead(p, h), lead_p)
         out, hs = passes.forward(h, shards, True, extra)
-        return out, (hs, shards)
+        return out, (hs, shards, lead_vjp)
 
     def stage_bwd(res, dout):
-        hs, shards = res
+        hs, shards, lead_vjp = res
         dh, dextra = dout
         if any_unreduced(shards):
-            return (*_unreduced_bwd(passes, hs, dh, shards), dextra)
+            assert lead is None, "grad_sync='once' takes no lead"
+            return (*_unreduced_bwd(passes, hs, dh, shards), dextra, None)
         (dh, dextra), (_, grads) = passes.backward(hs, dh, (shards, jax.tree.map(jnp.zeros_like, shards)), read, put,
-                                                   dextra)
-        return dh, grads, dextra
+                                                   dextra, None if lead is None else (lambda dh: lead_vjp(dh)[0]))
+        return (None, grads, dextra, dh) if lead else (dh, grads, dextra, None)
     stage.defvjp(stage_fwd, stage_bwd)
     return stage
