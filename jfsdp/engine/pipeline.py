@@ -85,7 +85,9 @@ jax.tree_util.register_dataclass(Saved, data_fields=["stacked", "last", "amax"],
 class StagePasses:
     """One stage's forward and backward passes as an explicit software pipeline:
     `forward(h, shards, keep[, extra]) -> (h or (h, extra), Saved or None)` and
-    `backward(saved, dh, acc, read, consume[, dextra]) -> (dh or (dh, dextra) into the stage, acc)`.
+    `backward(saved, dh, acc, read, consume[, dextra, lead]) -> (dh or (dh, dextra) into the stage, acc)`;
+    `lead`, where given, maps unit 0's dh to what the backward returns as dh (the embedding's reduced
+    gradient, when the stage runs the embedding: `pipelined_stage`).
     `extra`: what the caller gathers next (the head's shards), tied to the last unit's gathered
     parameters so that its gather is in flight while the last unit computes; `dextra`, its reduced
     gradient, is waited for after the last unit's backward, which hides its reduce-scatter (and keeps

@@ -48,7 +48,8 @@ class RootPasses:
     def forward(self, params, inputs):
         """The model's outputs for one device's inputs, from shards (inside shard_map)."""
         # The root is gathered where it is used: a leaf only the embedding reads (an untied table) when
-        # the step starts, for the lookup alone (its backward needs no weights); a leaf only the head
+        # the step starts, for the lookup alone (its backward needs no weights; on the prefetch pipeline
+        # inside the first stage, whose backward reduces its gradient under unit 0's); a leaf only the head
         # reads while the last unit computes (the pipeline ties it there; else once h exists, never
         # hoisted to the start of the step), kept for the head's backward. A leaf both read (a tied
         # embedding) is gathered once for both uses, as FSDP does with a shared parameter, and kept
