@@ -17,38 +17,17 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jfsdp.engine import step_end
+from jfsdp.engine.barriers import tie
 from jfsdp.engine.float8 import KERNELS, unit_amaxes
 from jfsdp.engine.fsdp import Comm, Unreduced, any_unreduced, is_unreduced, reduce_tree, unshard_tree
 from jfsdp.engine.layout import at_row, is_layout
-
-
-def tie(a, b, on_cpu: bool):
-    """(a, b) such that nothing computed from the returned `a` starts before every leaf of `b` exists
-    (and, on GPUs, the other way round too): an optimization barrier. XLA:CPU removes barriers before
-    it schedules, so there `a` gets 0 * (one element of each leaf of b) added: a data dependency no
-    scheduler can hoist above `b` (a conditional's branch was turned into a select and its predicate
-    folded). Semantics differ only where b holds inf or NaN, when the step's result is NaN either way."""
-    if not on_cpu:
-        return lax.optimization_barrier((a, b))
-    # one element of every leaf of b, times 0: XLA does not fold 0 * x for floats (x may be inf or NaN)
-    zero = 0 * sum(x.reshape(-1)[0].astype(jnp.float32) for x in jax.tree.leaves(b))
-    return jax.tree.map(lambda t: t + zero.astype(t.dtype), a), b
 
 
 def _with(x, extra):
     return x if extra is None else (x, extra)
 
 
-@jax.custom_vjp
-def after(a, b):
-    """(a, b), with nothing computed from the returned `b` starting before `a` exists: an optimization
-    barrier in the forward pass only. The transpose of a plain barrier is a barrier on the cotangents,
-    which made the head's gradient reduce-scatter finish before the units' backward could start
-    (exposed in full on XLA:GPU's schedule); here the cotangents pass through untouched."""
-    return lax.optimization_barrier((a, b))
-
-
-after.defvjp(lambda a, b: (lax.optimization_barrier((a, b)), None), lambda _, ct: ct)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,11 +203,10 @@ class StagePasses:
         # llama-8b at 196,608 tokens per device (docs/context-parallel.md)
         zero = (0 * jax.tree.leaves(dh)[0].reshape(-1)[0]).astype(jnp.int32)
         dg, dh = saved.pullback(zero, g)(dh)
-        if lead is not None:   # the lead's (the embedding's) VJP on unit 0's dh: its gradient, reduce-scatter
-            # included, while unit 0's weight gradients compute; after unit 1's, combined with neither
-            dh, one = tie(dh, one, on_cpu)
-            dh = lead(dh)
-        dg, (one, dh) = lax.optimization_barrier((dg, (one, dh)))  # ... finished before unit 0's, not combined with it
+        if self.first_stage and not self.unreduced:   # the step's last reduce-scatter, in parts, the lead's between
+            dh, reduced, one = step_end.finish(self, g, dg, dh, one, lead)
+            return _with(dh, dextra), consume(consume(acc, 1, one), 0, reduced)
+        dg, one = lax.optimization_barrier((dg, one))  # ... finished before unit 0's, not combined with it
         return _with(dh, dextra), consume(consume(acc, 1, one), 0, self.reduce(dg))
 
 

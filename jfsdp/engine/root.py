@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jfsdp.engine.fsdp import any_unreduced, unshard
 from jfsdp.engine.layout import is_layout
 from jfsdp.engine.parallel import vocab
-from jfsdp.engine.pipeline import after
+from jfsdp.engine.barriers import after
 
 
 class RootPasses:
