@@ -28,8 +28,6 @@ def _with(x, extra):
     return x if extra is None else (x, extra)
 
 
-
-
 @dataclasses.dataclass(frozen=True)
 class Saved:
     """What a stage's forward pass keeps for its backward: each unit's VJP residuals (what the checkpoint
@@ -80,7 +78,8 @@ class StagePasses:
     Backward, in reverse: unit i-1's gather is issued before unit i's VJP runs (ZeRO-2 has none to
     issue); unit i's gradient is carried (unreduced, param_dtype) and reduce-scattered in the next
     iteration, while unit i-1's backward computes. Only unit n-1's gather and unit 0's reduce-scatter
-    have nothing to hide behind. The first and last units run outside the loop (peeled) so that nothing
+    have nothing to hide behind (in the first stage unit 0's runs in parts, most of it under unit 0's
+    own backward: step_end.py). The first and last units run outside the loop (peeled) so that nothing
     is gathered or reduced twice. With `prefetch` False the same passes run one unit per iteration
     with nothing in flight (the plain scan's schedule), for the consumers below.
 
@@ -263,6 +262,6 @@ def pipelined_stage(passes: StagePasses, lead: Callable | None = None):
             return (*_unreduced_bwd(passes, hs, dh, shards), dextra, None)
         (dh, dextra), (_, grads) = passes.backward(hs, dh, (shards, jax.tree.map(jnp.zeros_like, shards)), read, put,
                                                    dextra, None if lead is None else (lambda dh: lead_vjp(dh)[0]))
-        return (None, grads, dextra, dh) if lead else (dh, grads, dextra, None)
+        return (None, grads, dextra, dh) if lead is not None else (dh, grads, dextra, None)
     stage.defvjp(stage_fwd, stage_bwd)
     return stage

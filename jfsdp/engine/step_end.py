@@ -59,17 +59,17 @@ def finish(passes, g, dg, dh, one, lead):
     (None where the backward gathers none: one reduce-scatter, after the lead's)."""
     ltd, on_cpu = jax.tree.structure(passes.layouts, is_leaf=is_layout), passes.on_cpu
     layouts, grads = ltd.flatten_up_to(passes.layouts), ltd.flatten_up_to(dg)
-    late = [] if g is None else last_called(passes.apply, passes.layouts, g, dh)
-    early = []
-    if late:   # after unit 1's reduce-scatter
-        part, one = tie([grads[i] for i in late], one, on_cpu)
-        early = reduce_tree(part, [layouts[i] for i in late], passes.comm)
+    ahead = [] if g is None else last_called(passes.apply, passes.layouts, g, dh)   # (dh: shaped as the input)
+    reduced = []
+    if ahead:   # after unit 1's reduce-scatter
+        part, one = tie([grads[i] for i in ahead], one, on_cpu)
+        reduced = reduce_tree(part, [layouts[i] for i in ahead], passes.comm)
     if lead is not None:   # after those
-        dh, (one, early) = tie(dh, (one, early), on_cpu)
+        dh, (one, reduced) = tie(dh, (one, reduced), on_cpu)
         dh = lead(dh)
-    rest = [i for i in range(len(grads)) if i not in late]
-    held = (one, early, dh) if lead is not None else (one, early)
+    rest = [i for i in range(len(grads)) if i not in ahead]
+    held = (one, reduced, dh) if lead is not None else (one, reduced)
     part, held = lax.optimization_barrier(([grads[i] for i in rest], held))   # the last, after them all
-    one, early = held[:2]
-    done = dict(zip(late, early)) | dict(zip(rest, reduce_tree(part, [layouts[i] for i in rest], passes.comm)))
+    one, reduced = held[:2]
+    done = dict(zip(ahead, reduced)) | dict(zip(rest, reduce_tree(part, [layouts[i] for i in rest], passes.comm)))
     return (held[2] if lead is not None else dh), jax.tree.unflatten(ltd, [done[i] for i in range(len(grads))]), one
