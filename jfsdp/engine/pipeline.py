@@ -98,6 +98,8 @@ class StagePasses:
     policy: Any = None            # what the unit's backward reuses (fsdp.checkpoint_policy); None: its input only
     keep_gathered: bool = False   # ZeRO-2: the gathered units are saved, the backward gathers nothing
     prefetch: bool = True
+    last_stage: bool = False      # its last unit's backward comes right after the head's: its gathered
+    # parameters are saved by the forward, not gathered again (no gather exposed at the backward's start)
 
     def gather(self, shards, amax=None):
         return unshard_tree(shards, self.layouts, self.comm, amax)
@@ -109,12 +111,13 @@ class StagePasses:
                                 grads, is_leaf=is_layout)
         return reduce_tree(grads, self.layouts, self.comm)
 
-    def unit(self, g, h):
-        """Unit forward, keeping its VJP: (output, the residuals to save, how to rebuild the VJP)."""
+    def unit(self, g, h, keep_params=False):
+        """Unit forward, keeping its VJP: (output, the residuals to save, how to rebuild the VJP); the
+        gathered parameters among the residuals where the strategy keeps them or `keep_params`."""
         policy = self.policy or jax.checkpoint_policies.nothing_saveable
         out, vjp = jax.vjp(jax.checkpoint(self.apply, policy=policy), g, h)
         leaves, tdef = jax.tree.flatten(vjp)
-        params = [] if self.keep_gathered else jax.tree.leaves(g)
+        params = [] if self.keep_gathered or keep_params else jax.tree.leaves(g)
         src = tuple(next((k for k, p in enumerate(params) if p is x), -1) for x in leaves)
         return out, [x for x, s in zip(leaves, src) if s < 0], (tdef, src)
 
@@ -151,6 +154,8 @@ class StagePasses:
         (h, g), stacked = lax.scan(body, (h, self.gather(*first)), jnp.arange(self.n - 1))
         if extra:   # the caller's next gather (the head's) in flight while the last unit computes
             extra, g = tie(extra, g, self.on_cpu)
+        if keep and self.last_stage:   # the last unit's gathered parameters saved for its backward
+            run = lambda g, h: self.unit(g, h, keep_params=True)
         h, last = step(g, h)
         return _with(h, extra), (Saved(stacked, last, hows[0], hows[-1], amax) if keep else None)
 
@@ -170,9 +175,10 @@ class StagePasses:
             return _with(dh, dextra), acc
         # The barriers order what XLA would otherwise combine into one collective at the top of the
         # step: unit n-1's gather waits for dh (not hoisted into the forward pass), unit n-2's for
-        # unit n-1's (so it is in flight during unit n-1's backward, not before it).
-        g = None
-        if not self.keep_gathered:
+        # unit n-1's (so it is in flight during unit n-1's backward, not before it); in the last stage,
+        # which saved unit n-1's gathered parameters, unit n-2's waits for dh.
+        g, kept = None, self.last_stage and n > 1   # kept: unit n-1's gathered parameters saved (forward)
+        if not self.keep_gathered and not kept:
             last, dh = tie(read(acc, n - 1), dh, on_cpu)
             g = self.gather(last, at_row(saved.amax, n - 1))
         if n == 1:
@@ -181,7 +187,10 @@ class StagePasses:
                 dg, dh = lax.optimization_barrier((dg, lead(dh)))
             return _with(dh, dextra), consume(acc, 0, self.reduce(dg))
         nxt = None
-        if not self.keep_gathered:
+        if not self.keep_gathered and kept:
+            prev, dh = tie(read(acc, n - 2), dh, on_cpu)
+            nxt = self.gather(prev, at_row(saved.amax, n - 2))
+        elif not self.keep_gathered:
             prev, g = tie(read(acc, n - 2), g, on_cpu)
             nxt = self.gather(prev, at_row(saved.amax, n - 2))
         pend, dh = saved.pullback(n - 1, g)(dh)

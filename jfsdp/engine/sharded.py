@@ -135,7 +135,7 @@ class FSDP(RootPasses, ParamLayout):
         keep = self.shards > 1 and not self.strategy.reshard_after_forward
         return StagePasses(apply=self.unit_apply(unit), layouts=self.unit_layouts[j], comm=self.comm, n=self.stage_sizes[j],
                            first_stage=j == 0, on_cpu=self.on_cpu, policy=self.policy, keep_gathered=keep,
-                           prefetch=prefetch)
+                           prefetch=prefetch, last_stage=j == len(self.stage_sizes) - 1)
 
     def step_batch(self, batch, step):
         """The batch a train step feeds to `loss_and_grad` at `step` (a model given as it is adds the rows
