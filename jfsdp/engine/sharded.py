@@ -124,6 +124,14 @@ class FSDP(RootPasses, ParamLayout):
         keeps_shape = tree_shapes(self.h_shapes[j]) == tree_shapes(self.h_shapes[j + 1])
         return scan_stage(compute, h, shards, self.policy, keeps_shape), extra
 
+    @property
+    def saves_last_unit(self) -> bool:
+        """The prefetch pipeline's last stage saves its last unit's gathered parameters for the backward
+        (pipeline.StagePasses.last_stage): under ZeRO-3 that unit is gathered once a step, not twice. (Not
+        a model given as it is: its units are called by its own code, engine/as_is.py.)"""
+        last = len(self.stage_sizes) - 1
+        return not getattr(self, "as_is", False) and self.prefetches(last) and self.strategy.reshard_after_forward
+
     def prefetches(self, j) -> bool:   # stage j runs the prefetch pipeline (MoE 'ep'/'adaptive' stages never do)
         return getattr(self.moe_stages[j], "mode", None) not in ("ep", "adaptive") and bool(self.prefetch) and self.stage_sizes[j] > 1
 
