@@ -78,7 +78,8 @@ class StagePasses:
     Backward, in reverse: unit i-1's gather is issued before unit i's VJP runs (ZeRO-2 has none to
     issue); unit i's gradient is carried (unreduced, param_dtype) and reduce-scattered in the next
     iteration, while unit i-1's backward computes. Only unit n-1's gather and unit 0's reduce-scatter
-    have nothing to hide behind (in the first stage unit 0's runs in parts, most of it under unit 0's
+    have nothing to hide behind (in the last stage unit n-1's gathered parameters are saved by the
+    forward instead; in the first stage unit 0's reduce-scatter runs in parts, most of it under unit 0's
     own backward: step_end.py). The first and last units run outside the loop (peeled) so that nothing
     is gathered or reduced twice. With `prefetch` False the same passes run one unit per iteration
     with nothing in flight (the plain scan's schedule), for the consumers below.
