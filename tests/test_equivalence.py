@@ -189,3 +189,25 @@ def test_bf16_policy_matches_single_device_bf16(case, mesh_spec, strategy):
         du, dw = np.asarray(g, np.float64) - b, np.asarray(w, np.float64) - b
         err = np.linalg.norm(du - dw) / np.linalg.norm(dw)
         assert err <= BF16_UPDATE_RTOL, f"{path}: update differs by {err:.3f} in L2"
+
+
+@pytest.mark.parametrize("mesh_spec,remat,tied", [("1x16", "dots", False), ("2x4", "full", False), ("1x8", "full", True)])
+def test_prefetch_pipeline_gradients_match(mesh_spec, remat, tied):
+    """The prefetch pipeline's end of the backward (engine/step_end.py: unit 0's gradient reduced in two
+    parts, its feed-forward's first) and, untied, the embedding run inside the first stage (its gather,
+    lookup and gradient reduce-scatter, the last under unit 0's weight gradients: engine/root.py,
+    `embed_lead`): the loss and the sharded gradients, gathered, equal jax.grad of the single-device loss."""
+    cfg = dataclasses.replace(LLAMA, tie_embeddings=tied)
+    root, unit, n = models.parts(cfg)
+    b, lf = _batches(cfg)[0], models.loss_fn(cfg)
+    with jax.default_device(jax.devices()[0]):
+        init = ref.init_params(root, unit, n, b["inputs"])
+        loss = lambda p: lf(ref.forward(root, unit, p, b["inputs"]), b)
+        want_loss, want = jax.device_get(jax.value_and_grad(loss)(init))
+    n_dev = jfsdp.parse_mesh(mesh_spec)[0] * jfsdp.parse_mesh(mesh_spec)[1]
+    mesh = jfsdp.make_mesh(mesh_spec, devices=jax.devices()[:n_dev])
+    plan = jfsdp.fully_shard(jfsdp.Stacked(root, unit, n), mesh, b["inputs"], remat=remat, prefetch=True)
+    assert plan.prefetch and bool(plan.root_use[0] & plan.root_use[1]) == tied   # untied: the stage's lead
+    got_loss, grads = jax.jit(plan.loss_and_grad(lf))(plan.shard(init), jax.device_put(b, plan.batch_sharding))
+    np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-5)
+    ref.close(plan.gather(grads), want, 1e-5, "grad")

@@ -289,18 +289,29 @@ def _root_bytes(plan, dtype, head: bool):
     return stored_bytes(part, dtype) * (S - 1) / S
 
 
+def _unit_rs_parts(plan):
+    """Wire bytes of one unit's reduce-scatter (f32) in the two parts the step's last is split into
+    (engine/step_end.py): its last-called submodule's (the feed-forward) and the rest's."""
+    unit = plan.layouts["units"]
+    ff = stored_bytes(unit["feed_forward"], jnp.float32) * (S - 1) / S
+    return ff, stored_bytes(unit, jnp.float32) * (S - 1) / S - ff
+
+
 def test_prefetch_overlap_in_steady_state(h100):
     """FSDP's prefetch, read from the scheduled program of jfsdp's prefetch pipeline: inside the
     forward and backward scans every unit's all-gather and every reduce-scatter is in flight while a
-    matmul runs, and outside them only the first gather of each pass (unit 0 and the embedding
-    forward, unit n-1 backward) and the last reduce-scatter of the step (unit 0's and the
-    embedding's) are exposed. The head's gather runs while the last unit's forward computes and its
-    reduce-scatter while the last unit's backward does: hidden too. Per step, whatever the depth: 2
-    units' gathers and 1 unit's reduce-scatter exposed beyond the embedding's; the other 2n-2 gathers
-    and n-1 reduce-scatters hidden, and the head's."""
+    matmul runs, and outside them only the step's first gather (unit 0's and the embedding's; unit n-1's
+    gathered parameters are saved by the forward, none gathered at the backward's start) and the last
+    reduce-scatter of the step are exposed: unit 0's attention
+    and norms' (its feed-forward's runs first, under the rest of unit 0's backward: engine/step_end.py)
+    with the tied embedding's. The head's gather runs while the last unit's forward computes and its
+    reduce-scatter while the last unit's backward does: hidden too. Per step, whatever the depth: 1
+    unit's gather and a unit's attention's reduce-scatter exposed beyond the embedding's; the other
+    2n-2 gathers, n-1 reduce-scatters and unit 0's feed-forward's hidden, and the head's."""
     plan4 = h100[4][1]
     embed_ag, head_ag = (_root_bytes(plan4, jnp.bfloat16, h) for h in (False, True))
     embed_rs, head_rs = (_root_bytes(plan4, jnp.float32, h) for h in (False, True))
+    ff_rs, rest_rs = _unit_rs_parts(plan4)
     for n in (4, 8):
         *_, text = h100[n]
         ov = hlo.overlap(text, S)
@@ -313,10 +324,11 @@ def test_prefetch_overlap_in_steady_state(h100):
         unit_rs = _in_loops(ov, "reduce-scatter")[0].collective.wire_bytes
         got = hlo.overlap_summary(ov)
         msg = hlo.render_overlap(ov)
-        assert got["all-gather"]["exposed_bytes"] == pytest.approx(embed_ag + 2 * unit_ag, rel=0.01), msg
+        assert got["all-gather"]["exposed_bytes"] == pytest.approx(embed_ag + unit_ag, rel=0.01), msg
         assert got["all-gather"]["hidden_bytes"] == pytest.approx((2 * n - 2) * unit_ag + head_ag, rel=0.01), msg
-        assert got["reduce-scatter"]["exposed_bytes"] == pytest.approx(embed_rs + unit_rs, rel=0.01), msg
-        assert got["reduce-scatter"]["hidden_bytes"] == pytest.approx((n - 1) * unit_rs + head_rs, rel=0.01), msg
+        assert unit_rs == pytest.approx(ff_rs + rest_rs, rel=0.01)
+        assert got["reduce-scatter"]["exposed_bytes"] == pytest.approx(embed_rs + rest_rs, rel=0.01), msg
+        assert got["reduce-scatter"]["hidden_bytes"] == pytest.approx((n - 1) * unit_rs + ff_rs + head_rs, rel=0.01), msg
     # The contrast: the plain scan with XLA's defaults leaves the scans' gathers exposed (with jfsdp's
     # pipelining flags, the plain scan's GPU options, XLA hides the in-loop ones itself:
     # test_prefetch_under_every_policy_and_strategy, under remat none, dots and ZeRO-2).
@@ -329,10 +341,11 @@ def test_prefetch_overlap_in_steady_state(h100):
 def test_prefetch_under_every_policy_and_strategy(h100, remat, strategy, tied):
     """The prefetch pipeline under selective checkpointing (dots), no checkpointing (none) and ZeRO-2
     (shard_grad_op, prefetch=True: its backward gathers nothing): inside the loops every all-gather is
-    in flight while a matmul runs; exposed per step: the embedding's gather and the first unit's gather
-    of each pass that gathers (two under ZeRO-3, one under ZeRO-2), as with remat full; the head's is
+    in flight while a matmul runs; exposed per step: the embedding's gather and unit 0's (the backward's
+    first, unit n-1's, is saved by the forward under ZeRO-3; ZeRO-2 gathers none), as with remat full; the head's is
     hidden behind the last unit's forward (an untied head, as Llama 3's, under remat dots: the
-    output projection's gather is as large as a unit's here). Against the plain
+    output projection's gather is as large as a unit's here); exposed reduce-scatters: unit 0's, and
+    a tied embedding's with it (an untied one's is hidden under unit 0's backward). Against the plain
     scan with jfsdp's XLA flags (what these policies get on GPUs by default): at most one gathered unit
     more memory, and that plain scan's in-loop all-gathers and reduce-scatters hidden by XLA itself (its
     pipelining flags; the contrast, XLA's defaults, is test_prefetch_overlap_in_steady_state's)."""
@@ -345,15 +358,25 @@ def test_prefetch_under_every_policy_and_strategy(h100, remat, strategy, tied):
     unit_ag = inside[0].collective.wire_bytes
     passes = 2 if strategy == "full_shard" else 1
     got = hlo.overlap_summary(ov)["all-gather"]
-    assert got["exposed_bytes"] == pytest.approx(embed_ag + passes * unit_ag, rel=0.01), hlo.render_overlap(ov)
+    assert got["exposed_bytes"] == pytest.approx(embed_ag + unit_ag, rel=0.01), hlo.render_overlap(ov)
     assert got["hidden_bytes"] == pytest.approx((passes * 4 - passes) * unit_ag + head_ag, rel=0.01), \
         hlo.render_overlap(ov)
-    # the head's reduce-scatter hidden behind the last unit's backward: only the step's last one (unit
-    # 0's with the embedding's) is exposed
+    # the head's reduce-scatter hidden behind the last unit's backward: only the step's last one is
+    # exposed, unit 0's attention and norms' (its feed-forward's runs under the rest of unit 0's
+    # backward, engine/step_end.py; under ZeRO-2, which gathers nothing in the backward, unit 0's
+    # whole); an untied embedding's runs apart from it, under unit 0's weight gradients (the pipeline
+    # runs it as the first stage's lead, engine/root.py): hidden. (Before, the embedding's and unit 0's
+    # whole were combined at the end of the step.) A tied table's gradient has the head's part too, and
+    # is reduced with unit 0's last part.
     embed_rs = _root_bytes(plan, jnp.float32, False)
     unit_rs = _in_loops(ov, "reduce-scatter")[0].collective.wire_bytes
+    last_rs = _unit_rs_parts(plan)[1] if strategy == "full_shard" else unit_rs
     rs = hlo.overlap_summary(ov)["reduce-scatter"]
-    assert rs["exposed_bytes"] == pytest.approx(embed_rs + unit_rs, rel=0.01), hlo.render_overlap(ov)
+    assert rs["exposed_bytes"] == pytest.approx(embed_rs * tied + last_rs, rel=0.01), hlo.render_overlap(ov)
+    if not tied:   # the embedding's (and the head's, of the same size here) in flight while a matmul runs
+        embed = [o for o in ov if o.collective.kind == "reduce-scatter"
+                 and o.collective.wire_bytes == pytest.approx(embed_rs, rel=0.01)]
+        assert embed and all(o.hidden for o in embed), hlo.render_overlap(ov)
     _, _, _, plain, plain_text = _case(4, prefetch=False, remat=remat, strategy=strategy, tied=tied)
     flags = hlo.overlap(plain_text, S)
     assert all(_in_loops(flags, k) for k in ("all-gather", "reduce-scatter")), hlo.render_overlap(flags)
@@ -385,12 +408,26 @@ def _as_is_case(model_class, tied=True):
     return plan, compiled
 
 
+def _stacked_exposed(h100):
+    """Stacked's exposed bytes per kind (h100[4]) as the as-is engine can match them so far, with what
+    Stacked's pipeline hides since 2026-11-26 and the as-is engine does not yet (issue 30: to close
+    there) added back: unit 0's feed-forward reduce-scatter, which the pipeline runs under the rest of
+    unit 0's backward (engine/step_end.py), and the gather of the last unit at the backward's start,
+    whose gathered parameters the pipeline saves from the forward."""
+    ov = hlo.overlap(h100[4][-1], S)
+    want = hlo.overlap_summary(ov)
+    want["reduce-scatter"]["exposed_bytes"] += _unit_rs_parts(h100[4][1])[0]
+    want["all-gather"]["exposed_bytes"] += _in_loops(ov, "all-gather")[0].collective.wire_bytes
+    return want
+
+
 def test_as_is_prefetch_in_call_order_exposes_what_stacked_does(h100):
     """A model given as it is (`models.llama.Llama`, its own Python loop) on the GPU default, prefetch in
     call order (engine/call_order.py), against the same model as `Stacked` on its prefetch pipeline
-    (h100[4]): exposed all-gather and reduce-scatter bytes within 5% of Stacked's (the first gather of
-    each pass and the step's last reduce-scatter; measured equal to the byte for both, +0.03% for
-    reduce-scatters before the final norm was gathered in the last unit call; the root's and
+    (h100[4]; with what the pipeline hides and this engine does not yet added back, `_stacked_exposed`):
+    exposed all-gather and reduce-scatter bytes within 5% of Stacked's (the first gather of each pass and
+    the step's last reduce-scatter; measured equal to the byte for both, +0.03% for reduce-scatters before
+    the final norm was gathered in the last unit call; the root's and
     unit 0's gathers are two ops here, one on Stacked), the other
     gathers and reduce-scatters each in flight while a matmul runs, memory within 1.10x (measured
     0.991x). Each unit gathered when it is called (before call order) exposed every reduce-scatter but
@@ -399,7 +436,7 @@ def test_as_is_prefetch_in_call_order_exposes_what_stacked_does(h100):
     plan, compiled = _as_is_case(Llama)
     assert plan.prefetch   # the default on GPUs, as for Stacked
     ov = hlo.overlap(compiled.as_text(), S)
-    got, want = hlo.overlap_summary(ov), hlo.overlap_summary(hlo.overlap(h100[4][-1], S))
+    got, want = hlo.overlap_summary(ov), _stacked_exposed(h100)
     for kind in ("all-gather", "reduce-scatter"):
         assert got[kind]["exposed_bytes"] <= 1.05 * want[kind]["exposed_bytes"], (kind, hlo.render_overlap(ov))
         assert got[kind]["hidden_ops"] >= 3, (kind, hlo.render_overlap(ov))   # units 1..3 forward, 2..0 backward
@@ -411,16 +448,21 @@ def test_as_is_untied_head_is_prefetched_and_reduced_with_the_last_unit():
     Python loop, prefetch in call order: the root leaves read after the last unit (the final norm and the
     head, engine/as_is/late_root.py) gathered while the last unit computes and reduce-scattered while
     its backward does, as `Stacked`'s pipeline does with its head. Exposed all-gather and reduce-scatter
-    bytes within 5% of `Stacked`'s (same model, untied; measured equal to the byte), memory within 1.10x
+    bytes within 5% of `Stacked`'s (same model, untied; measured equal to the byte before the pipeline hid the
+    embedding's and unit 0's feed-forward's reduce-scatters, which are added back here), memory within 1.10x
     (measured 0.93x). Gathered with the rest of the root at the top of the step (before), the head's
     gradient was reduce-scattered at the end of the step: reduce-scatters 1.08x `Stacked`'s here, memory
     0.98x (llama-8b: 1.71x)."""
     from models.llama import Llama
     plan, compiled = _as_is_case(Llama, tied=False)
     assert plan.prefetch and len(plan.late_leaves) == 2   # the final norm's scale and the head's kernel
-    _, _, _, stacked, stacked_text = _case(4, tied=False)
-    ov = hlo.overlap(compiled.as_text(), S)
-    got, want = hlo.overlap_summary(ov), hlo.overlap_summary(hlo.overlap(stacked_text, S))
+    _, splan, _, stacked, stacked_text = _case(4, tied=False)
+    ov, sov = hlo.overlap(compiled.as_text(), S), hlo.overlap(stacked_text, S)
+    got, want = hlo.overlap_summary(ov), hlo.overlap_summary(sov)
+    # what the pipeline hides since 2026-11-26 and this engine does not yet (as `_stacked_exposed`), and the
+    # untied embedding's reduce-scatter, which the pipeline runs under unit 0's backward (engine/root.py)
+    want["reduce-scatter"]["exposed_bytes"] += _unit_rs_parts(splan)[0] + _root_bytes(splan, jnp.float32, False)
+    want["all-gather"]["exposed_bytes"] += _in_loops(sov, "all-gather")[0].collective.wire_bytes
     for kind in ("all-gather", "reduce-scatter"):
         assert got[kind]["exposed_bytes"] <= 1.05 * want[kind]["exposed_bytes"], (kind, hlo.render_overlap(ov))
     assert memory.measure(compiled)["total"] <= 1.10 * memory.measure(stacked)["total"]
@@ -447,7 +489,7 @@ def test_as_is_own_scan_pipelines_its_collectives(h100):
     norm = stored_bytes(plan.layouts["root"]["norm"], jnp.float32) // S   # the final norm: a unit's smallest leaf
     assert unit == (stored_bytes(plan.leaf_layouts[("layers",)], jnp.bfloat16), reduced + norm)
     ov = hlo.overlap(compiled.as_text(), S)
-    got, want = hlo.overlap_summary(ov), hlo.overlap_summary(hlo.overlap(h100[4][-1], S))
+    got, want = hlo.overlap_summary(ov), _stacked_exposed(h100)
     for kind in ("all-gather", "reduce-scatter"):
         assert got[kind]["exposed_bytes"] <= 1.05 * want[kind]["exposed_bytes"], (kind, hlo.render_overlap(ov))
     for kind in ("all-gather", "reduce-scatter"):

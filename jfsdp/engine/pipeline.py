@@ -17,38 +17,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jfsdp.engine import step_end
+from jfsdp.engine.barriers import tie
 from jfsdp.engine.float8 import KERNELS, unit_amaxes
 from jfsdp.engine.fsdp import Comm, Unreduced, any_unreduced, is_unreduced, reduce_tree, unshard_tree
 from jfsdp.engine.layout import at_row, is_layout
 
 
-def tie(a, b, on_cpu: bool):
-    """(a, b) such that nothing computed from the returned `a` starts before every leaf of `b` exists
-    (and, on GPUs, the other way round too): an optimization barrier. XLA:CPU removes barriers before
-    it schedules, so there `a` gets 0 * (one element of each leaf of b) added: a data dependency no
-    scheduler can hoist above `b` (a conditional's branch was turned into a select and its predicate
-    folded). Semantics differ only where b holds inf or NaN, when the step's result is NaN either way."""
-    if not on_cpu:
-        return lax.optimization_barrier((a, b))
-    # one element of every leaf of b, times 0: XLA does not fold 0 * x for floats (x may be inf or NaN)
-    zero = 0 * sum(x.reshape(-1)[0].astype(jnp.float32) for x in jax.tree.leaves(b))
-    return jax.tree.map(lambda t: t + zero.astype(t.dtype), a), b
-
-
 def _with(x, extra):
     return x if extra is None else (x, extra)
-
-
-@jax.custom_vjp
-def after(a, b):
-    """(a, b), with nothing computed from the returned `b` starting before `a` exists: an optimization
-    barrier in the forward pass only. The transpose of a plain barrier is a barrier on the cotangents,
-    which made the head's gradient reduce-scatter finish before the units' backward could start
-    (exposed in full on XLA:GPU's schedule); here the cotangents pass through untouched."""
-    return lax.optimization_barrier((a, b))
-
-
-after.defvjp(lambda a, b: (lax.optimization_barrier((a, b)), None), lambda _, ct: ct)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +62,9 @@ jax.tree_util.register_dataclass(Saved, data_fields=["stacked", "last", "amax"],
 class StagePasses:
     """One stage's forward and backward passes as an explicit software pipeline:
     `forward(h, shards, keep[, extra]) -> (h or (h, extra), Saved or None)` and
-    `backward(saved, dh, acc, read, consume[, dextra]) -> (dh or (dh, dextra) into the stage, acc)`.
+    `backward(saved, dh, acc, read, consume[, dextra, lead]) -> (dh or (dh, dextra) into the stage, acc)`;
+    `lead`, where given, maps unit 0's dh to what the backward returns as dh (the embedding's reduced
+    gradient, when the stage runs the embedding: `pipelined_stage`).
     `extra`: what the caller gathers next (the head's shards), tied to the last unit's gathered
     parameters so that its gather is in flight while the last unit computes; `dextra`, its reduced
     gradient, is waited for after the last unit's backward, which hides its reduce-scatter (and keeps
@@ -99,7 +78,9 @@ class StagePasses:
     Backward, in reverse: unit i-1's gather is issued before unit i's VJP runs (ZeRO-2 has none to
     issue); unit i's gradient is carried (unreduced, param_dtype) and reduce-scattered in the next
     iteration, while unit i-1's backward computes. Only unit n-1's gather and unit 0's reduce-scatter
-    have nothing to hide behind. The first and last units run outside the loop (peeled) so that nothing
+    have nothing to hide behind (in the last stage unit n-1's gathered parameters are saved by the
+    forward instead; in the first stage unit 0's reduce-scatter runs in parts, most of it under unit 0's
+    own backward: step_end.py). The first and last units run outside the loop (peeled) so that nothing
     is gathered or reduced twice. With `prefetch` False the same passes run one unit per iteration
     with nothing in flight (the plain scan's schedule), for the consumers below.
 
@@ -118,6 +99,8 @@ class StagePasses:
     policy: Any = None            # what the unit's backward reuses (fsdp.checkpoint_policy); None: its input only
     keep_gathered: bool = False   # ZeRO-2: the gathered units are saved, the backward gathers nothing
     prefetch: bool = True
+    last_stage: bool = False      # its last unit's backward comes right after the head's: its gathered
+    # parameters are saved by the forward, not gathered again (no gather exposed at the backward's start)
 
     def gather(self, shards, amax=None):
         return unshard_tree(shards, self.layouts, self.comm, amax)
@@ -129,12 +112,13 @@ class StagePasses:
                                 grads, is_leaf=is_layout)
         return reduce_tree(grads, self.layouts, self.comm)
 
-    def unit(self, g, h):
-        """Unit forward, keeping its VJP: (output, the residuals to save, how to rebuild the VJP)."""
+    def unit(self, g, h, keep_params=False):
+        """Unit forward, keeping its VJP: (output, the residuals to save, how to rebuild the VJP); the
+        gathered parameters among the residuals where the strategy keeps them or `keep_params`."""
         policy = self.policy or jax.checkpoint_policies.nothing_saveable
         out, vjp = jax.vjp(jax.checkpoint(self.apply, policy=policy), g, h)
         leaves, tdef = jax.tree.flatten(vjp)
-        params = [] if self.keep_gathered else jax.tree.leaves(g)
+        params = [] if self.keep_gathered or keep_params else jax.tree.leaves(g)
         src = tuple(next((k for k, p in enumerate(params) if p is x), -1) for x in leaves)
         return out, [x for x, s in zip(leaves, src) if s < 0], (tdef, src)
 
@@ -171,6 +155,8 @@ class StagePasses:
         (h, g), stacked = lax.scan(body, (h, self.gather(*first)), jnp.arange(self.n - 1))
         if extra:   # the caller's next gather (the head's) in flight while the last unit computes
             extra, g = tie(extra, g, self.on_cpu)
+        if keep and self.last_stage:   # the last unit's gathered parameters saved for its backward
+            run = lambda g, h: self.unit(g, h, keep_params=True)
         h, last = step(g, h)
         return _with(h, extra), (Saved(stacked, last, hows[0], hows[-1], amax) if keep else None)
 
@@ -179,7 +165,7 @@ class StagePasses:
             return None
         return self.gather(read(acc, i), at_row(amax, i))
 
-    def backward(self, saved: Saved, dh, acc, read, consume, dextra=None):
+    def backward(self, saved: Saved, dh, acc, read, consume, dextra=None, lead=None):
         n, on_cpu = self.n, self.on_cpu
         if not self.prefetch:
             def plain(carry, i):
@@ -190,16 +176,22 @@ class StagePasses:
             return _with(dh, dextra), acc
         # The barriers order what XLA would otherwise combine into one collective at the top of the
         # step: unit n-1's gather waits for dh (not hoisted into the forward pass), unit n-2's for
-        # unit n-1's (so it is in flight during unit n-1's backward, not before it).
-        g = None
-        if not self.keep_gathered:
+        # unit n-1's (so it is in flight during unit n-1's backward, not before it); in the last stage,
+        # which saved unit n-1's gathered parameters, unit n-2's waits for dh.
+        g, kept = None, self.last_stage and n > 1   # kept: unit n-1's gathered parameters saved (forward)
+        if not self.keep_gathered and not kept:
             last, dh = tie(read(acc, n - 1), dh, on_cpu)
             g = self.gather(last, at_row(saved.amax, n - 1))
         if n == 1:
             dg, dh = saved.pullback(0, g)(dh)
+            if lead is not None:   # the lead's reduce-scatter, then the unit's (as below)
+                dg, dh = lax.optimization_barrier((dg, lead(dh)))
             return _with(dh, dextra), consume(acc, 0, self.reduce(dg))
         nxt = None
-        if not self.keep_gathered:
+        if not self.keep_gathered and kept:
+            prev, dh = tie(read(acc, n - 2), dh, on_cpu)
+            nxt = self.gather(prev, at_row(saved.amax, n - 2))
+        elif not self.keep_gathered:
             prev, g = tie(read(acc, n - 2), g, on_cpu)
             nxt = self.gather(prev, at_row(saved.amax, n - 2))
         pend, dh = saved.pullback(n - 1, g)(dh)
@@ -220,6 +212,9 @@ class StagePasses:
         # llama-8b at 196,608 tokens per device (docs/context-parallel.md)
         zero = (0 * jax.tree.leaves(dh)[0].reshape(-1)[0]).astype(jnp.int32)
         dg, dh = saved.pullback(zero, g)(dh)
+        if self.first_stage and not self.unreduced:   # the step's last reduce-scatter, in parts, the lead's between
+            dh, reduced, one = step_end.finish(self, g, dg, dh, one, lead)
+            return _with(dh, dextra), consume(consume(acc, 1, one), 0, reduced)
         dg, one = lax.optimization_barrier((dg, one))  # ... finished before unit 0's, not combined with it
         return _with(dh, dextra), consume(consume(acc, 1, one), 0, self.reduce(dg))
 
@@ -243,11 +238,14 @@ def _unreduced_bwd(passes: StagePasses, hs, dh, shards):
     return dh, grads
 
 
-def pipelined_stage(passes: StagePasses):
-    """(h, stacked shards, extra) -> (h, extra) with its own VJP: `passes.forward`, then `passes.backward`
-    whose consumer stacks each unit's reduced gradient shard into the stage's gradient. `extra` (a list
-    of arrays, maybe empty) comes out unchanged, tied to the last unit: the caller's gather of it runs
-    while that unit computes, and the reduce-scatter of its gradient while that unit's backward does."""
+def pipelined_stage(passes: StagePasses, lead: Callable | None = None):
+    """(h, stacked shards, extra, lead params) -> (h, extra) with its own VJP: `passes.forward`, then
+    `passes.backward` whose consumer stacks each unit's reduced gradient shard into the stage's gradient.
+    `extra` (a list of arrays, maybe empty) comes out unchanged, tied to the last unit: the caller's gather
+    of it runs while that unit computes, and the reduce-scatter of its gradient while that unit's backward
+    does. `lead(lead params, x) -> h`: what computes the stage's input (the embedding, its gather
+    included), run inside the stage on its input x (not differentiated), so that its backward, reduce-scatter
+    included, runs as soon as unit 0's dh exists, under unit 0's weight gradients (None: the input is h)."""
     def read(acc, i):
         return at_row(acc[0], i)
 
@@ -256,20 +254,24 @@ def pipelined_stage(passes: StagePasses):
         return shards, jax.tree.map(lambda a, x: lax.dynamic_update_index_in_dim(a, x, i, 0), grads, shard)
 
     @jax.custom_vjp
-    def stage(h, shards, extra):
-        return passes.forward(h, shards, False, extra)[0]
+    def stage(h, shards, extra, lead_p):
+        return passes.forward(h if lead is None else lead(lead_p, h), shards, False, extra)[0]
 
-    def stage_fwd(h, shards, extra):
+    def stage_fwd(h, shards, extra, lead_p):
+        lead_vjp = None
+        if lead is not None:
+            h, lead_vjp = jax.vjp(lambda p: lead(p, h), lead_p)
         out, hs = passes.forward(h, shards, True, extra)
-        return out, (hs, shards)
+        return out, (hs, shards, lead_vjp)
 
     def stage_bwd(res, dout):
-        hs, shards = res
+        hs, shards, lead_vjp = res
         dh, dextra = dout
         if any_unreduced(shards):
-            return (*_unreduced_bwd(passes, hs, dh, shards), dextra)
+            assert lead is None, "grad_sync='once' takes no lead"
+            return (*_unreduced_bwd(passes, hs, dh, shards), dextra, None)
         (dh, dextra), (_, grads) = passes.backward(hs, dh, (shards, jax.tree.map(jnp.zeros_like, shards)), read, put,
-                                                   dextra)
-        return dh, grads, dextra
+                                                   dextra, None if lead is None else (lambda dh: lead_vjp(dh)[0]))
+        return (None, grads, dextra, dh) if lead is not None else (dh, grads, dextra, None)
     stage.defvjp(stage_fwd, stage_bwd)
     return stage

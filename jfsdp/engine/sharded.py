@@ -8,7 +8,6 @@ gathers the root where it is used and runs each stage by the plain scan (fsdp.py
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Mapping
 from typing import Callable
 
@@ -24,13 +23,14 @@ from jfsdp.config.mesh import AXES, DATA_AXIS, TENSOR_AXIS, context_size, mesh_s
 from jfsdp.config.policy import resolve_prefetch
 from jfsdp.engine import accumulate, expert_parallel, float8, moe as moe_engine, moe_adaptive
 from jfsdp.engine.fsdp import Comm, any_unreduced, checkpoint_policy, scan_stage, unshard, unshard_tree
-from jfsdp.engine.layout import is_layout, tree_shapes
+from jfsdp.engine.layout import tree_shapes
 from jfsdp.engine.params import ParamLayout
+from jfsdp.engine.root import RootPasses
 from jfsdp.engine.parallel import context as cp, layout as tp_layout, support, tensor as tp, vocab
-from jfsdp.engine.pipeline import StagePasses, after, pipelined_stage
+from jfsdp.engine.pipeline import StagePasses, pipelined_stage
 
 
-class FSDP(ParamLayout):
+class FSDP(RootPasses, ParamLayout):
     """A model placed on a mesh with a strategy. Build it with `fully_shard`. The parameter layout
     (`init`, `shard`, `gather`, `layouts`, `from_layers`, ...) is `ParamLayout`'s."""
 
@@ -98,14 +98,20 @@ class FSDP(ParamLayout):
         return cp.with_ring(apply, self.context_attention, self.context)
 
     # ---- the sharded forward: runs inside shard_map on local shards
-    def _stage(self, j, h, shards, layouts, extra=None):
-        """Stage j (the prefetch pipeline, expert parallelism, or the plain scan): (h, extra tied or None)."""
+    def run_stage(self, j, h, shards, layouts, extra=None, lead=None):
+        """Stage j (the prefetch pipeline, expert parallelism, or the plain scan): (h, extra tied or None).
+        `lead`: (a function (its params, h) -> the stage's input, its params) run first, on the pipeline
+        inside the stage (pipeline.pipelined_stage)."""
         unit, moe = self.model.stages[j].unit, self.moe_stages[j]
         layouts = self.unit_layouts[j]
         ep = moe is not None and moe.mode in ("ep", "adaptive")   # local experts, or capacity by load (moe_adaptive.py)
         if not ep and (any_unreduced(shards) or self.prefetches(j)):   # (grad_sync='once': for the in-place sum)
-            h, ahead = pipelined_stage(self.stage_passes(j, prefetch=bool(self.prefetch)))(h, shards, extra or [])
+            fn, lead_p = lead or (None, None)
+            stage = pipelined_stage(self.stage_passes(j, prefetch=bool(self.prefetch)), fn)
+            h, ahead = stage(h, shards, extra or [], lead_p)
             return h, (None if extra is None else ahead)
+        if lead is not None:
+            h = lead[0](lead[1], h)
 
         def compute(h, shards):
             if ep:
@@ -118,6 +124,14 @@ class FSDP(ParamLayout):
         keeps_shape = tree_shapes(self.h_shapes[j]) == tree_shapes(self.h_shapes[j + 1])
         return scan_stage(compute, h, shards, self.policy, keeps_shape), extra
 
+    @property
+    def saves_last_unit(self) -> bool:
+        """The prefetch pipeline's last stage saves its last unit's gathered parameters for the backward
+        (pipeline.StagePasses.last_stage): under ZeRO-3 that unit is gathered once a step, not twice. (Not
+        a model given as it is: its units are called by its own code, engine/as_is.py.)"""
+        last = len(self.stage_sizes) - 1
+        return not getattr(self, "as_is", False) and self.prefetches(last) and self.strategy.reshard_after_forward
+
     def prefetches(self, j) -> bool:   # stage j runs the prefetch pipeline (MoE 'ep'/'adaptive' stages never do)
         return getattr(self.moe_stages[j], "mode", None) not in ("ep", "adaptive") and bool(self.prefetch) and self.stage_sizes[j] > 1
 
@@ -129,63 +143,7 @@ class FSDP(ParamLayout):
         keep = self.shards > 1 and not self.strategy.reshard_after_forward
         return StagePasses(apply=self.unit_apply(unit), layouts=self.unit_layouts[j], comm=self.comm, n=self.stage_sizes[j],
                            first_stage=j == 0, on_cpu=self.on_cpu, policy=self.policy, keep_gathered=keep,
-                           prefetch=prefetch)
-
-    @functools.cached_property
-    def root_use(self) -> tuple:
-        """(indices of the root's leaves that `embed` reads, those that `head` reads), in the order
-        of jax.tree.leaves(root layouts); read from the traced methods."""
-        m = self.model
-        layouts, treedef = jax.tree.flatten(self.split(self.layouts)[0], is_leaf=is_layout)
-        abstract = [jax.ShapeDtypeStruct(l.full_shape, l.dtype) for l in layouts]
-
-        def reads(method, arg):
-            f = lambda leaves, a: m.root.apply({"params": jax.tree.unflatten(treedef, leaves)}, a, method=method)
-            jaxpr = jax.make_jaxpr(f)(abstract, arg).jaxpr
-            refs = {id(v) for e in jaxpr.eqns for v in e.invars} | {id(v) for v in jaxpr.outvars}
-            return frozenset(i for i, v in enumerate(jaxpr.invars[:len(layouts)]) if id(v) in refs)
-        return reads(m.embed_method, self.example_inputs), reads(m.head_method, self.h_shapes[-1])
-
-    def root_tree(self, shards, reads, gathered=None):
-        """The root's parameter tree for a method that reads the leaves `reads` (indices into the flat
-        root shards): those gathered (once, when `gathered` caches them across methods), the others
-        placeholders that XLA drops."""
-        layouts, treedef = jax.tree.flatten(self.split(self.layouts)[0], is_leaf=is_layout)
-        gathered = {} if gathered is None else gathered
-        for i in sorted(reads - set(gathered)):
-            gathered[i] = unshard(shards[i], layouts[i], self.comm)
-        return jax.tree.unflatten(treedef, [gathered[i] if i in reads else
-                                            jnp.zeros(l.shape, self.comm.param_dtype or l.dtype)
-                                            for i, l in enumerate(layouts)])
-
-    def forward(self, params, inputs):
-        """The model's outputs for one device's inputs, from shards (inside shard_map)."""
-        # The root is gathered where it is used: a leaf only the embedding reads (an untied table) when
-        # the step starts, for the lookup alone (its backward needs no weights); a leaf only the head
-        # reads while the last unit computes (the pipeline ties it there; else once h exists, never
-        # hoisted to the start of the step), kept for the head's backward. A leaf both read (a tied
-        # embedding) is gathered once for both uses, as FSDP does with a shared parameter, and kept
-        # to the head's backward, with one gradient reduced for it.
-        (root_l, stage_l), (root_p, stage_p) = self.split(self.layouts), self.split(params)
-        shards = jax.tree.structure(root_l, is_leaf=is_layout).flatten_up_to(root_p)
-        (embed_reads, head_reads), gathered = self.root_use, {}
-        root = lambda reads: self.root_tree(shards, reads, gathered)
-        h = vocab.embed(self, root(embed_reads), inputs)
-        late = sorted(head_reads - set(gathered))
-        held, last = [shards[i] for i in late], len(stage_p) - 1
-        for j, (shards_j, layouts_j) in enumerate(zip(stage_p, stage_l)):
-            ahead = held if late and j == last and self.prefetches(j) else None
-            h, ahead = self._stage(j, h, shards_j, layouts_j, ahead)
-        if late:
-            h, held = (h, ahead) if ahead is not None else after(h, held)
-            shards = [dict(zip(late, held)).get(i, x) for i, x in enumerate(shards)]
-        return self.head(root(head_reads), h)
-
-    def head(self, root, h):
-        """The root's head method on h, its outputs cast by the precision policy (`cast_output`)."""
-        with vocab.scope(self):   # vocabulary-parallel: the projection on the whole sequence (parallel/vocab.py)
-            h = vocab.gather_features(self, self.model.root.apply({"params": root}, h, method=self.model.head_method))
-        return self.mp.cast_output(h)
+                           prefetch=prefetch, last_stage=j == len(self.stage_sizes) - 1)
 
     def step_batch(self, batch, step):
         """The batch a train step feeds to `loss_and_grad` at `step` (a model given as it is adds the rows

@@ -67,10 +67,11 @@ def _fsdp(plan, out: dict, pb: int, rb: int, gathers_k: int, reduce_k: int, mask
     embed_reads = plan.root_use[0]   # gathered once per step; a leaf only the head reads, in every micro-batch
     leaves = [(l, 1 / gathers_k if i in embed_reads else 1, 1, t)
               for i, (l, t) in enumerate(zip(flat(root_l), flags(root_m, root_l)))]
-    for ls, n, m in zip(stage_l, plan.stage_sizes, stage_m):
+    saved = len(stage_l) - 1 if plan.saves_last_unit else None   # its last unit gathered once (saved for the backward)
+    for j, (ls, n, m) in enumerate(zip(stage_l, plan.stage_sizes, stage_m)):
         for l, t in zip(flat(ls), flags(m, ls)):
             once = gathers == 2 and plan.remat == "none" and len(l.shape) == 1
-            leaves.append((l, n * (1 if once else gathers), n, t))
+            leaves.append((l, n * (1 if once else gathers) - (j == saved and not once), n, t))
     r = plan.replicas
     for l, times, grads, trains in leaves:
         g, elements = l.shards, math.prod(l.stored_shape)

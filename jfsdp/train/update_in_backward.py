@@ -34,7 +34,7 @@ from jfsdp.config.errors import ConfigError
 from jfsdp.config.mesh import DATA_AXIS
 from jfsdp.engine.layout import at_row, is_layout
 from jfsdp.engine.parallel import vocab
-from jfsdp.engine.pipeline import tie
+from jfsdp.engine.barriers import tie
 from jfsdp.engine.sharded import FSDP
 from jfsdp.train.optim import Clipped, check_elementwise
 
