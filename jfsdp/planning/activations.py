@@ -30,26 +30,28 @@ def residual_bytes(f, *args, skip_args=True, axis_env=None) -> int:
     return total
 
 
-def working_bytes(f, *args, axis_env=None, fused: bool = False) -> int:
+def working_bytes(f, *args, axis_env=None) -> int:
     """Bytes one backward pass of f needs at once besides its arguments, with nothing recomputed away:
     what f saves (`residual_bytes`, no checkpoint policy around f), plus, where f runs parts of itself
     under a checkpoint of their own (a loop over the tiles of a sequence, each tile rematerialized: e.g.
     models/llama.py's `mlp_tile`), the largest such part's own residuals, which its backward recomputes
-    and holds one part at a time. `fused`: less the values XLA recomputes inside the fusions that read
-    them (`fused_bytes`), as XLA:CPU does (docs/planner.md)."""
+    and holds one part at a time; less the values XLA recomputes inside the fusions that read them
+    (`fused_bytes`, docs/planner.md)."""
     leaves, tree = jax.tree.flatten(args)
     closed = jax.make_jaxpr(lambda *xs: f(*jax.tree.unflatten(tree, xs)), axis_env=axis_env or [])(*leaves)
     inner = [residual_bytes(jax.extend.core.jaxpr_as_fun(jax.extend.core.ClosedJaxpr(j, ())),
                             *[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in j.invars], axis_env=axis_env)
              for j in _checkpointed(closed.jaxpr)]
-    saved = residual_bytes(f, *args, axis_env=axis_env) - (fused_bytes(f, *args, axis_env=axis_env) if fused else 0)
+    saved = residual_bytes(f, *args, axis_env=axis_env) - fused_bytes(f, *args, axis_env=axis_env)
     return saved + max(inner, default=0)
 
 
-# elementwise primitives: XLA fuses a chain of them into the fusion of the value's consumer
+# elementwise primitives: XLA fuses a chain of them into the fusion of the value's consumer. Not a dtype
+# conversion: XLA:GPU writes a matmul's output converted (bf16 -> f32) from the matmul's own fusion, so the
+# converted value is the one kept
 _ELEMENTWISE = frozenset((
     "add", "sub", "mul", "div", "neg", "max", "min", "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic",
-    "sqrt", "rsqrt", "integer_pow", "pow", "square", "abs", "sign", "erf", "sin", "cos", "convert_element_type",
+    "sqrt", "rsqrt", "integer_pow", "pow", "square", "abs", "sign", "erf", "sin", "cos",
     "select_n", "and", "or", "not", "eq", "ne", "lt", "le", "gt", "ge", "broadcast_in_dim", "reshape", "copy",
     "squeeze", "expand_dims"))
 
@@ -59,7 +61,8 @@ def fused_bytes(f, *args, axis_env=None) -> int:
     their shape, itself saved or an argument (GELU's tanh form from its input, a softmax's shifted
     exponentials, a dtype conversion): XLA recomputes such a chain inside the fusion of its consumer in the
     backward instead of keeping it. A value of two saved sources (a norm's output: its input and its
-    statistics) or of anything not saved (a matmul's output) is kept. Constants and scalars are no source."""
+    statistics), of anything not saved (a matmul's output) or made by a dtype conversion is kept. Constants
+    and scalars are no source."""
     var = jax.extend.core.Var
     leaves, tree = jax.tree.flatten(args)
     flat = lambda *xs: f(*jax.tree.unflatten(tree, xs))
@@ -130,8 +133,7 @@ def activation_estimate(plan: FSDP, loss_fn: Callable, local_batch, backend: str
     root_t, stage_t = plan.split(trainable) if trainable is not None else (None, [None] * len(stage_layouts))
     h = jax.eval_shape(lambda r, x: m.root.apply({"params": r}, x, method=m.embed_method), root_p,
                        local_batch["inputs"])
-    fused = (backend or jax.default_backend()) == "cpu"
-    stages, h = _unit_activations(plan, stage_layouts, pdt, h, stage_t, fused=fused)
+    stages, h = _unit_activations(plan, stage_layouts, pdt, h, stage_t)
     head = _head_activations(plan, loss_fn, local_batch, root_p, h, root_t)
     return {**stages[0], "head": head, "stages": stages}
 
@@ -143,16 +145,16 @@ def stop_frozen(params, trainable):
     return jax.tree.map(lambda t, p: p if t else jax.lax.stop_gradient(p), trainable, params)
 
 
-def _unit_activations(plan: FSDP, stage_layouts, pdt, h, stage_trainable, fused: bool = False):
+def _unit_activations(plan: FSDP, stage_layouts, pdt, h, stage_trainable):
     """([{'per_unit', 'unit_working'} per stage], the last stage's output shape), from the
-    embedding's output shape `h`; `fused`: working_bytes's."""
+    embedding's output shape `h`."""
     policy = getattr(jax.checkpoint_policies, REMAT_POLICIES[plan.remat])
     stages = []
     for st, layouts, t in zip(plan.model.stages, stage_layouts, stage_trainable):
         unit_p = as_shapes(layouts, pdt)
         unit_fn = lambda x, p, unit=st.unit, t=t: unit.apply({"params": stop_frozen(p, t)}, x)
         stages.append({"per_unit": residual_bytes(jax.checkpoint(unit_fn, policy=policy), h, unit_p) + tree_bytes(h),
-                       "unit_working": working_bytes(unit_fn, h, unit_p, fused=fused) + tree_bytes(h)})
+                       "unit_working": working_bytes(unit_fn, h, unit_p) + tree_bytes(h)})
         h = jax.eval_shape(unit_fn, h, unit_p)
     return stages, h
 

@@ -139,12 +139,11 @@ def activation_estimate(v: AsIsView, loss_fn: Callable, local_batch, backend: st
     pdt = wire_dtype(pdt, backend or jax.default_backend()) if widen else pdt
     # the fit check asks again for other batch sizes and plans: a trace is kept per batch shape and dtype
     # (keyed by the loss's identity, which the entry keeps alive: a loss object need not be hashable)
-    fused = (backend or jax.default_backend()) == "cpu"   # activations.working_bytes's
-    key = (str(jax.tree.map(lambda a: (a.shape, a.dtype), local_batch)), str(pdt), id(loss_fn), fused)
+    key = (str(jax.tree.map(lambda a: (a.shape, a.dtype), local_batch)), str(pdt), id(loss_fn))
     if trainable is not None:
-        return _answer(_trace(v, loss_fn, local_batch, pdt, trainable, fused=fused))
+        return _answer(_trace(v, loss_fn, local_batch, pdt, trainable))
     if key not in v.traces:
-        v.traces[key] = (loss_fn, _answer(_trace(v, loss_fn, local_batch, pdt, None, fused=fused)))
+        v.traces[key] = (loss_fn, _answer(_trace(v, loss_fn, local_batch, pdt, None)))
     return v.traces[key][1]
 
 
@@ -152,9 +151,9 @@ def _answer(t: dict) -> dict:
     return {**t["stages"][0], "head": t["head"], "stages": t["stages"]}
 
 
-def _trace(v: AsIsView, loss_fn, local_batch, pdt, trainable, units: bool = True, fused: bool = False) -> dict:
+def _trace(v: AsIsView, loss_fn, local_batch, pdt, trainable, units: bool = True) -> dict:
     """The step on one device's batch, units opaque: {'stages', 'head', 'root_use'} (`units=False`:
-    'root_use' alone); `fused`: activations.working_bytes's."""
+    'root_use' alone)."""
     plan = v.plan
     root_l, unit_l = v.split(plan.layouts)
     root_t, unit_t = v.split(trainable) if trainable is not None else (None, [None] * len(unit_l))
@@ -182,7 +181,7 @@ def _trace(v: AsIsView, loss_fn, local_batch, pdt, trainable, units: bool = True
             new = [x for x in jax.tree.leaves(inputs) if jnp.issubdtype(x.dtype, jnp.floating) and id(x) not in seen]
             seen.update(id(x) for x in new)
             kept = sum(nbytes(x) for x in new)
-            calls[j] = (residual_bytes(jax.checkpoint(fn, policy=policy), p, i) + kept, working_bytes(fn, p, i, fused=fused) + kept)
+            calls[j] = (residual_bytes(jax.checkpoint(fn, policy=policy), p, i) + kept, working_bytes(fn, p, i) + kept)
         with jax.named_scope(UNIT_SCOPE):
             return _opaque(fn, params, inputs)
 
