@@ -109,7 +109,8 @@ def with_ring(apply, kernel: Kernel, context: int, tensor: int = 1):
     def intercept(next_fun, args, kwargs, ctx):
         mod = ctx.module
         if (ctx.method_name == "__call__" and after and mod.parent is after[-1] and type(mod) is nn.Dense
-                and not mod.use_bias and mod.dot_general is None and mod.dot_general_cls is None):
+                and not mod.use_bias and mod.precision is None and mod.dot_general is None
+                and mod.dot_general_cls is None):
             after.pop()
             return _projection(mod, *args)
         if ctx.method_name not in HOOKS:
