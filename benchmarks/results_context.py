@@ -9,7 +9,7 @@ NAME = "context_long.json"   # the first searches (before the two fixes below), 
 # The newest measurement of each part, oldest first, and the code each was compiled with (the last four: C = 8 with
 # fp32 and bf16 sums, the searches at C = 2, 4 and the two single points, llama-70b's included, after the ring's
 # dQ accumulator; C = 1 runs no ring and was not compiled again; then C = 8's edge of the fit after wo's weight
-# gradient was moved before the ring's backward, fp32 and bf16 sums, and the searches at C = 4, 2).
+# gradient was moved before the ring's backward, fp32 and bf16 sums, the searches at C = 4, 2 and the two points).
 _BLOCKWISE = "after the blockwise kernel's fix, before the ring's"
 _RING = "after the ring's fix (per-hop buffers removed)"
 _BF16 = "after the tiled MLP's VJP and the ring's bf16 sums"
@@ -26,7 +26,7 @@ NEWEST = {"context_long_search_after_fix_tile4096.json": _BLOCKWISE,
           "context_long_search_c24_into_tile4096.json": _INTO, "context_long_points_into_tile4096.json": _INTO,
           "context_long_c8_wo_tile4096.json": _WO, "context_long_c8_wo_1605632_tile4096.json": _WO,
           "context_long_c8_wo_bf16_tile4096.json": _WO, "context_long_search_c4_wo_tile4096.json": _WO,
-          "context_long_search_c2_wo_tile4096.json": _WO}
+          "context_long_search_c2_wo_tile4096.json": _WO, "context_long_points_wo_tile4096.json": _WO}
 PARTS = (("params", "parameters"), ("grads", "gradient shards"), ("optimizer", "optimizer state"),
          ("gathered", "gathered units"), ("grad_buffers", "gradient buffers"), ("activations", "activations"))
 
