@@ -8,12 +8,14 @@ from results_source import GIB, g, load, source, table
 NAME = "context_long.json"   # the first searches (before the two fixes below), kept as history
 # The newest measurement of each part, oldest first, and the code each was compiled with (the last four: C = 8 with
 # fp32 and bf16 sums, the searches at C = 2, 4 and the two single points, llama-70b's included, after the ring's
-# dQ accumulator; C = 1 runs no ring and was not compiled again).
+# dQ accumulator; C = 1 runs no ring and was not compiled again; then C = 8's edge of the fit after wo's weight
+# gradient was moved before the ring's backward, fp32 and bf16 sums, the searches at C = 4, 2 and the two points).
 _BLOCKWISE = "after the blockwise kernel's fix, before the ring's"
 _RING = "after the ring's fix (per-hop buffers removed)"
 _BF16 = "after the tiled MLP's VJP and the ring's bf16 sums"
 _NOW = "after the tiled MLP's VJP, the ring's sums fp32 (the default)"
 _INTO = "after the ring's dQ accumulator in the kernel's layout (ring.py `Into`)"
+_WO = "after wo's weight gradient before the ring's backward (context.py `_weight_grad_first`)"
 NEWEST = {"context_long_search_after_fix_tile4096.json": _BLOCKWISE,
           "context_long_points_after_fix_tile4096.json": _BLOCKWISE,
           "context_long_c8_ring_tile4096.json": _RING, "context_long_c8_256k_ring_tile4096.json": _RING,
@@ -21,7 +23,10 @@ NEWEST = {"context_long_search_after_fix_tile4096.json": _BLOCKWISE,
           "context_long_c8_fp32sums_tile4096.json": _NOW, "context_long_search_c1_now_tile4096.json": _NOW,
           "context_long_search_c24_now_tile4096.json": _NOW,
           "context_long_c8_into_tile4096.json": _INTO, "context_long_c8_into_bf16_tile4096.json": _INTO,
-          "context_long_search_c24_into_tile4096.json": _INTO, "context_long_points_into_tile4096.json": _INTO}
+          "context_long_search_c24_into_tile4096.json": _INTO, "context_long_points_into_tile4096.json": _INTO,
+          "context_long_c8_wo_tile4096.json": _WO, "context_long_c8_wo_1605632_tile4096.json": _WO,
+          "context_long_c8_wo_bf16_tile4096.json": _WO, "context_long_search_c4_wo_tile4096.json": _WO,
+          "context_long_search_c2_wo_tile4096.json": _WO, "context_long_points_wo_tile4096.json": _WO}
 PARTS = (("params", "parameters"), ("grads", "gradient shards"), ("optimizer", "optimizer state"),
          ("gathered", "gathered units"), ("grad_buffers", "gradient buffers"), ("activations", "activations"))
 

@@ -5,6 +5,7 @@ import functools
 import re
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import jfsdp
 import models
@@ -500,3 +501,37 @@ if __name__ == "__main__":
         print_issue_mesh_margins(meshes=[m for m in MESHES_RSCT if m[3] > 1], async_tp=True)
     else:
         print_issue_mesh_margins()
+
+
+def _barriers(jaxpr):
+    """The operand shapes of every optimization_barrier in `jaxpr` and the jaxprs inside it."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "optimization_barrier":
+            out.append({tuple(v.aval.shape) for v in eqn.invars})
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            out += _barriers(sub)
+    return out
+
+
+def test_wo_weight_gradient_is_computed_before_the_ring_backward():
+    """At C > 1 (tensor 1) the unit's output projection after `attend` hands its input's cotangent (the ring
+    backward's dO) on only together with its weight gradient, one barrier over both (the attention output
+    then need not live through the ring's backward: docs/context-parallel.md); at tensor > 1 it is left
+    to TP's interceptor. The gradients are the same either way."""
+    from jfsdp.engine.parallel.context import with_ring
+    from models.llama import LlamaBlock
+    cfg = models.get_config("llama-test")
+    block, x = LlamaBlock(cfg), jax.random.normal(jax.random.key(1), (1, 16, cfg.dim))
+    params = block.init(jax.random.key(0), x)["params"]
+    mesh = Mesh(np.array(jax.devices()[:2]), ("context",))
+    wo = params["attention"]["wo"]["kernel"].shape
+    grads, found = [], []
+    for tensor in (1, 2):
+        run = with_ring(lambda p, h: block.apply({"params": p}, h), KERNEL, 2, tensor)
+        step = jax.shard_map(lambda p, h: jax.lax.psum(jax.grad(lambda p: run(p, h).sum())(p), "context"),
+                             mesh=mesh, in_specs=(P(), P(None, "context")), out_specs=P(), check_vma=False)
+        found.append([s for s in _barriers(jax.make_jaxpr(step)(params, x).jaxpr) if wo in s])
+        grads.append(jax.jit(step)(params, x))
+    assert found[0] == [{(1, 8, wo[0]), wo}] and found[1] == []
+    jax.tree.map(np.testing.assert_array_equal, *grads)

@@ -95,7 +95,7 @@ class FSDP(RootPasses, ParamLayout):
         def apply(params, h):
             with nn.intercept_methods(hook) if hooks or extra is not None else contextlib.nullcontext():
                 return unit.apply({"params": params}, h)
-        return cp.with_ring(apply, self.context_attention, self.context)
+        return cp.with_ring(apply, self.context_attention, self.context, self.tensor)
 
     # ---- the sharded forward: runs inside shard_map on local shards
     def run_stage(self, j, h, shards, layouts, extra=None, lead=None):

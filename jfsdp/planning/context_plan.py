@@ -115,6 +115,7 @@ def _largest_intermediate(jaxpr) -> int:
 # with `widened_bytes`, on llama-8b's compiled step at C = 8, tiles of 4,096, fp32 and bf16 sums (H100 target,
 # 2026-11-26; docs/results/context-long.md), erring high at the fit's edge: 1,572,864 tokens compile to 80.83
 # and 78.76 GiB (estimated 82.34 and 79.34), 1,605,632 to 80.07 with bf16 sums (80.64); 0.95 at 262,144 tokens.
+# Not refitted since wo's weight gradient moved before the ring's backward (79.36 GiB at 1,572,864, fp32 sums).
 GPU_SUMS, GPU_FP32 = 2, 1.25
 
 

@@ -70,24 +70,60 @@ def batch_rows(tree, n_devices: int, tensor: int, context: int) -> tuple:
     return rows, rows
 
 
-def with_ring(apply, kernel: Kernel, context: int):
+@jax.custom_vjp
+def _weight_grad_first(x, kernel):
+    """x @ kernel, whose backward hands on x's cotangent only once the kernel's exists (a barrier over both)."""
+    return _matmul(x, kernel)
+
+
+def _matmul(x, kernel):
+    return lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
+
+
+def _wgf_fwd(x, kernel):
+    return _matmul(x, kernel), (x, kernel)
+
+
+def _wgf_bwd(res, dy):
+    return lax.optimization_barrier(jax.vjp(_matmul, *res)[1](dy))   # the same products as autodiff's
+
+
+_weight_grad_first.defvjp(_wgf_fwd, _wgf_bwd)
+
+
+def _projection(mod, x):
+    """The plain nn.Dense that follows the ring in the module that called `attend` (its output projection, wo),
+    as `_weight_grad_first`: XLA otherwise computed wo's weight gradient after the ring's backward, and the
+    ring's output (the attention output, wo's input: 1.5 GiB at 8B, 1.5M tokens, C = 8) lived through it."""
+    x, w = mod.promote_dtype(x, nn.meta.unbox(mod.get_variable("params", "kernel")), dtype=mod.dtype)
+    return _weight_grad_first(x, w)
+
+
+def with_ring(apply, kernel: Kernel, context: int, tensor: int = 1):
     """A unit's (params, h) -> h with its attention run as a ring over `context` on zigzag-ordered tokens:
     the unit's modules' `positions(t)` give this rank's tokens' positions, and `attend(q, k, v)` runs
     `ring_attention`. A unit that calls neither is refused: its attention would see this rank's tokens only.
-    At C = 1, `apply` itself."""
+    At `tensor` 1, the module's next plain nn.Dense after `attend` runs as `_projection`. At C = 1, `apply`."""
     if context == 1:
         return apply
     def intercept(next_fun, args, kwargs, ctx):
+        mod = ctx.module
+        if (ctx.method_name == "__call__" and after and mod.parent is after[-1] and type(mod) is nn.Dense
+                and not mod.use_bias and mod.precision is None and mod.dot_general is None
+                and mod.dot_general_cls is None):
+            after.pop()
+            return _projection(mod, *args)
         if ctx.method_name not in HOOKS:
             return next_fun(*args, **kwargs)
         seen.add(ctx.method_name)
         if ctx.method_name == "attend":
+            after[:] = [mod] if tensor == 1 else []
             return ring_attention(*args, kernel, **kwargs)
         t, c = args[0], lax.axis_size(CONTEXT_AXIS)
         order = jnp.asarray(zigzag_order(t * c, c), jnp.float32).reshape(c, t)
         return order[lax.axis_index(CONTEXT_AXIS)]
 
-    seen = set()
+    seen, after = set(), []
 
     def run(params, h):
         with nn.intercept_methods(intercept):
