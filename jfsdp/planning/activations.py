@@ -59,17 +59,13 @@ _ELEMENTWISE = frozenset((
 def fused_bytes(f, *args, axis_env=None) -> int:
     """Bytes of the values f saves for its backward that are elementwise functions of ONE other value of
     their shape, itself saved or an argument (GELU's tanh form from its input, a softmax's shifted
-    exponentials, a dtype conversion): XLA recomputes such a chain inside the fusion of its consumer in the
+    exponentials): XLA recomputes such a chain inside the fusion of its consumer in the
     backward instead of keeping it. A value of two saved sources (a norm's output: its input and its
     statistics), of anything not saved (a matmul's output) or made by a dtype conversion is kept. Constants
     and scalars are no source."""
     var = jax.extend.core.Var
-    leaves, tree = jax.tree.flatten(args)
-    flat = lambda *xs: f(*jax.tree.unflatten(tree, xs))
-    closed, (_, vjp_fn) = jax.make_jaxpr(lambda *xs: jax.vjp(flat, *xs), return_shape=True,
-                                         axis_env=axis_env or [])(*leaves)
-    j = closed.jaxpr
-    saved = {v for v in j.outvars[len(j.outvars) - len(jax.tree.leaves(vjp_fn)):] if isinstance(v, var)}
+    j = _residual_jaxpr(f, args, axis_env)
+    saved = {v for v in j.outvars if isinstance(v, var)}
     sources = {v: frozenset([v]) for v in (*j.invars, *j.constvars)}   # value -> the kept values it is made of
     fused = set()
     for eqn in j.eqns:
@@ -103,13 +99,19 @@ def saved_residuals(f, args, axis_env=None) -> list:
     from jax._src import ad_checkpoint
     if not axis_env:
         return ad_checkpoint.saved_residuals(f, *args)
+    jaxpr = _residual_jaxpr(f, args, axis_env)
+    return ad_checkpoint._saved_residuals(jaxpr, [f"args[{i}]" for i in range(len(jaxpr.invars))])
+
+
+def _residual_jaxpr(f, args, axis_env=None):
+    """The jaxpr of f(*args)'s forward (flat arguments), its outputs the residuals its backward reads,
+    traced under `axis_env`."""
     leaves, tree = jax.tree.flatten(args)
     flat = lambda *xs: f(*jax.tree.unflatten(tree, xs))
     closed, (_, vjp_fn) = jax.make_jaxpr(lambda *xs: jax.vjp(flat, *xs), return_shape=True,
-                                         axis_env=axis_env)(*leaves)
+                                         axis_env=axis_env or [])(*leaves)
     n_res = len(jax.tree.leaves(vjp_fn))
-    jaxpr = closed.jaxpr.replace(outvars=closed.jaxpr.outvars[len(closed.jaxpr.outvars) - n_res:])
-    return ad_checkpoint._saved_residuals(jaxpr, [f"args[{i}]" for i in range(len(leaves))])
+    return closed.jaxpr.replace(outvars=closed.jaxpr.outvars[len(closed.jaxpr.outvars) - n_res:])
 
 
 def activation_estimate(plan: FSDP, loss_fn: Callable, local_batch, backend: str | None = None,
