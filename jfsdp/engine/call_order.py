@@ -13,6 +13,8 @@ its units in when fully_shard traced it (`AsIs.units`), checked at every trace:
 - backward: call k+1's backward returns unit k's re-gathered parameters as the cotangent of a `slot`,
   an output of call k that is zeros in the forward pass (never materialized: nothing reads it) and a
   carrier of data in the backward. So unit k-1's gather is issued when unit k's backward starts. The
+  last unit's gathered parameters are saved by its forward (its backward comes right after the head's:
+  a re-gather there would have nothing to hide behind), as `Stacked`'s last stage does. The
   gradient of unit k+1's gathered parameters (the cotangent of what call k handed on) is
   reduce-scattered inside call k's backward, in flight while unit k's backward computes, and unit k's
   own gradient waits for it, which keeps XLA from deferring or combining the reduce-scatters.
@@ -80,7 +82,7 @@ class CallOrder:
         first, last = k == 0, k == n - 1
         nxt = None if last else self.shards[self.order[k + 1]]
         prev = None if first or self.keep else self.shards[self.order[k - 1]]
-        own = self.shards[self.order[k]] if first or last else None
+        own = self.shards[self.order[k]] if first else None
         run = self._run(fn, k)
         pre = self.pre
         if last and self.late:   # the head's gather issued when the last unit starts (its transpose: the head's
@@ -121,7 +123,7 @@ class CallOrder:
             g, inputs, ahead = gathered(own, pre, nxt, inputs)
             out, vjp = jax.vjp(body, g, inputs)
             leaves, how["tdef"] = jax.tree.flatten(vjp)
-            params = [] if keep else jax.tree.leaves(g)
+            params = [] if keep or last else jax.tree.leaves(g)   # the last unit's saved: its backward comes next
             how["src"] = tuple(next((i for i, p in enumerate(params) if p is x), -1) for x in leaves)
             stored = [x for x, s in zip(leaves, how["src"]) if s < 0]
             return (out, ahead, slot(g)), (stored, own, prev)
@@ -129,13 +131,7 @@ class CallOrder:
         def run_bwd(res, cts):
             stored, own, prev = res
             dout, dahead, dslot = cts
-            g = None
-            if not keep:
-                if last:   # nothing after it re-gathers it
-                    own, dout = ordered(own, dout, on_cpu)
-                    g = unshard_tree(own, lay(k), comm)
-                else:
-                    g = dslot   # call k+1's backward re-gathered it
+            g = None if keep or last else dslot   # call k+1's backward re-gathered it; the last unit's were saved
             dprev = None
             if not first and not keep:   # unit k-1's re-gather, in flight during this unit's backward
                 prev, (g, dout) = ordered(prev, (g, dout), on_cpu)   # (when this backward starts)
@@ -146,7 +142,7 @@ class CallOrder:
             dg, dinputs = vjp(dout)
             if rs is not None:   # finished before unit k-1's backward takes unit k's gradient
                 dg, rs = ordered(dg, rs, on_cpu)
-            d_own = None if own is None else (reduce_tree(dg, lay(k), comm) if first else jax.tree.map(jnp.zeros_like, own))
+            d_own = None if own is None else reduce_tree(dg, lay(k), comm)   # the first unit's
             d_pre = None if first else dg
             d_prev = None if prev is None else jax.tree.map(jnp.zeros_like, prev)
             return d_own, d_pre, rs, d_prev, dprev, dinputs

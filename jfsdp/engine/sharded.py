@@ -127,8 +127,8 @@ class FSDP(RootPasses, ParamLayout):
     @property
     def saves_last_unit(self) -> bool:
         """The prefetch pipeline's last stage saves its last unit's gathered parameters for the backward
-        (pipeline.StagePasses.last_stage): under ZeRO-3 that unit is gathered once a step, not twice. (Not
-        a model given as it is: its units are called by its own code, engine/as_is.py.)"""
+        (pipeline.StagePasses.last_stage): under ZeRO-3 that unit is gathered once a step, not twice. (A model given as it is
+        has its own: engine/as_is/model.py.)"""
         last = len(self.stage_sizes) - 1
         return not getattr(self, "as_is", False) and self.prefetches(last) and self.strategy.reshard_after_forward
 

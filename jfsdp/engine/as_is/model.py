@@ -66,6 +66,12 @@ class AsIs(ParamTree, TensorAsIs, FSDP):
             self.leaf_layouts = mark_units(self)
         self.prefetch = call_order.resolve(self, prefetch)   # in the order the model calls its units
 
+    @property
+    def saves_last_unit(self) -> bool:
+        """Prefetch in call order saves the last unit's gathered parameters for its backward
+        (call_order.py): under ZeRO-3 it is gathered once a step, not twice (the planner's comm formula)."""
+        return bool(self.prefetch) and self.shards > 1 and self.strategy.reshard_after_forward
+
     # ---- what the model is made of
     def _discover(self, retried=False):
         """Trace the model once (nothing computed): its parameters, its units, and the checks. A method
