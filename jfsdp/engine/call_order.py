@@ -25,6 +25,14 @@ its units in when fully_shard traced it (`AsIs.units`), checked at every trace:
   head's reduce-scatter is done: issued when the head's backward ends, it is in flight during the last
   unit's backward, not combined with the embedding's and unit 0's at the end of the step. As
   `Stacked`'s pipeline does with `extra`/`dextra` (pipeline.py).
+- the step's last reduce-scatter, the first unit's, in parts (`CallOrder._end`, as step_end.py on the
+  pipeline): its last-called submodule's (a Llama block's feed-forward) after unit 1's, under the rest of
+  its backward; then the root leaves that only the units' inputs read (`lead`: an untied embedding;
+  as_is/late_root.early_leaves), whose backward waits for those and whose reduce-scatter runs under the
+  first unit's remaining weight gradients: the rest of the first unit's gradient leaves its call
+  unreduced, as the cotangent of zeros that `_lead` links to the embedding's shards, and is
+  reduce-scattered after the embedding's; last (or, without a lead, after the feed-forward's) the rest's,
+  the one exposed. Each waits for the one before: XLA would combine them at the end of the step.
 
 The ties are optimization barriers on GPUs and 0 * x data dependencies on CPU (pipeline.py's `tie`).
 """
@@ -38,6 +46,7 @@ from jax import lax
 from jfsdp.config.errors import ConfigError
 from jfsdp.config.policy import resolve_prefetch
 from jfsdp.engine.fsdp import reduce_tree, unshard_tree
+from jfsdp.engine.layout import is_layout
 from jfsdp.engine.model_tree import path_text
 from jfsdp.engine.unit_call import tie as add_zero
 
@@ -61,12 +70,25 @@ class CallOrder:
     """One forward trace's unit calls in the recorded order: `call(path, fn, inputs)` runs unit `path`
     (`fn(gathered params, inputs) -> outputs`) as the next unit of `order`."""
 
-    def __init__(self, order, shards, layouts, comm, policy, on_cpu: bool, keep_gathered: bool, late=None):
+    def __init__(self, order, shards, layouts, comm, policy, on_cpu: bool, keep_gathered: bool, late=None, ahead=()):
         self.top = current_trace()   # every unit call must be made in it: gathered parameters cross calls
         self.order, self.shards, self.layouts = tuple(order), shards, layouts
         self.comm, self.policy, self.on_cpu, self.keep = comm, policy, on_cpu, keep_gathered
         self.k, self.pre, self.slot = 0, None, None
         self.late, self.late_gathered = late, None   # (shards, gather) of the root read after the last unit
+        self.ahead, self.sink = tuple(ahead), None   # the first unit's leaves reduced first; `lead`'s zeros
+
+    def lead(self, xs):
+        """`xs` (the shards of the root leaves that only the units' inputs read: an untied embedding), to be
+        gathered by the caller, linked to the first unit's leaves outside `ahead`: the first call's backward
+        hands their gradients out unreduced (the cotangent of `self.sink`) and they are reduce-scattered
+        once the gradient of `xs` is (`_lead`), so the lead's reduce-scatter runs under the rest of the
+        first unit's weight gradients instead of combined with its own at the end of the step."""
+        u = self.order[0]
+        leaves, lays = jax.tree.leaves(self.shards[u]), jax.tree.leaves(self.layouts[u], is_leaf=is_layout)
+        rest = [i for i in range(len(leaves)) if i not in self.ahead]
+        xs, self.sink = _lead([leaves[i] for i in rest], xs, [lays[i] for i in rest], self.comm, self.on_cpu)
+        return xs
 
     def call(self, path, fn, inputs):
         n, k = len(self.order), self.k
@@ -89,7 +111,8 @@ class CallOrder:
             # reduce-scatter finished before the gradients of the last unit go on to unit n-2's backward)
             late, (pre, inputs) = ordered(self.late[0], (pre, inputs), self.on_cpu)
             self.late_gathered = self.late[1](late)
-        out, self.pre, self.slot = run(own, pre, nxt, prev, None if self.keep else self.slot, inputs)
+        out, self.pre, self.slot = run(own, pre, nxt, prev, None if self.keep else self.slot,
+                                       self.sink if first else None, inputs)
         self.k += 1
         return out
 
@@ -98,7 +121,7 @@ class CallOrder:
         lay = lambda j: L[self.order[j]]
         first, last = k == 0, k == n - 1
         body = jax.checkpoint(fn, policy=self.policy or jax.checkpoint_policies.nothing_saveable, prevent_cse=True)
-        how = {}
+        how, lead = {}, first and self.sink is not None
 
         def gathered(own, pre, nxt, inputs):
             if first:   # tied to its inputs: not hoisted out of a micro-batch loop (held through it)
@@ -115,11 +138,11 @@ class CallOrder:
             return None if keep or last else jax.tree.map(jnp.zeros_like, g)
 
         @jax.custom_vjp
-        def run(own, pre, nxt, prev, prev_slot, inputs):
+        def run(own, pre, nxt, prev, prev_slot, sink, inputs):
             g, inputs, ahead = gathered(own, pre, nxt, inputs)
             return body(g, inputs), ahead, slot(g)
 
-        def run_fwd(own, pre, nxt, prev, prev_slot, inputs):
+        def run_fwd(own, pre, nxt, prev, prev_slot, sink, inputs):
             g, inputs, ahead = gathered(own, pre, nxt, inputs)
             out, vjp = jax.vjp(body, g, inputs)
             leaves, how["tdef"] = jax.tree.flatten(vjp)
@@ -140,15 +163,61 @@ class CallOrder:
             it, gl = iter(stored), jax.tree.leaves(g)
             vjp = jax.tree.unflatten(how["tdef"], [next(it) if s < 0 else gl[s] for s in how["src"]])
             dg, dinputs = vjp(dout)
-            if rs is not None:   # finished before unit k-1's backward takes unit k's gradient
+            d_own = d_sink = None
+            if first:   # the step's last reduce-scatters
+                d_own, dinputs, rs, d_sink = self._end(own, dg, dinputs, rs, lead)
+            elif rs is not None:   # finished before unit k-1's backward takes unit k's gradient
                 dg, rs = ordered(dg, rs, on_cpu)
-            d_own = None if own is None else reduce_tree(dg, lay(k), comm)   # the first unit's
             d_pre = None if first else dg
             d_prev = None if prev is None else jax.tree.map(jnp.zeros_like, prev)
-            return d_own, d_pre, rs, d_prev, dprev, dinputs
+            return d_own, d_pre, rs, d_prev, dprev, d_sink, dinputs
 
         run.defvjp(run_fwd, run_bwd)
         return run
+
+    def _end(self, own, dg, dinputs, rs, lead):
+        """The first unit's gradient reduced in parts, as step_end.py does on `Stacked`'s pipeline: its
+        last-called submodule's (`ahead`) after unit 1's reduce-scatter (`rs`), under the rest of its
+        backward; then, where there is a lead (`lead`), the lead's backward and reduce-scatter (`dinputs`
+        held until those are done) and the rest's after it, outside (`_lead`: returned unreduced, d_sink);
+        else the rest's after those. Each after the one before: XLA would combine them at the end.
+        (d_own, dinputs, rs, d_sink)"""
+        tdef, on_cpu, comm = jax.tree.structure(self.layouts[self.order[0]], is_leaf=is_layout), self.on_cpu, self.comm
+        lays, grads, shards = (tdef.flatten_up_to(t) for t in (self.layouts[self.order[0]], dg, own))
+        rest = [i for i in range(len(grads)) if i not in self.ahead]
+        done = {}
+        if self.ahead:
+            part, rs = ordered([grads[i] for i in self.ahead], rs, on_cpu)
+            done = dict(zip(self.ahead, reduce_tree(part, [lays[i] for i in self.ahead], comm)))
+        held, part = (rs, [done[i] for i in self.ahead]), [grads[i] for i in rest]
+        if lead:
+            floats = [i for i, x in enumerate(jax.tree.leaves(dinputs)) if jnp.issubdtype(x.dtype, jnp.floating)]
+            got, (rs, red) = ordered([jax.tree.leaves(dinputs)[i] for i in floats], held, on_cpu)
+            dinputs = jax.tree.unflatten(jax.tree.structure(dinputs), [
+                got[floats.index(i)] if i in floats else x for i, x in enumerate(jax.tree.leaves(dinputs))])
+            done = dict(zip(self.ahead, red)) | {i: jnp.zeros_like(shards[i]) for i in rest}
+            return jax.tree.unflatten(tdef, [done[i] for i in range(len(grads))]), dinputs, rs, part
+        part, (rs, red) = ordered(part, held, on_cpu)   # (the barrier's outputs used: XLA drops an unused one's operand)
+        done = dict(zip(self.ahead, red)) | dict(zip(rest, reduce_tree(part, [lays[i] for i in rest], comm)))
+        return jax.tree.unflatten(tdef, [done[i] for i in range(len(grads))]), dinputs, rs, None
+
+
+def _lead(rest, xs, lays, comm, on_cpu: bool):
+    """(xs, zeros shaped as the gathered `rest`): values unchanged; in the backward the zeros' cotangent (the
+    first unit's gradient of those leaves, unreduced) is reduce-scattered into `rest`'s once the gradient
+    of `xs` (reduced: the caller's gather's transpose) exists."""
+    zeros = lambda: [jnp.zeros(l.full_shape, comm.param_dtype or l.dtype) for l in lays]
+
+    @jax.custom_vjp
+    def link(rest, xs):
+        return xs, zeros()
+
+    def bwd(_, cts):
+        dxs, dsink = cts
+        dsink, dxs = ordered(dsink, dxs, on_cpu)
+        return reduce_tree(dsink, lays, comm), dxs
+    link.defvjp(lambda rest, xs: (link(rest, xs), None), bwd)
+    return link(rest, xs)
 
 
 def resolve(plan, prefetch) -> bool:

@@ -137,12 +137,15 @@ class AsIs(ParamTree, TensorAsIs, FSDP):
         flat, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_unreduced)
         lay = jax.tree.leaves(self.layouts, is_leaf=is_layout)
         keys = [self.unit_of[jax.tree_util.keystr(p)] for p, _ in flat]
+        leaves = [x for _, x in flat]
+        prefetch = self.prefetch and not any_unreduced(params)
+        order = self._call_order(jax.tree.unflatten(treedef, leaves), leaves, lay) if prefetch else None
+        if order is not None and self.early[0]:   # an untied embedding: the first unit call's lead (call_order.py)
+            for i, x in zip(self.early[0], order.lead([leaves[i] for i in self.early[0]])):
+                leaves[i] = x
         # the root is gathered once per step; a unit's leaves stay shards until the unit is called
         tree = jax.tree.unflatten(treedef, [x if u is not None else self.gather_root(x, l)
-                                            for (_, x), l, u in zip(flat, lay, keys)])
-
-        prefetch = self.prefetch and not any_unreduced(params)
-        order = self._call_order(tree, [x for _, x in flat], lay) if prefetch else None
+                                            for x, l, u in zip(leaves, lay, keys)])
 
         def hook(path, shards, fn, inputs):
             if order is not None:
@@ -175,13 +178,18 @@ class AsIs(ParamTree, TensorAsIs, FSDP):
         gather = lambda xs: [self.gather_root(x, lay[i]) for x, i in zip(xs, late)]
         return call_order.CallOrder(self.units, shards, lays, self.comm, self.policy, self.on_cpu,
                                     self.shards > 1 and not self.strategy.reshard_after_forward,
-                                    ([leaves[i] for i in late], gather) if late else None)
+                                    ([leaves[i] for i in late], gather) if late else None, self.early[1])
 
     @functools.cached_property
     def late_leaves(self) -> tuple:
         """The root leaves the model reads only after its last unit (indices into the flat parameters):
         late_root.py, from one abstract trace of the model when a step is first traced."""
         return late_root.late_leaves(self)
+
+    @functools.cached_property
+    def early(self) -> tuple:
+        """(the root leaves only the units' inputs read, the first unit's leaves reduced first): late_root.py."""
+        return late_root.early_leaves(self)
 
     def _unit_layouts(self, path, shards):
         """The layouts of a unit's leaves; for a unit made inside the model's own NNX scan (path None),
