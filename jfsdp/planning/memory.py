@@ -119,10 +119,8 @@ def comm_formula(plan: FSDP, backend: str | None = None, grad_accum: int = 1, gr
         # fewer (a model given as it is: AsIsView.regathered)
         again = getattr(plan, "regathered", None)
         unit_p_again = unit_p if again is None else sum(n * gathered_bytes(l, pdt) for l, n in zip(again, plan.stage_sizes))
-        if plan.saves_last_unit and not (again is not None and grad_sync == "once"):   # the last unit's gathered
-            # parameters saved by the forward for its backward (as it is: those its backward reads; grad_sync
-            # 'once' runs no prefetch in call order there)
-            unit_p_again -= gathered_bytes(gathered[-1][0] if again is None else again[-1], pdt)
+        if plan.saves_last_unit and not (again is not None and grad_sync == "once"):   # the last unit saved for its
+            unit_p_again -= gathered_bytes(gathered[-1][0] if again is None else again[-1], pdt)   # backward (AsIs too)
         out["all-gather"] = (root_p + unit_p + (gathers - 1) * unit_p_again) * f
         # float8: one fp32 amax all-reduce (max over fsdp) per float8 leaf and gather
         out["all-reduce"] += gathers * sum(n * float8_leaves(l) for l, n in gathered) * 2 * 4 * f
