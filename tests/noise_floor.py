@@ -323,8 +323,11 @@ def cp_bf16_section():
         show(f"mutant, jfsdp {spec} --context {c}, per-block outputs rounded to bf16",
              tcp.bf16_context_run(case, spec, c, kernel=rounded))
     for spec, c in (("1x2", 2), ("1x1", 4)):
-        show(f"mutant, jfsdp {spec} --context {c}, batches not in zigzag order", tcp.bf16_context_run(case, spec, c, zz=False))
-    show("jfsdp 1x2 --context 2, --ring-sums bf16", tcp.bf16_context_run(case, "1x2", 2, kernel=factory.context_kernel(4, "bf16")))
+        show(f"mutant, jfsdp {spec} --context {c}, batches not in zigzag order",
+             tcp.bf16_context_run(case, spec, c, zz=False))
+    show("jfsdp 1x2 --context 2, --ring-sums bf16",
+         tcp.bf16_context_run(case, "1x2", 2, kernel=factory.context_kernel(4, "bf16")))
+
 
 def resume_section():
     """test_checkpoint's resumed training: 3 steps in common, then 2 steps on another mesh, elementwise."""

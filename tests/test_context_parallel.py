@@ -564,7 +564,8 @@ def bf16_context_run(case, spec, c, policy="bf16", kernel=None, outputs=True, zz
     out["compiled"] = step = out["lowered"].compile()
     state, out["losses"] = jfsdp.init_state(plan, opt, params=plan.shard(case["init"])), []
     for b in case["batches"]:
-        state, m = step(state, jax.device_put({k: zigzag(v, c) if zz else v for k, v in b.items()}, plan.batch_sharding))
+        b = {k: zigzag(v, c) if zz else v for k, v in b.items()}
+        state, m = step(state, jax.device_put(b, plan.batch_sharding))
         out["losses"].append(float(m["loss"]))
     out["final"] = jax.device_get(plan.gather(state.params))
     return out
@@ -572,17 +573,19 @@ def bf16_context_run(case, spec, c, policy="bf16", kernel=None, outputs=True, zz
 
 # bf16 at C > 1 against the single-device bf16 trainer (tests/reference.py) with the model's blockwise attention,
 # whose halves the ring runs per block (at 16 tokens the model's default is XLA's attention, which rounds other
-# values to bf16: 6.8e-5 in the losses, 4.3% in the updates from blockwise's). The tolerances are test_equivalence's:
-# losses 1e-3 relative, updates (final - initial) 20% in L2 per leaf. Floor (`python -m tests.noise_floor cp-bf16`,
-# 2026-11-27, natively and under --xla_cpu_max_isa=AVX2, the same figures): the reference against itself with its
-# batch in 2-16 micro-batches or its attention in blocks of 2-8, losses 3.0e-5, updates 5.0%; jfsdp at C = 2, 4
-# and 8, 6.9e-5 and 5.4%. A zigzag permutation left out (the tokens in sequence order, the ring's positions
-# zigzag's) lands at 5x the update tolerance. Neither figure tells bf16 compute from fp32 (the fp32 reference:
-# 7.1e-5, 5.1%), and here neither do the outputs of a forward pass: each bf16 rounding the ring's merge moves
-# spreads through the model, so the reference's own attention in blocks of 2-8 lies 2.8-4.6e-3 from it in L2
-# and jfsdp 4.3-5.0e-3, fp32 6.2e-3 (docs/numerics.md, "bf16 at C > 1"). The program tells: every dot of the
-# lowered step takes bf16 operands, and the ring sends bf16 K/V blocks (its dK, dV travel in fp32, the sums'
-# dtype), where the fp32 policy gives f32 dots and f32 blocks.
+# values to bf16: 6.8e-5 in the losses, 4.3% in the updates from blockwise's). The tolerances are
+# test_equivalence's: losses 1e-3 relative, updates (final - initial) 20% in L2 per leaf. Floor (`python -m
+# tests.noise_floor cp-bf16`, 2026-11-27, natively and under --xla_cpu_max_isa=AVX2, the same figures): the
+# reference against itself with its batch in 2-16 micro-batches or its attention in blocks of 2-8, losses 3.0e-5,
+# updates 5.0%; jfsdp at C = 2, 4 and 8 (1x2, 2x2, 1x1, 1x4), 6.9e-5 and 5.6%. Batches not in zigzag order and a
+# ring merge that keeps a stale log-sum-exp land at 3.8-5.4x the update tolerance. Neither figure tells bf16
+# compute from fp32 (the fp32 reference: 7.1e-5, 5.1%), and here neither do the outputs of a forward pass: each
+# bf16 rounding the ring's merge moves spreads through the model, so the reference's own attention in blocks of
+# 2-8 lies 2.8-4.6e-3 from it in L2, jfsdp 4.3-5.0e-3, fp32 6.2e-3 (docs/numerics.md, "bf16 at C > 1"). The
+# program tells: every dot of the lowered step takes bf16 operands, and the ring sends bf16 K/V blocks (its dK,
+# dV travel in fp32, the sums' dtype), where the fp32 policy gives f32 dots and f32 blocks. C = 4 rather than 2:
+# the dK, dV sums travel the middle hops (14.4 s in the file's run on the loaded 2 cores; 1x2 --context 2 would
+# save about 4 s).
 CP_BF16_MESHES = [("1x1", 4)]
 
 
