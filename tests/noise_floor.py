@@ -12,7 +12,7 @@ computation against itself in float64.
 Printed as the worst over leaves and over k, and as a ratio to the tolerance the tests use (tests/
 reference.py), so 1/ratio is the margin. Bugs the tests must catch, simulated on the reference, are
 printed as the same ratio: how far beyond the tolerance they land. Sections: the model names of
-CASES (parameters, gradients, losses in float32), bf16, bf16-compute, tp-bf16, resume, ops, hf.
+CASES (parameters, gradients, losses in float32), bf16, bf16-compute, tp-bf16, cp-bf16, resume, ops, hf.
 docs/numerics.md keeps the figures; re-measure natively and with XLA_FLAGS=--xla_cpu_max_isa=AVX2 (and SSE4_2).
 """
 import dataclasses
@@ -262,6 +262,73 @@ def tp_bf16_section():
         print(f"  jfsdp {spec} --tensor {t}: {ref.rel_l2(got, bf16):.2e}")
 
 
+def attend_blockwise(block):
+    """A Linen interceptor for the reference: the Llama's attention as blockwise attention in blocks of `block`
+    (models/attention.py; the online softmax over key blocks, another order of the same sums)."""
+    from models.attention import blockwise_attention
+
+    def intercept(next_fun, args, kwargs, context):
+        if context.method_name != "attend":
+            return next_fun(*args, **kwargs)
+        return blockwise_attention(*args, causal=True, block=block)
+    return intercept
+
+
+def cp_bf16_section():
+    """test_context_parallel's bf16 test: jfsdp at C > 1 (ring attention) under the bf16 policy against the
+    single-device bf16 reference with blockwise attention (test_equivalence's llama-test case, 3 AdamW steps):
+    losses (relative), each leaf's update (final - init, L2) and the outputs of one forward pass (L2, every bf16
+    rounding kept). The floor: the reference against itself with its batch in k micro-batches and with its
+    attention in blocks of 2 to 8 (another order of the online softmax's sums); beside it the reference with
+    XLA's attention (the model's default below 1,024 tokens), bf16 against fp32, jfsdp with the fp32 policy,
+    the ring's per-block outputs rounded to bf16 before the merge, batches not in zigzag order (mutants), and
+    --ring-sums bf16."""
+    from models import factory
+    from tests import test_context_parallel as tcp
+    print("\n== cp-bf16 (test_context_parallel: losses, updates per leaf, outputs L2)")
+    case = te.get_case("llama")
+    init, bs = case["init"], case["batches"]
+    x, lf = bs[0]["inputs"], models.loss_fn(case["cfg"])
+
+    def reference(dtype=jnp.bfloat16, i=None, k=1, attention="blockwise"):
+        root, unit, _ = models.parts(dataclasses.replace(case["cfg"], attention=attention))
+        out = dtype and jnp.float32
+        fwd = lambda p, r: ref.forward(root, unit, p, r, dtype, out, unit_interceptor=i)
+        with jax.default_device(jax.devices()[0]):
+            losses, final, _ = run(ref.optimizer(), lambda p, b: lf(fwd(p, b["inputs"]), b), init, bs, [k] * len(bs))
+            return losses, final, ref.run_exact(lambda p: fwd(p, x), init)
+    want = reference()
+    print(f"  tolerances: losses {te.BF16_LOSS_RTOL:.0e}, updates {te.BF16_UPDATE_RTOL:.2f} (outputs: none); against "
+          "the bf16 reference with blockwise attention (one block of 16)")
+
+    def show(what, got):
+        got = got if isinstance(got, tuple) else (got["losses"], got["final"], got["outputs"])
+        lo = max(abs(a - b) / abs(b) for a, b in zip(got[0], want[0]))
+        up = max((np.linalg.norm(np.asarray(g, np.float64) - w) / np.linalg.norm(np.asarray(w, np.float64) - b), p)
+                 for p, w, g, b in ref.paired(jax.device_get(want[1]), jax.device_get(got[1]), init))
+        print(f"  {what}: losses {lo:.2e}  update {up[0]:.3f} ({up[1]})  outputs {ref.rel_l2(got[2], want[2]):.2e}")
+    for k in (2, 4, 8, 16):
+        show(f"reference, {k} micro-batches", reference(k=k))
+    for block in (2, 4, 8):
+        show(f"reference, attention in blocks of {block}", reference(i=attend_blockwise(block)))
+    show("reference with XLA's attention", reference(attention="xla"))
+    show("fp32 reference", reference(None))
+    for spec, c in (("1x2", 2), ("1x1", 4), ("1x4", 4), ("2x2", 2), ("1x2", 8)):
+        show(f"jfsdp {spec} --context {c}", tcp.bf16_context_run(case, spec, c))
+    for spec, c in (("1x2", 2), ("1x4", 4)):
+        show(f"jfsdp {spec} --context {c}, fp32 policy", tcp.bf16_context_run(case, spec, c, "fp32"))
+    k = factory.context_kernel(4)
+    rounded = k._replace(fwd=lambda *a: (lambda o, lse: (o.astype(a[0].dtype).astype(jnp.float32), lse))(*k.fwd(*a)))
+    for spec, c in (("1x2", 2), ("1x4", 4)):
+        show(f"mutant, jfsdp {spec} --context {c}, per-block outputs rounded to bf16",
+             tcp.bf16_context_run(case, spec, c, kernel=rounded))
+    for spec, c in (("1x2", 2), ("1x1", 4)):
+        show(f"mutant, jfsdp {spec} --context {c}, batches not in zigzag order",
+             tcp.bf16_context_run(case, spec, c, zz=False))
+    show("jfsdp 1x2 --context 2, --ring-sums bf16",
+         tcp.bf16_context_run(case, "1x2", 2, kernel=factory.context_kernel(4, "bf16")))
+
+
 def resume_section():
     """test_checkpoint's resumed training: 3 steps in common, then 2 steps on another mesh, elementwise."""
     print("\n== resume (test_checkpoint: 2 steps after a restore, elementwise); ratio to the tolerance")
@@ -344,7 +411,7 @@ def hf_section():
 if __name__ == "__main__":
     print(f"XLA_FLAGS={os.environ.get('XLA_FLAGS')!r}")
     sections = {**{n: (lambda n=n: fp32_section(n)) for n in CASES}, "bf16": bf16_section, "bf16-compute": bf16_compute_section,
-                "tp-bf16": tp_bf16_section,
+                "tp-bf16": tp_bf16_section, "cp-bf16": cp_bf16_section,
                 "resume": resume_section, "moe": moe_section, "ops": ops_section, "hf": hf_section}
     for name in sys.argv[1:] or sections:
         sections[name]()

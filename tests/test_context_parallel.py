@@ -535,3 +535,84 @@ def test_wo_weight_gradient_is_computed_before_the_ring_backward():
         grads.append(jax.jit(step)(params, x))
     assert found[0] == [{(1, 8, wo[0]), wo}] and found[1] == []
     jax.tree.map(np.testing.assert_array_equal, *grads)
+
+
+# ---- bf16 at C > 1
+
+def bf16_context_run(case, spec, c, policy="bf16", kernel=None, outputs=True, zz=True, **kw):
+    """jfsdp's Llama on mesh `spec` with context c under the precision `policy` (case: test_equivalence's
+    llama-test, 3 batches of 16 rows of 16 tokens): {losses: of 3 AdamW steps on zigzag-ordered batches,
+    final: the parameters after them, lowered / compiled: the train step, outputs (with `outputs`): of
+    plan.apply from the initial parameters compiled with every bf16 rounding kept (reference.run_exact), in
+    sequence order}. `kernel`: the ring's per-block attention (default the models' blockwise, blocks of 4). `zz`
+    False: the batches given in sequence order (a loader without the zigzag permutation: a mutant). `kw`:
+    fully_shard's."""
+    from models import factory
+    from tests import reference as ref
+    model, _, loss_fn = factory.language_model(case["cfg"], "plain")
+    r, s = jfsdp.parse_mesh(spec)
+    x = case["batches"][0]["inputs"]
+    plan = context_plan(model, r, s, c, 1, *x.shape, case["cfg"], kernel,
+                        mp_policy=jfsdp.MixedPrecision.parse(policy), **kw)
+    out = {}
+    if outputs:
+        out["outputs"] = unzigzag(ref.run_exact(plan.apply, plan.shard(case["init"]),
+                                                jax.device_put(zigzag(x, c), plan.batch_sharding)), c)
+    opt = reference_adamw(plan)
+    batch = {k: jax.ShapeDtypeStruct(x.shape, np.int32, sharding=plan.batch_sharding) for k in ("inputs", "targets")}
+    out["lowered"] = jfsdp.make_train_step(plan, opt, loss_fn).lower(jfsdp.abstract_state(plan, opt), batch)
+    out["compiled"] = step = out["lowered"].compile()
+    state, out["losses"] = jfsdp.init_state(plan, opt, params=plan.shard(case["init"])), []
+    for b in case["batches"]:
+        b = {k: zigzag(v, c) if zz else v for k, v in b.items()}
+        state, m = step(state, jax.device_put(b, plan.batch_sharding))
+        out["losses"].append(float(m["loss"]))
+    out["final"] = jax.device_get(plan.gather(state.params))
+    return out
+
+
+# bf16 at C > 1 against the single-device bf16 trainer (tests/reference.py) with the model's blockwise attention,
+# whose halves the ring runs per block (at 16 tokens the model's default is XLA's attention, which rounds other
+# values to bf16: 6.8e-5 in the losses, 4.3% in the updates from blockwise's). The tolerances are
+# test_equivalence's: losses 1e-3 relative, updates (final - initial) 20% in L2 per leaf. Floor (`python -m
+# tests.noise_floor cp-bf16`, 2026-11-27, natively and under --xla_cpu_max_isa=AVX2, the same figures): the
+# reference against itself with its batch in 2-16 micro-batches or its attention in blocks of 2-8, losses 3.0e-5,
+# updates 5.0%; jfsdp at C = 2, 4 and 8 (1x2, 2x2, 1x1, 1x4), 6.9e-5 and 5.6%. Batches not in zigzag order and a
+# ring merge that keeps a stale log-sum-exp land at 3.8-5.4x the update tolerance. Neither figure tells bf16
+# compute from fp32 (the fp32 reference: 7.1e-5, 5.1%), and here neither do the outputs of a forward pass: each
+# bf16 rounding the ring's merge moves spreads through the model, so the reference's own attention in blocks of
+# 2-8 lies 2.8-4.6e-3 from it in L2, jfsdp 4.3-5.0e-3, fp32 6.2e-3 (docs/numerics.md, "bf16 at C > 1"). The
+# program tells: every dot of the lowered step takes bf16 operands, and the ring sends bf16 K/V blocks (its dK,
+# dV travel in fp32, the sums' dtype), where the fp32 policy gives f32 dots and f32 blocks. C = 4 rather than 2:
+# the dK, dV sums travel the middle hops (14.4 s in the file's run on the loaded 2 cores; 1x2 --context 2 would
+# save about 4 s).
+CP_BF16_MESHES = [("1x1", 4)]
+
+
+def test_bf16_training_at_context_4_matches_single_device_bf16():
+    """llama-test under the bf16 policy at C = 4 (1x1 --context 4: 4 devices, zigzag chunks of 2 tokens, 3 hops
+    each way), 3 AdamW steps: the single-device bf16 trainer's losses (1e-3) and updates (20% in L2 per leaf),
+    bf16 dots throughout the lowered step, and the ring's collective-permutes: 4(C - 1) bf16 K/V blocks and
+    2(C - 1) fp32 dK/dV blocks."""
+    import dataclasses
+    from tests import reference as ref
+    from tests.test_equivalence import BF16_LOSS_RTOL, BF16_UPDATE_RTOL, get_case, reference_once
+    case = get_case("llama")
+    root, unit, _ = models.parts(dataclasses.replace(case["cfg"], attention="blockwise"))
+    want_losses, want_final = reference_once(case, "bf16-blockwise", lambda: ref.train(
+        root, unit, models.loss_fn(case["cfg"]), case["init"], case["batches"], jnp.bfloat16, jnp.float32))
+    cfg, (rows, seq) = case["cfg"], case["batches"][0]["inputs"].shape
+    for spec, c in CP_BF16_MESHES:
+        run = bf16_context_run(case, spec, c, outputs=False)
+        text = run["lowered"].as_text(dialect="hlo", debug_info=True)
+        dots = hlo.gemms(text)
+        assert len(dots) > 50 and {g.dtypes for g in dots} == {("bf16", "bf16")}, {g.dtypes for g in dots}
+        r, s = jfsdp.parse_mesh(spec)
+        block = rows // (r * s) * seq // c * cfg.n_kv_heads * cfg.head_dim   # one rank's K (or V) block, elements
+        perms = sorted((x.result_bytes for x in hlo.collectives(text) if x.kind == "collective-permute"))
+        assert perms == [2 * block] * 4 * (c - 1) + [4 * block] * 2 * (c - 1), (spec, c, perms)
+        np.testing.assert_allclose(run["losses"], want_losses, rtol=BF16_LOSS_RTOL, err_msg=spec)
+        for path, w, g, b in ref.paired(want_final, run["final"], case["init"]):
+            du, dw = np.asarray(g, np.float64) - b, np.asarray(w, np.float64) - b
+            err = np.linalg.norm(du - dw) / np.linalg.norm(dw)
+            assert err <= BF16_UPDATE_RTOL, f"{spec} --context {c}, {path}: update differs by {err:.3f} in L2"
