@@ -17,7 +17,9 @@ its units in when fully_shard traced it (`AsIs.units`), checked at every trace:
   a re-gather there would have nothing to hide behind), as `Stacked`'s last stage does. The
   gradient of unit k+1's gathered parameters (the cotangent of what call k handed on) is
   reduce-scattered inside call k's backward, in flight while unit k's backward computes, and unit k's
-  own gradient waits for it, which keeps XLA from deferring or combining the reduce-scatters.
+  own gradient waits for it, which keeps XLA from deferring or combining the reduce-scatters. What
+  unit k's backward recomputes waits for that gradient too (its re-gathered parameters are tied to
+  it), so that no unit's recomputed activations outlive its backward.
 - the root's leaves that the model reads after its last unit (`late`: an untied head, the final norm;
   as_is/late_root.py) are tied to the last call's inputs and gathered there, in flight while the last
   unit computes, and bound into the model's parameters when it returns. The transpose of that tie (a
@@ -159,6 +161,11 @@ class CallOrder:
             if not first and not keep:   # unit k-1's re-gather, in flight during this unit's backward
                 prev, (g, dout) = ordered(prev, (g, dout), on_cpu)   # (when this backward starts)
                 dprev = unshard_tree(prev, lay(k - 1), comm)
+            if not last:   # what this unit recomputes waits for unit k+1's weight gradients: else XLA:GPU ran
+                # the input-gradient chain of several units first and kept each one's recomputed activations
+                # for the weight gradients it deferred (docs/any-model.md). Not the input gradient handed on:
+                # that delayed the re-gathers, exposed (llama-1b)
+                g, dahead = ordered(g, dahead, on_cpu)
             rs = None if last else reduce_tree(dahead, lay(k + 1), comm)   # unit k+1's, during this backward
             it, gl = iter(stored), jax.tree.leaves(g)
             vjp = jax.tree.unflatten(how["tdef"], [next(it) if s < 0 else gl[s] for s in how["src"]])
