@@ -139,11 +139,10 @@ def test_planner_estimate_of_the_flax_examples():
 @pytest.mark.skipif(sys.platform != "linux", reason="jax-cuda13-plugin: Linux wheels only")
 def test_planner_estimate_of_the_flax_examples_on_the_h100_target():
     """The same examples compiled for an H100 (bf16, prefetch in call order, the GPU default) against the
-    planner's GPU estimate: within 5%. Measured 1.017 / 0.987 (2026-11-27). The NNX example read 0.939 while
-    call order let a unit's input gradient leave its backward before its weight gradients: XLA:GPU ran the
-    input-gradient chain of several units first and kept each one's recomputed activations (at lm1b's width,
-    512, 4 units, 16 x 128 tokens, the compiled step was 71.9 MB against the Linen example's 62.4 MB, now
-    58.0; benchmarks/examples_estimate.py --target h100)."""
+    planner's GPU estimate: within 5%. Measured 0.975 / 0.991 (2026-11-27). At lm1b's width (512, 4 units,
+    16 x 128 tokens; benchmarks/examples_estimate.py --target h100, too slow for the suite) 1.000 / 1.049;
+    0.943 / 0.890 while call order let XLA:GPU run several units' recomputations ahead of their weight
+    gradients (engine/call_order.py), which width 256 and 2 units do not show (0.975 / 0.978)."""
     from jfsdp.planning import targets
     mesh = jfsdp.make_mesh("1x8", targets.devices("h100", "1x8"))
     with targets.tracing_for("h100"):

@@ -18,8 +18,8 @@ its units in when fully_shard traced it (`AsIs.units`), checked at every trace:
   gradient of unit k+1's gathered parameters (the cotangent of what call k handed on) is
   reduce-scattered inside call k's backward, in flight while unit k's backward computes, and unit k's
   own gradient waits for it, which keeps XLA from deferring or combining the reduce-scatters. What
-  unit k's backward recomputes waits for that gradient too (its re-gathered parameters are tied to
-  it), so that no unit's recomputed activations outlive its backward.
+  unit k's backward recomputes waits for unit k+1's weight gradients too (its re-gathered parameters
+  are tied to them), so that XLA does not recompute several units ahead of their weight gradients.
 - the root's leaves that the model reads after its last unit (`late`: an untied head, the final norm;
   as_is/late_root.py) are tied to the last call's inputs and gathered there, in flight while the last
   unit computes, and bound into the model's parameters when it returns. The transpose of that tie (a
@@ -163,8 +163,7 @@ class CallOrder:
                 dprev = unshard_tree(prev, lay(k - 1), comm)
             if not last:   # what this unit recomputes waits for unit k+1's weight gradients: else XLA:GPU ran
                 # the input-gradient chain of several units first and kept each one's recomputed activations
-                # for the weight gradients it deferred (docs/any-model.md). Not the input gradient handed on:
-                # that delayed the re-gathers, exposed (llama-1b)
+                # for the weight gradients it deferred (docs/any-model.md)
                 g, dahead = ordered(g, dahead, on_cpu)
             rs = None if last else reduce_tree(dahead, lay(k + 1), comm)   # unit k+1's, during this backward
             it, gl = iter(stored), jax.tree.leaves(g)
