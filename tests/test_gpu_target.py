@@ -451,7 +451,7 @@ def test_as_is_untied_head_is_prefetched_and_reduced_with_the_last_unit():
     Python loop, prefetch in call order: the root leaves read after the last unit (the final norm and the
     head, engine/as_is/late_root.py) gathered while the last unit computes and reduce-scattered while
     its backward does, as `Stacked`'s pipeline does with its head; the embedding, which only the first
-    unit's input reads (late_root.early_leaves), the first unit call's lead: its reduce-scatter under the
+    unit's input reads (late_root.root_uses), the first unit call's lead: its reduce-scatter under the
     rest of unit 0's weight gradients, between unit 0's feed-forward's and the rest's (call_order.py,
     as engine/root.py's embed_lead and step_end.py on the pipeline). Exposed all-gather and
     reduce-scatter bytes within 5% of `Stacked`'s (same model, untied; measured equal to the byte for

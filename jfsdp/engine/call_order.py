@@ -30,7 +30,7 @@ its units in when fully_shard traced it (`AsIs.units`), checked at every trace:
 - the step's last reduce-scatter, the first unit's, in parts (`CallOrder._end`, as step_end.py on the
   pipeline): its last-called submodule's (a Llama block's feed-forward) after unit 1's, under the rest of
   its backward; then the root leaves that only the units' inputs read (`lead`: an untied embedding;
-  as_is/late_root.early_leaves), whose backward waits for those and whose reduce-scatter runs under the
+  as_is/late_root.root_uses), whose backward waits for those and whose reduce-scatter runs under the
   first unit's remaining weight gradients: the rest of the first unit's gradient leaves its call
   unreduced, as the cotangent of zeros that `_lead` links to the embedding's shards, and is
   reduce-scattered after the embedding's; last (or, without a lead, after the feed-forward's) the rest's,

@@ -11,10 +11,12 @@ Linen module reads its parameters from the dict it was applied with when it runs
 before (a Linen `setup` reading `self.param`) keeps the first, with the same values either way.
 
 Which leaves: those on which no unit call's inputs depend, from one abstract trace of the model
-(`late_leaves`). A leaf read both before and after (a tied embedding) is gathered once at the top, as
+(`root_uses`). A leaf read both before and after (a tied embedding) is gathered once at the top, as
 on `Stacked`.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,45 +35,24 @@ def _used_inputs(jaxpr, outs=slice(None)) -> list:
     return [v in need for v in jaxpr.invars]
 
 
-def late_leaves(plan) -> tuple:
-    """Indices into `jax.tree.leaves(plan.layouts)` of the root leaves on which no unit call's inputs
-    depend (those the model reads after its last unit, or never)."""
-    flat, treedef = jax.tree_util.tree_flatten_with_path(plan.layouts, is_leaf=is_layout)
-    root = [i for i, (p, _) in enumerate(flat) if plan.unit_of[jax.tree_util.keystr(p)] is None]
-    dtype = lambda l: plan.comm.param_dtype or l.dtype
-    m = plan.model
-
-    def unit_inputs(root_leaves, batch):
-        leaves = [jnp.zeros(l.full_shape, dtype(l)) for _, l in flat]
-        for i, x in zip(root, root_leaves):
-            leaves[i] = x
-        tree, seen = jax.tree.unflatten(treedef, leaves), []
-
-        def hook(path, shards, fn, inputs):
-            seen.append(inputs)
-            return fn(shards, inputs)
-        key, units = jax.random.key(0), set(plan.units)
-        if m.kind == "linen":
-            m.apply(tree, batch, hook, units, {s: key for s in m.rng_streams})
-        else:
-            m.apply(tree, batch, hook, units, key, plan.matcher.classes)
-        return seen
-
-    abstract = [jax.ShapeDtypeStruct(flat[i][1].full_shape, dtype(flat[i][1])) for i in root]
-    traced = jax.make_jaxpr(unit_inputs, return_shape=True)(abstract, plan.example_batch)
-    if not traced[1]:   # no unit call seen (a method under nn.jit replaying a cached trace): none late
-        return ()
-    used = _used_inputs(traced[0].jaxpr)
-    return tuple(i for i, u in zip(root, used) if not u)
+class RootUses(NamedTuple):
+    """What one abstract trace of the model tells of its root leaves (indices into
+    `jax.tree.leaves(plan.layouts)`) and of its first unit (indices into that unit's leaves)."""
+    late: tuple    # root leaves on which no unit call's inputs depend (read after the last unit, or never)
+    early: tuple   # root leaves that only feed unit calls' inputs (an untied embedding)
+    ahead: tuple   # the first unit's last-called top-level submodule's leaves (a Llama block's feed-forward)
 
 
-def early_leaves(plan) -> tuple:
-    """(indices into `jax.tree.leaves(plan.layouts)` of the root leaves that only feed unit calls' inputs (an
-    untied embedding: some unit's inputs depend on it, the model's outputs do not once every unit's output
-    is replaced by zeros), indices into the first unit's leaves of its last-called top-level submodule
-    (step_end.last_called: a Llama block's feed-forward)), from one abstract trace of the model. With
-    prefetch in call order the first are reduce-scattered under the first unit's backward and the second
-    first of its parts (call_order.py), as `Stacked`'s pipeline does with its lead (step_end.py)."""
+def root_uses(plan) -> RootUses:
+    """`RootUses` from one abstract trace of the model, every unit call's outputs replaced by zeros (what the
+    model reads around its units remains; a root leaf reaches a later unit's inputs only through an earlier
+    unit's inputs, so which inputs depend on it is the same as with the units' real outputs).
+    - late: the root leaves no unit call's inputs depend on. With prefetch in call order they are gathered
+      while the last unit computes and reduce-scattered during its backward (call_order.py).
+    - early: those some unit's inputs depend on and the model's outputs do not; reduce-scattered under the
+      first unit's backward, as `Stacked`'s pipeline does with its lead (step_end.py).
+    - ahead: step_end.last_called of the first unit, the first of its gradient's parts.
+    No unit call seen (a method under nn.jit replaying a cached trace): all three empty."""
     from jfsdp.engine.step_end import last_called
     flat, treedef = jax.tree_util.tree_flatten_with_path(plan.layouts, is_leaf=is_layout)
     root = [i for i, (p, _) in enumerate(flat) if plan.unit_of[jax.tree_util.keystr(p)] is None]
@@ -88,7 +69,7 @@ def early_leaves(plan) -> tuple:
             if tuple(path or ()) == first and not seen:
                 lays = jax.tree.unflatten(jax.tree.structure(shards), plan.leaf_layouts[first])
                 ahead.extend(last_called(fn, lays, shards, inputs))
-            seen.append(inputs)   # the unit's outputs as zeros: what the model reads around its units remains
+            seen.append(inputs)
             zero = lambda x: jnp.zeros_like(x) if jnp.issubdtype(x.dtype, jnp.floating) else x
             return jax.tree.map(zero, fn(shards, inputs))
         key, units = jax.random.key(0), set(plan.units)
@@ -100,12 +81,13 @@ def early_leaves(plan) -> tuple:
 
     abstract = [jax.ShapeDtypeStruct(flat[i][1].full_shape, dtype(flat[i][1])) for i in root]
     jaxpr, (seen, out) = jax.make_jaxpr(outputs, return_shape=True)(abstract, plan.example_batch)
-    n_in = len(jax.tree.leaves(seen))
     if not seen:
-        return (), ()
+        return RootUses((), (), ())
+    n_in = len(jax.tree.leaves(seen))
     fed = _used_inputs(jaxpr.jaxpr, slice(0, n_in))
     read = _used_inputs(jaxpr.jaxpr, slice(n_in, n_in + len(jax.tree.leaves(out))))
-    return tuple(i for i, f, r in zip(root, fed, read) if f and not r), tuple(ahead)
+    return RootUses(tuple(i for i, f in zip(root, fed) if not f),
+                    tuple(i for i, f, r in zip(root, fed, read) if f and not r), tuple(ahead))
 
 
 def rebind(model, tree, paths, values):

@@ -181,15 +181,20 @@ class AsIs(ParamTree, TensorAsIs, FSDP):
                                     ([leaves[i] for i in late], gather) if late else None, self.early[1])
 
     @functools.cached_property
-    def late_leaves(self) -> tuple:
-        """The root leaves the model reads only after its last unit (indices into the flat parameters):
-        late_root.py, from one abstract trace of the model when a step is first traced."""
-        return late_root.late_leaves(self)
+    def root_uses(self) -> late_root.RootUses:
+        """The root leaves read only after the last unit or only by the units' inputs, and the first unit's
+        leaves reduced first: late_root.py, from one abstract trace of the model when a step is first traced."""
+        return late_root.root_uses(self)
 
-    @functools.cached_property
+    @property
+    def late_leaves(self) -> tuple:
+        """The root leaves the model reads only after its last unit (indices into the flat parameters)."""
+        return self.root_uses.late
+
+    @property
     def early(self) -> tuple:
-        """(the root leaves only the units' inputs read, the first unit's leaves reduced first): late_root.py."""
-        return late_root.early_leaves(self)
+        """(the root leaves only the units' inputs read, the first unit's leaves reduced first)."""
+        return self.root_uses.early, self.root_uses.ahead
 
     def _unit_layouts(self, path, shards):
         """The layouts of a unit's leaves; for a unit made inside the model's own NNX scan (path None),
