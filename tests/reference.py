@@ -239,6 +239,15 @@ def assert_params_close(got, want, before, rtol=PARAM_RTOL):
     assert moved > 1e-3, "reference parameters did not move; the comparison would prove nothing"
 
 
+def assert_updates_close(got, want, before, rtol, label=""):
+    """Per leaf: the update (after - before) of `got` within `rtol` of `want`'s in L2 (the bf16 checks:
+    docs/numerics.md); the same leaves in all three, or an error."""
+    for path, w, g, b in paired(want, got, before):
+        du, dw = np.asarray(g, np.float64) - b, np.asarray(w, np.float64) - b
+        err = np.linalg.norm(du - dw) / np.linalg.norm(dw)
+        assert err <= rtol, f"{label}{path}: update differs by {err:.3f} in L2"
+
+
 # ---- float8 (docs/float8.md's recipe: tensorwise dynamic scaling, e4m3 forward, e5m2 gradients), written
 # without jfsdp: a matmul whose operands are rounded to float8 with their own amax scale and computed in fp32
 
