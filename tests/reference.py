@@ -357,7 +357,7 @@ class ScanModel(nnx.Module):
     """An NNX model whose layers are made with nnx.vmap (parameters stacked on a layer axis) and run by
     nnx.scan: what jfsdp must take as it is, scan kept (tests/test_any_model.py, test_float8_any_model.py)."""
 
-    def __init__(self, n, rngs, width=16):
+    def __init__(self, n, rngs, width=16, gated=False):
         self.embed = nnx.Embed(13, width, rngs=rngs)
 
         @nnx.split_rngs(splits=n)
@@ -365,11 +365,15 @@ class ScanModel(nnx.Module):
         def make(rngs):
             return ScanBlock(rngs, width)
         self.layers = make(rngs)
+        # gated: a root parameter that the scan's body reads from outside it (a value it closes over)
+        self.gate = nnx.Param(jax.random.normal(rngs.params(), (width,))) if gated else None
 
     def __call__(self, tokens):
+        gate = None if self.gate is None else jnp.tanh(self.gate[...])
+
         @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
         def body(h, layer):
-            return layer(h)
+            return layer(h) if gate is None else layer(h) * gate
         return self.embed.attend(body(self.embed(tokens), self.layers))
 
 

@@ -5,6 +5,7 @@ deterministic for a seed; an NNX plan saved on 1x8 and resumed on 2x4; each bad 
 import importlib.util
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -366,15 +367,34 @@ def test_nnx_nested_units_and_abstract_model_without_constructor():
         same_values(g, w, path)
 
 
-def test_prefetch_and_update_in_backward_are_refused_with_reasons():
-    """prefetch=True where prefetch in call order cannot run: nothing to gather, units in the model's own
-    scan, or a step whose unit calls differ from the order fully_shard recorded (here the call flips it
-    when the batch has a key the example batch lacked)."""
+class ScanWithInputs(ref.ScanModel):
+    """ref.ScanModel whose scan also takes a value per layer: not a scan the prefetch pipeline can run."""
+
+    def __call__(self, tokens):
+        @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=nnx.Carry)
+        def body(h, layer, scale):
+            return layer(h) * scale
+        return self.embed.attend(body(self.embed(tokens), self.layers, jnp.linspace(1.0, 2.0, 2)))
+
+
+def test_prefetch_and_update_in_backward_are_refused_with_reasons(monkeypatch):
+    """prefetch=True where prefetch cannot run: nothing to gather, a model's own scan that takes other
+    per-iteration values than its unit's parameters (by default there: run as written, with a warning),
+    or a step whose unit calls differ from the order fully_shard recorded (here the call flips it when
+    the batch has a key the example batch lacked)."""
     with pytest.raises(jfsdp.ConfigError, match="nothing to gather"):
         jfsdp.fully_shard(Outer(), mesh("1x8"), {"inputs": X}, units=Plain, prefetch=True, strategy="no_shard")
-    with pytest.raises(jfsdp.ConfigError, match="own scan"):
-        jfsdp.fully_shard(ref.ScanModel(2, nnx.Rngs(0)), mesh("1x8"), batches(NCFG)[0], units=ref.ScanBlock,
-                          prefetch=True)
+    b = batches(NCFG)[0]
+    sharded = jfsdp.fully_shard(ScanWithInputs(2, nnx.Rngs(0)), mesh("1x8"), b, units=ref.ScanBlock, prefetch=True)
+    with pytest.raises(jfsdp.ConfigError, match="own scan over unit layers cannot run on jfsdp's pipeline: it scans "
+                                                "other values"):
+        jax.jit(sharded.apply)(sharded.abstract_params(), b)
+    monkeypatch.setenv("JFSDP_PREFETCH", "1")   # the default as on GPUs
+    sharded = jfsdp.fully_shard(ScanWithInputs(2, nnx.Rngs(0)), mesh("1x8"), b, units=ref.ScanBlock)
+    assert sharded.prefetch
+    with pytest.warns(UserWarning, match="runs as the model wrote it .* it scans other values"):
+        jax.jit(sharded.apply).lower(sharded.abstract_params(), b)
+    monkeypatch.delenv("JFSDP_PREFETCH")
     assert not jfsdp.fully_shard(Outer(), mesh("1x8"), {"inputs": X}, units=Plain).prefetch   # CPU default
     sharded = jfsdp.fully_shard(Flip(), mesh("1x8"), {"inputs": X}, units=Plain, prefetch=True,
                                 call=lambda m, b: m(b["inputs"], "flip" in b))
@@ -518,11 +538,11 @@ def test_bf16_on_an_as_is_plan_matches_single_device_bf16(nnx_reference):
 
 
 # ---- a model that scans its own blocks keeps its scan
-def linen_scan_run(untied: bool):
+def linen_scan_run(untied: bool, prefetch=None):
     """`models.llama.ScannedLlama` (3 blocks under its own `nn.scan`) given as it is on 2x4, remat full, trained
     by jfsdp and by the plain single-device trainer (optax, same init and data): losses and final parameters
-    asserted equal. `untied`: the units called as on GPUs (the plan marked not on a CPU), with the jaxpr of the
-    step checked to hold no CSE barrier."""
+    asserted equal. `untied`: the units called as on GPUs without prefetch (the plan marked not on a CPU), with
+    the jaxpr of the step checked to hold no CSE barrier. `prefetch`: fully_shard's."""
     import dataclasses
 
     import models
@@ -530,7 +550,9 @@ def linen_scan_run(untied: bool):
     cfg = dataclasses.replace(models.get_config("llama-test"), n_layers=3, attention="xla")
     data = [{"inputs": b["inputs"] % cfg.vocab_size, "targets": b["targets"] % cfg.vocab_size} for b in batches(LCFG)]
     model = ScannedLlama(cfg)
-    sharded = jfsdp.fully_shard(model, mesh("2x4"), data[0], units=LlamaBlock, remat="full", rng_streams=())
+    sharded = jfsdp.fully_shard(model, mesh("2x4"), data[0], units=LlamaBlock, remat="full", rng_streams=(),
+                                prefetch=prefetch)
+    assert sharded.prefetch == bool(prefetch)
     if untied:
         assert sharded.on_cpu and not sharded.prefetch
         sharded.on_cpu = False   # the GPU path: units untied from their inputs
@@ -556,6 +578,7 @@ def linen_scan_run(untied: bool):
     with jax.default_device(jax.devices()[0]):
         ref_losses, ref_final, _ = ref.run_steps(plain, loss, params, data)
     assert_close(losses, ref_losses, sharded.gather(state.params), ref_final)
+    return step, state, data
 
 
 def test_linen_scan_keeps_its_scan_and_equals_single_device():
@@ -573,11 +596,29 @@ def test_linen_scan_untied_as_on_gpus_equals_single_device():
     linen_scan_run(untied=True)
 
 
-def test_nnx_scan_keeps_its_scan_and_equals_single_device():
-    model = ref.ScanModel(3, nnx.Rngs(0))
+def test_linen_scan_on_the_prefetch_pipeline_equals_single_device():
+    """prefetch=True (the default on GPUs): the model's own `nn.scan` runs as a stage of jfsdp's prefetch pipeline
+    (engine/as_is/own_scan.py: unit i+1 gathered during unit i, reduce-scatters one unit behind, the last
+    unit saved, the final norm read after the scan gathered during the last unit): the same losses and final
+    parameters as the plain single-device trainer; and the model's scan of 3 iterations is gone from the step,
+    replaced by the pipeline's loops (forward: units 0..1 with unit 2 peeled; backward: unit 1, with 2 and 0
+    peeled)."""
+    step, state, data = linen_scan_run(untied=False, prefetch=True)
+    lengths = re.findall(r"length=(\d+)", str(jax.make_jaxpr(step)(state, data[0])))
+    assert "3" not in lengths and {"1", "2"} <= set(lengths), lengths
+
+
+@pytest.mark.parametrize("prefetch,strategy", [(None, "full_shard"), (True, "shard_grad_op")])
+def test_nnx_scan_keeps_its_scan_and_equals_single_device(prefetch, strategy):
+    """An NNX model whose layers nnx.scan runs (tests/reference.ScanModel), as it is: its scan kept (CPU
+    default), or run on the prefetch pipeline (prefetch=True; under SHARD_GRAD_OP, which keeps the gathered
+    units for the backward; the model's scan body multiplies by a root parameter it reads from outside, which
+    the pipeline carries so that it gets its gradient), trains as the plain single-device trainer does."""
+    model = ref.ScanModel(3, nnx.Rngs(0), gated=bool(prefetch))
     data = [{k: v % 13 for k, v in b.items()} for b in batches(NCFG)]
-    sharded = jfsdp.fully_shard(model, mesh("2x4"), data[0], units=ref.ScanBlock, remat="full")
-    assert sharded.scanned == {("layers",): 3}
+    sharded = jfsdp.fully_shard(model, mesh("2x4"), data[0], units=ref.ScanBlock, remat="full", prefetch=prefetch,
+                                strategy=strategy)
+    assert sharded.scanned == {("layers",): 3} and sharded.prefetch == bool(prefetch)
     mask = sharded.decay_mask()
     opt = jfsdp.adamw(ref.LR, b1=ref.B1, b2=ref.B2, eps=ref.EPS, weight_decay=ref.WD, clip_norm=ref.CLIP, mask=mask)
     state = jfsdp.init_state(sharded, opt)

@@ -229,7 +229,8 @@ def _lead(rest, xs, lays, comm, on_cpu: bool):
 def resolve(plan, prefetch) -> bool:
     """`fully_shard(prefetch=...)` for a model given as it is: as for `Stacked` (config/policy.py), where
     its units run from its own Python loop; a ConfigError for prefetch=True where they cannot."""
-    why = ("its units run inside the model's own scan (only its own Python loop prefetches)" if plan.scanned else
+    mixed = plan.scanned and set(plan.units) - set(plan.scanned)   # (own scans alone: as_is/own_scan.py)
+    why = ("units run both inside the model's own scan and from its own Python loop" if mixed else
            f"unit {path_text(plan.nested[0])} called inside a transform of the model's own (nn.remat, lax.cond, ...: "
            "fully_shard's remat= replaces nn.remat)" if plan.nested else
            "float8 units" if plan.mp.float8 is not None else

@@ -120,9 +120,11 @@ def scan_gradient_points(v: AsIsView, points: dict, g, grad_shards, once: bool) 
     - with `grad_sync='once'` (`once`) its transpose builds each micro-batch's whole stacked gradient apart
       from the sum: two more whole gradients of the scanned units in the reduce dtype (2.1 of them measured
       at 3 units, grad_accum 2; 2.01 in benchmarks/grad_sync.py, docs/any-model.md).
+    On jfsdp's prefetch pipeline (plan.prefetch, engine/as_is/own_scan.py; not under `once`, which runs the
+    model's scan) the stage's backward stacks the shards as `Stacked`'s does: nothing added.
     `grad_shards`: bytes per device of [(layouts, units)]' gradient shards; `g`: the trainable leaves."""
     scanned = [(l, n) for (l, n), u in zip(g.stages, v.plan.units) if tuple(u) in v.plan.scanned]
-    if not scanned or v.shards == 1 or not v.strategy.reshard_after_forward:
+    if not scanned or v.shards == 1 or not v.strategy.reshard_after_forward or (v.plan.prefetch and not once):
         return points
     rdt = v.mp.reduce_dtype or v.mp.param_dtype or jnp.float32
     shards = 0 if once else grad_shards(v, scanned)

@@ -267,6 +267,9 @@ def _estimates(a, cfg, case: _Case, budget: int) -> dict:
 
 def _as_is_schedule(plan) -> str:
     """The overlap report's line for a model given as it is: how its units run (docs/any-model.md)."""
+    if plan.scanned and plan.prefetch:
+        return ("the model's own scan run as a stage of jfsdp's prefetch pipeline (engine/as_is/own_scan.py; one "
+                "that cannot be is run as written, with a warning)")
     if plan.scanned:
         return ("the model's own scan, XLA's pipeliner (no prefetch in call order: jfsdp does not own the loop "
                 "body; on GPUs the units are called untied from their inputs, one unit per combined collective)")

@@ -170,7 +170,8 @@ def own_scan_unit(plan) -> tuple | None:
     """(gathered bytes, reduced shard bytes) of the largest unit that a model given as it is runs in its
     own scan (`nn.scan`, `nnx.scan`) on sharded GPUs, as XLA's combiners measure them (the gather's
     result in the gather dtype, float8 where the layout says so; the reduce-scatter's result in the
-    reduce dtype); None for every other plan. `flags_for(own_scan=...)` makes them the combine
+    reduce dtype); None for every other plan, and where the model's scan runs on jfsdp's prefetch pipeline
+    (plan.prefetch: engine/as_is/own_scan.py), which needs no pipeliner. `flags_for(own_scan=...)` makes them the combine
     thresholds. The reduced bytes count, besides the unit, the root's leaves no larger than the unit's
     smallest leaf (a final norm): XLA combined the final norm's reduce-scatter with the backward loop's
     last pipelined unit, which a threshold of one unit then split in two, and the larger part ran
@@ -178,7 +179,7 @@ def own_scan_unit(plan) -> tuple | None:
     `Stacked`'s). Larger root leaves are not counted: with the small Llama's embedding (33 KiB per
     device) counted, tests/test_gpu_target.py's own-scan case exposed two units' reduce-scatters (1.92x)."""
     scanned = getattr(plan, "scanned", None)
-    if not getattr(plan, "as_is", False) or not scanned or plan.shards <= 1 or plan.on_cpu:
+    if not getattr(plan, "as_is", False) or not scanned or plan.shards <= 1 or plan.on_cpu or plan.prefetch:
         return None
     import jax
     from jfsdp.engine.layout import is_layout

@@ -20,9 +20,12 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from flax.core.tracers import current_trace
 from jax.extend.core import Literal
 
+from jfsdp.engine.as_is import own_scan
 from jfsdp.engine.layout import is_layout
+from jfsdp.engine.model_tree import subtree
 
 
 def _used_inputs(jaxpr, outs=slice(None)) -> list:
@@ -58,14 +61,18 @@ def root_uses(plan) -> RootUses:
     root = [i for i, (p, _) in enumerate(flat) if plan.unit_of[jax.tree_util.keystr(p)] is None]
     dtype = lambda l: plan.comm.param_dtype or l.dtype
     m, first, ahead = plan.model, tuple(plan.units[0]), []
+    unit = lambda p: plan.unit_of[jax.tree_util.keystr(p)]
+    stacked = lambda p: (plan.scanned[unit(p)],) if unit(p) in plan.scanned else ()   # the model's own scan's
 
     def outputs(root_leaves, batch):
-        leaves = [jnp.zeros(l.full_shape, dtype(l)) for _, l in flat]
+        leaves = [jnp.zeros(stacked(p) + l.full_shape, dtype(l)) for p, l in flat]
         for i, x in zip(root, root_leaves):
             leaves[i] = x
-        tree, seen = jax.tree.unflatten(treedef, leaves), []
+        tree, seen, top = jax.tree.unflatten(treedef, leaves), [], current_trace()
 
         def hook(path, shards, fn, inputs):
+            if current_trace() != top:   # inside the model's own scan: its input is what `scan_inputs` saw
+                return fn(shards, inputs)
             if tuple(path or ()) == first and not seen:
                 lays = jax.tree.unflatten(jax.tree.structure(shards), plan.leaf_layouts[first])
                 ahead.extend(last_called(fn, lays, shards, inputs))
@@ -73,10 +80,11 @@ def root_uses(plan) -> RootUses:
             zero = lambda x: jnp.zeros_like(x) if jnp.issubdtype(x.dtype, jnp.floating) else x
             return jax.tree.map(zero, fn(shards, inputs))
         key, units = jax.random.key(0), set(plan.units)
-        if m.kind == "linen":
-            out = m.apply(tree, batch, hook, units, {s: key for s in m.rng_streams})
-        else:
-            out = m.apply(tree, batch, hook, units, key, plan.matcher.classes)
+        with own_scan.scan_inputs([jax.tree.leaves(subtree(tree, p)) for p in plan.scanned], seen):
+            if m.kind == "linen":
+                out = m.apply(tree, batch, hook, units, {s: key for s in m.rng_streams})
+            else:
+                out = m.apply(tree, batch, hook, units, key, plan.matcher.classes)
         return seen, out
 
     abstract = [jax.ShapeDtypeStruct(flat[i][1].full_shape, dtype(flat[i][1])) for i in root]

@@ -3,6 +3,7 @@ hands each unit call to the engine, and the batch contract (the package's docstr
 says how they fit together)."""
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Mapping
 
@@ -18,7 +19,8 @@ from jfsdp.engine import call_order
 from jfsdp.engine.fsdp import any_unreduced, is_unreduced, unshard_tree
 from jfsdp.engine.flax_models import Found, UnitMatcher, adapt
 from jfsdp.engine.float8_any import mark_units, unit_compute
-from jfsdp.engine.as_is import late_root
+from jfsdp.engine.as_is import late_root, own_scan
+from jfsdp.engine.as_is.own_scan import OwnScan, stacked_units, stage_passes
 from jfsdp.engine.as_is.params import ParamTree, abstract, unboxed
 from jfsdp.engine.layout import is_layout, paths
 from jfsdp.engine.model_tree import path_text, scanned_units, subtree
@@ -64,7 +66,8 @@ class AsIs(ParamTree, TensorAsIs, FSDP):
                 self.leaf_layouts.setdefault(self.unit_of[k], []).append(l)
         if self.mp.float8 is not None:   # the selected unit kernels gathered and multiplied in float8
             self.leaf_layouts = mark_units(self)
-        self.prefetch = call_order.resolve(self, prefetch)   # in the order the model calls its units
+        self.prefetch_asked = prefetch
+        self.prefetch = call_order.resolve(self, prefetch)   # in call order, or its own scan on the pipeline
 
     @property
     def saves_last_unit(self) -> bool:
@@ -139,7 +142,12 @@ class AsIs(ParamTree, TensorAsIs, FSDP):
         keys = [self.unit_of[jax.tree_util.keystr(p)] for p, _ in flat]
         leaves = [x for _, x in flat]
         prefetch = self.prefetch and not any_unreduced(params)
-        order = self._call_order(jax.tree.unflatten(treedef, leaves), leaves, lay) if prefetch else None
+        own = None   # the model's own scan on the pipeline (own_scan.py); else its own loop in call order
+        if prefetch and self.scanned:
+            late = self._late(leaves, lay, lambda: tree) if len(self.scanned) == 1 else None
+            own = OwnScan(stacked_units(self, jax.tree.unflatten(treedef, leaves)), stage_passes(self),
+                          self.prefetch_asked is True, late)
+        order = self._call_order(jax.tree.unflatten(treedef, leaves), leaves, lay) if prefetch and not own else None
         if order is not None and self.early[0]:   # an untied embedding: the first unit call's lead (call_order.py)
             for i, x in zip(self.early[0], order.lead([leaves[i] for i in self.early[0]])):
                 leaves[i] = x
@@ -148,6 +156,8 @@ class AsIs(ParamTree, TensorAsIs, FSDP):
                                             for x, l, u in zip(leaves, lay, keys)])
 
         def hook(path, shards, fn, inputs):
+            if own is not None and own.inside:   # an iteration of the model's scan on the pipeline: gathered
+                return fn(shards, inputs)
             if order is not None:
                 out = order.call(path, fn, inputs)
                 if order.late_gathered is not None:   # the last unit's call: the root read after it, bound anew
@@ -164,12 +174,21 @@ class AsIs(ParamTree, TensorAsIs, FSDP):
                                                  self.policy, tied))
         key = self._step_key(rows)
         units = set(self.units)
-        if self.model.kind == "linen":
-            rngs = {s: jax.random.fold_in(key, i) for i, s in enumerate(self.model.rng_streams)}
-            out = self.model.apply(tree, batch, hook, units, rngs)
-        else:
-            out = self.model.apply(tree, batch, hook, units, key, self.matcher.classes)
+        with own_scan.running(own) if own is not None else contextlib.nullcontext():
+            if self.model.kind == "linen":
+                rngs = {s: jax.random.fold_in(key, i) for i, s in enumerate(self.model.rng_streams)}
+                out = self.model.apply(tree, batch, hook, units, rngs)
+            else:
+                out = self.model.apply(tree, batch, hook, units, key, self.matcher.classes)
         return self.mp.cast_output(out)
+
+    def _late(self, leaves, lay, tree):
+        """(shards, bind) of the root leaves read after the last unit (`late_leaves`) for own_scan.py: bind
+        gathers them and writes them into the parameters the model reads (late_root.rebind), or None."""
+        late = self.late_leaves
+        paths = [self._leaf_paths()[i][0] for i in late]
+        bind = lambda xs: late_root.rebind(self.model, tree(), paths, [self.gather_root(x, lay[i]) for x, i in zip(xs, late)])
+        return ([leaves[i] for i in late], bind) if late else None
 
     def _call_order(self, tree, leaves, lay):
         shards = {u: subtree(tree, u) for u in self.units}

@@ -1,0 +1,201 @@
+"""Prefetch for a model that scans its own units (Linen `nn.scan`, `nnx.scan` over stacked layers): the
+model's scan is run as a stage of jfsdp's prefetch pipeline (pipeline.py), as `Stacked`'s are.
+
+The loop is the model's, so nothing can be placed around one of its iterations from outside. Instead,
+while the sharded forward runs the model (`running`), `jax.lax.scan` is replaced by `OwnScan.scan`,
+which recognizes the model's scan over a unit's stacked parameters: the leaves of its `xs` are the very
+shards the engine handed to the model (Flax passes them through untouched). That scan is traced once,
+one iteration with the unit's gathered parameters in place of its slice of the shards (the unit's call
+inside then computes on them directly, `OwnScan.inside`), and the iteration becomes the pipeline's unit:
+unit i+1 gathered while unit i computes, unit i's reduce-scatter under unit i-1's backward, the last
+unit's gathered parameters saved for its backward, the first unit's reduce-scatter in parts (step_end.py).
+Every other scan (the pipeline's own, one inside a unit, one over other values) runs as jax's.
+
+What the iteration may be, checked on its trace (`fits`): the unit's parameters its only per-iteration
+inputs; its per-iteration outputs none, or those parameters passed through (NNX hands the layer's state
+back); a forward scan. Float values it reads from outside (a table computed before the scan) travel in
+the pipeline's carry, unchanged by each iteration, so that they get their gradient (summed over the
+iterations by the carry's VJP) and the pipeline's custom VJP closes over no differentiated value; the
+backward keeps one copy per iteration of them, as it keeps each iteration's input. A scan that does not
+fit runs as the model wrote it (each unit gathered in its iteration; on GPUs XLA's collective
+pipeliner moves the gathers and reduce-scatters, as with prefetch=False) with a warning that says why, or, where
+prefetch=True was asked for, is a ConfigError that says why.
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
+
+from jfsdp.config.errors import ConfigError
+from jfsdp.engine.fsdp import unshard_tree
+from jfsdp.engine.model_tree import subtree
+from jfsdp.engine.pipeline import StagePasses, pipelined_stage
+
+_SCAN = lax.scan   # jax's own, captured before any replacement
+
+
+def _is_float(x) -> bool:
+    return jnp.issubdtype(jnp.result_type(x), jnp.floating)
+
+
+class OwnScan:
+    """The model's scans over the units in `stacked` ({unit path: (stacked shards, Layout tree)}) run as
+    pipeline stages; `passes(apply, layouts, n)` makes a stage's StagePasses, `strict` (prefetch=True
+    asked for) turns a scan that does not fit into a ConfigError."""
+
+    def __init__(self, stacked: dict, passes, strict: bool, late=None):
+        self.stacked, self.passes, self.strict = stacked, passes, strict
+        self.late = late   # (shards, bind(shards) -> None) of the root read after the scan, or None
+        self.inside = 0   # > 0 while an iteration is traced with gathered parameters
+        self.ran = []     # the unit paths whose scan ran on the pipeline (one entry per scan)
+
+    def scan(self, f, init=None, xs=None, length=None, reverse=False, unroll=1, **kw):
+        keep = lambda: _SCAN(f, init, xs, length=length, reverse=reverse, unroll=unroll, **kw)
+        if self.inside:
+            return keep()
+        leaves, xtree = jax.tree.flatten(xs)
+        found = self._match(leaves)
+        if found is None:
+            return keep()
+        path, where = found
+        why = ("it runs in reverse" if reverse else "it asks for a split transpose" if kw.get("_split_transpose")
+               else "its carry has values that are not floats"
+               if not all(_is_float(x) for x in jax.tree.leaves(init)) else None)
+        if why is None and len(where) != len(leaves):
+            why = "it scans other values besides the unit's parameters"
+        traced = None if why else self._trace(f, init, leaves, xtree, path, where)
+        why = why or traced[0]
+        if why:
+            where = f"the model's own scan over unit {'/'.join(map(str, path))}"
+            if self.strict:
+                raise ConfigError(f"prefetch=True: {where} cannot run on jfsdp's pipeline: {why}; pass prefetch=None "
+                                  "or False")
+            warnings.warn(f"jfsdp: {where} runs as the model wrote it (each unit gathered in its iteration, XLA's "
+                          f"pipeliner on GPUs), not on jfsdp's prefetch pipeline: {why}", stacklevel=2)
+            return keep()
+        _, closed, outs, ytree = traced
+        self.ran.append(path)
+        return self._run(path, where, init, closed, outs, ytree, leaves)
+
+    def _match(self, leaves):
+        """(unit path, {position in xs: index of the unit's leaf}) if `xs` holds every stacked shard of one
+        unit, each once; else None."""
+        ids = {id(x): i for i, x in enumerate(leaves)}
+        for path, (shards, _) in self.stacked.items():
+            own = jax.tree.leaves(shards)
+            where = {ids[id(x)]: k for k, x in enumerate(own) if id(x) in ids}
+            if own and len(where) == len(own):
+                return path, where
+        return None
+
+    def _trace(self, f, init, leaves, xtree, path, where):
+        """One iteration, traced with the unit's gathered parameters: (why it does not fit or None,
+        the closed jaxpr of (gathered leaves, carry leaves) -> (carry, per-iteration outputs), for each
+        per-iteration output the unit's leaf it passes through, the outputs' tree)."""
+        shards, layouts = self.stacked[path]
+        row = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), shards)
+        gathered = jax.tree.leaves(jax.eval_shape(lambda s: unshard_tree(s, layouts, self.passes.comm), row))
+        ytree = []
+
+        def one(g, c):
+            x = list(leaves)
+            for pos, k in where.items():
+                x[pos] = g[k]
+            c, ys = f(c, jax.tree.unflatten(xtree, x))
+            ytree.append(jax.tree.structure(ys))
+            return c, jax.tree.leaves(ys)
+        self.inside += 1
+        try:
+            closed = jax.make_jaxpr(one)(gathered, init)
+        finally:
+            self.inside -= 1
+        jaxpr = closed.jaxpr
+        n_g = len(gathered)
+        n_c = len(jax.tree.leaves(init))
+        outs = []
+        for v in jaxpr.outvars[n_c:]:
+            k = next((k for k, a in enumerate(jaxpr.invars[:n_g]) if a is v), None)
+            if k is None:
+                return "its body returns per-iteration outputs other than the unit's parameters", None, None, None
+            outs.append(k)
+        return None, closed, outs, ytree[0]
+
+    def _run(self, path, where, init, closed, outs, ytree, leaves):
+        shards, layouts = self.stacked[path]
+        consts = list(closed.consts)
+        floats = [i for i, x in enumerate(consts) if _is_float(x)]   # carried: they get their gradient
+        n_c = len(jax.tree.leaves(init))
+        ctree = jax.tree.structure(init)
+
+        def apply(g, h):
+            c, carried = h
+            values = list(consts)
+            for i, x in zip(floats, carried):
+                values[i] = x
+            out = jaxpr_as_fun(ClosedJaxpr(closed.jaxpr, values))(*jax.tree.leaves(g), *jax.tree.leaves(c))
+            return jax.tree.unflatten(ctree, out[:n_c]), carried
+        n = jax.tree.leaves(shards)[0].shape[0]
+        stage = pipelined_stage(self.passes(apply, layouts, n))
+        late, self.late = self.late, None   # (the first scan over units: the model's last unit is in it)
+        (c, _), extra = stage((init, [consts[i] for i in floats]), shards, late[0] if late else [], None)
+        if late:   # gathered while the last unit computes, reduce-scattered while its backward does
+            late[1](extra)
+        own = jax.tree.leaves(shards)
+        return c, jax.tree.unflatten(ytree, [own[k] for k in outs])
+
+
+def stacked_units(plan, tree) -> dict:
+    """{unit path: (its stacked shards in `tree`, its Layout tree)} of the units the model scans itself."""
+    out = {}
+    for p in plan.scanned:
+        sub = subtree(tree, p)
+        out[p] = (sub, jax.tree.unflatten(jax.tree.structure(sub), plan.leaf_layouts[p]))
+    return out
+
+
+def stage_passes(plan):
+    """`passes(apply, layouts, n)` for the model's own scan: one stage, first and last (its units are all
+    the model's: the root runs before and after it), as sharded.py makes `Stacked`'s."""
+    def passes(apply, layouts, n):
+        return StagePasses(apply=apply, layouts=layouts, comm=plan.comm, n=n, first_stage=True, on_cpu=plan.on_cpu,
+                           policy=plan.policy, keep_gathered=plan.shards > 1 and not plan.strategy.reshard_after_forward,
+                           prefetch=True, last_stage=True)
+    passes.comm = plan.comm
+    return passes
+
+
+@contextlib.contextmanager
+def scan_inputs(stacked: list, seen: list):
+    """While active, a scan over one of `stacked` (each a unit's stacked leaves) appends its carry's initial
+    value to `seen` (the unit's input, for late_root.root_uses) and returns zeros for its carry, as that
+    trace's units return zeros."""
+    def scan(f, init=None, xs=None, *args, **kw):
+        ids = {id(x) for x in jax.tree.leaves(xs)}
+        if not any(s and all(id(x) in ids for x in s) for s in stacked):
+            return _SCAN(f, init, xs, *args, **kw)
+        seen.append(init)
+        c, ys = _SCAN(f, init, xs, *args, **kw)
+        return jax.tree.map(lambda x: jnp.zeros_like(x) if _is_float(x) else x, c), ys
+    previous = lax.scan
+    lax.scan = scan
+    try:
+        yield
+    finally:
+        lax.scan = previous
+
+
+@contextlib.contextmanager
+def running(own: OwnScan):
+    """While active, `jax.lax.scan` (which Flax's scans call) is `own.scan`."""
+    previous = lax.scan
+    lax.scan = own.scan
+    try:
+        yield own
+    finally:
+        lax.scan = previous
+
