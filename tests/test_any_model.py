@@ -378,8 +378,8 @@ class ScanWithInputs(ref.ScanModel):
 
 
 def test_prefetch_and_update_in_backward_are_refused_with_reasons(monkeypatch):
-    """prefetch=True where prefetch cannot run: nothing to gather, a model's own scan that takes other
-    per-iteration values than its unit's parameters (by default there: run as written, with a warning),
+    """prefetch=True where prefetch cannot run: nothing to gather, a model's own scan that takes float
+    per-iteration values besides its unit's parameters (by default there: run as written, with a warning),
     or a step whose unit calls differ from the order fully_shard recorded (here the call flips it when
     the batch has a key the example batch lacked)."""
     with pytest.raises(jfsdp.ConfigError, match="nothing to gather"):
@@ -387,12 +387,12 @@ def test_prefetch_and_update_in_backward_are_refused_with_reasons(monkeypatch):
     b = batches(NCFG)[0]
     sharded = jfsdp.fully_shard(ScanWithInputs(2, nnx.Rngs(0)), mesh("1x8"), b, units=ref.ScanBlock, prefetch=True)
     with pytest.raises(jfsdp.ConfigError, match="own scan over unit layers cannot run on jfsdp's pipeline: it scans "
-                                                "other values"):
+                                                "float values"):
         jax.jit(sharded.apply)(sharded.abstract_params(), b)
     monkeypatch.setenv("JFSDP_PREFETCH", "1")   # the default as on GPUs
     sharded = jfsdp.fully_shard(ScanWithInputs(2, nnx.Rngs(0)), mesh("1x8"), b, units=ref.ScanBlock)
     assert sharded.prefetch
-    with pytest.warns(UserWarning, match="runs as the model wrote it .* it scans other values"):
+    with pytest.warns(UserWarning, match="runs as the model wrote it .* it scans float values"):
         jax.jit(sharded.apply).lower(sharded.abstract_params(), b)
     monkeypatch.delenv("JFSDP_PREFETCH")
     assert not jfsdp.fully_shard(Outer(), mesh("1x8"), {"inputs": X}, units=Plain).prefetch   # CPU default
@@ -756,3 +756,52 @@ def test_the_planner_refuses_an_as_is_model_at_tensor_2():
     sharded = jfsdp.fully_shard(NamedModel(), tensor_mesh("1x2", 2), {"inputs": X}, units=NamedBlock)
     with pytest.raises(jfsdp.ConfigError, match="does not model a model given as it is with tensor parallelism"):
         memory.comm_formula(sharded)
+
+
+class DropBlock(nn.Module):
+    """A residual block with dropout, in nn.scan's calling convention."""
+
+    @nn.compact
+    def __call__(self, h, _):
+        return nn.Dropout(0.3, deterministic=False)(h + nn.Dense(16)(nn.LayerNorm()(h))), None
+
+
+class DropScan(nn.Module):
+    """Three DropBlocks under nn.scan, each layer its own dropout key (split_rngs): the scan's per-iteration
+    inputs hold random keys besides the stacked parameters."""
+
+    @nn.compact
+    def __call__(self, tokens):
+        e = nn.Embed(13, 16)
+        scanned = nn.scan(DropBlock, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True}, length=3)
+        h, _ = scanned()(e(tokens), None)
+        return e.attend(h)
+
+
+def test_own_scan_with_per_layer_dropout_keys_runs_on_the_prefetch_pipeline():
+    """A Linen scan whose layers draw dropout from keys split per layer runs on the prefetch pipeline (each
+    iteration reads its key by index: engine/as_is/own_scan.py), with the losses and final parameters of the
+    same model run as written (prefetch=False, the path trained against the single-device trainer above):
+    the same dropout masks, and the model's scan of 3 gone from the step."""
+    data = [{k: v % 13 for k, v in b.items()} for b in batches(NCFG)]
+    keys = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
+    params = jax.jit(DropScan().init)(keys, data[0]["inputs"])["params"]
+    runs = []
+    for prefetch in (False, True):
+        sharded = jfsdp.fully_shard(DropScan(), mesh("2x4"), data[0], units=DropBlock, remat="full",
+                                    prefetch=prefetch)
+        opt = jfsdp.adamw(1e-2, mask=sharded.decay_mask())
+        state = jfsdp.init_state(sharded, opt, params=params)
+        step = jfsdp.make_train_step(sharded, opt, nnx_ex.loss_fn)
+        lengths = re.findall(r"length=(\d+)", str(jax.make_jaxpr(step)(state, sharded.step_batch(data[0], 0))))
+        assert ("3" in lengths) != prefetch, lengths
+        losses = []
+        for b in data:
+            state, m = step(state, b)
+            losses.append(float(m["loss"]))
+        runs.append((losses, sharded.gather(state.params)))
+    (want, want_p), (got, got_p) = runs
+    assert len(set(want)) == len(want) and want[-1] < want[0]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(got_p), jax.tree.leaves(want_p)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)

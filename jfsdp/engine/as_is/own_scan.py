@@ -11,9 +11,9 @@ unit i+1 gathered while unit i computes, unit i's reduce-scatter under unit i-1'
 unit's gathered parameters saved for its backward, the first unit's reduce-scatter in parts (step_end.py).
 Every other scan (the pipeline's own, one inside a unit, one over other values) runs as jax's.
 
-What the iteration may be, checked on its trace (`fits`): the unit's parameters its only per-iteration
-inputs; its per-iteration outputs none, or those parameters passed through (NNX hands the layer's state
-back); a forward scan. Float values it reads from outside (a table computed before the scan) travel in
+What the scan may be (`OwnScan.scan`, `_trace`): forward; its per-iteration inputs the unit's parameters and
+values that are not floats (random keys split per layer, read by the iteration's index); its per-iteration
+outputs none, or those parameters passed through (NNX hands the layer's state back). Float values it reads from outside (a table computed before the scan) travel in
 the pipeline's carry, unchanged by each iteration, so that they get their gradient (summed over the
 iterations by the carry's VJP) and the pipeline's custom VJP closes over no differentiated value; the
 backward keeps one copy per iteration of them, as it keeps each iteration's input. A scan that does not
@@ -52,7 +52,6 @@ class OwnScan:
         self.stacked, self.passes, self.strict = stacked, passes, strict
         self.late = late   # (shards, bind(shards) -> None) of the root read after the scan, or None
         self.inside = 0   # > 0 while an iteration is traced with gathered parameters
-        self.ran = []     # the unit paths whose scan ran on the pipeline (one entry per scan)
 
     def scan(self, f, init=None, xs=None, length=None, reverse=False, unroll=1, **kw):
         keep = lambda: _SCAN(f, init, xs, length=length, reverse=reverse, unroll=unroll, **kw)
@@ -63,12 +62,12 @@ class OwnScan:
         if found is None:
             return keep()
         path, where = found
+        rest = [i for i in range(len(leaves)) if i not in where]   # per-iteration random keys: read by index
         why = ("it runs in reverse" if reverse else "it asks for a split transpose" if kw.get("_split_transpose")
-               else "its carry has values that are not floats"
-               if not all(_is_float(x) for x in jax.tree.leaves(init)) else None)
-        if why is None and len(where) != len(leaves):
-            why = "it scans other values besides the unit's parameters"
-        traced = None if why else self._trace(f, init, leaves, xtree, path, where)
+               else "its carry has values that are not floats" if not all(_is_float(x) for x in jax.tree.leaves(init))
+               else "it scans float values besides the unit's parameters" if any(_is_float(leaves[i]) for i in rest)
+               else None)
+        traced = None if why else self._trace(f, init, leaves, xtree, path, where, rest)
         why = why or traced[0]
         if why:
             where = f"the model's own scan over unit {'/'.join(map(str, path))}"
@@ -79,8 +78,7 @@ class OwnScan:
                           f"pipeliner on GPUs), not on jfsdp's prefetch pipeline: {why}", stacklevel=2)
             return keep()
         _, closed, outs, ytree = traced
-        self.ran.append(path)
-        return self._run(path, where, init, closed, outs, ytree, leaves)
+        return self._run(path, init, closed, outs, ytree, [leaves[i] for i in rest])
 
     def _match(self, leaves):
         """(unit path, {position in xs: index of the unit's leaf}) if `xs` holds every stacked shard of one
@@ -93,30 +91,32 @@ class OwnScan:
                 return path, where
         return None
 
-    def _trace(self, f, init, leaves, xtree, path, where):
+    def _trace(self, f, init, leaves, xtree, path, where, rest):
         """One iteration, traced with the unit's gathered parameters: (why it does not fit or None,
-        the closed jaxpr of (gathered leaves, carry leaves) -> (carry, per-iteration outputs), for each
-        per-iteration output the unit's leaf it passes through, the outputs' tree)."""
+        the closed jaxpr of (gathered leaves, carry leaves, the other per-iteration leaves) -> (carry,
+        per-iteration outputs), for each per-iteration output the unit's leaf it passes through, the
+        outputs' tree)."""
         shards, layouts = self.stacked[path]
-        row = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), shards)
-        gathered = jax.tree.leaves(jax.eval_shape(lambda s: unshard_tree(s, layouts, self.passes.comm), row))
+        row = lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
+        gathered = jax.tree.leaves(jax.eval_shape(lambda s: unshard_tree(s, layouts, self.passes.comm),
+                                                  jax.tree.map(row, shards)))
         ytree = []
 
-        def one(g, c):
+        def one(g, c, r):
             x = list(leaves)
             for pos, k in where.items():
                 x[pos] = g[k]
+            for pos, v in zip(rest, r):
+                x[pos] = v
             c, ys = f(c, jax.tree.unflatten(xtree, x))
             ytree.append(jax.tree.structure(ys))
             return c, jax.tree.leaves(ys)
         self.inside += 1
         try:
-            closed = jax.make_jaxpr(one)(gathered, init)
+            closed = jax.make_jaxpr(one)(gathered, init, [row(leaves[i]) for i in rest])
         finally:
             self.inside -= 1
-        jaxpr = closed.jaxpr
-        n_g = len(gathered)
-        n_c = len(jax.tree.leaves(init))
+        jaxpr, n_g, n_c = closed.jaxpr, len(gathered), len(jax.tree.leaves(init))
         outs = []
         for v in jaxpr.outvars[n_c:]:
             k = next((k for k, a in enumerate(jaxpr.invars[:n_g]) if a is v), None)
@@ -125,7 +125,10 @@ class OwnScan:
             outs.append(k)
         return None, closed, outs, ytree[0]
 
-    def _run(self, path, where, init, closed, outs, ytree, leaves):
+    def _run(self, path, init, closed, outs, ytree, rest):
+        """The scan as a pipeline stage. Its carry: the model's, the float values the body reads from
+        outside, and, where the scan has other per-iteration leaves `rest` (random keys, never
+        differentiated, read by the iteration's index), the index as a float."""
         shards, layouts = self.stacked[path]
         consts = list(closed.consts)
         floats = [i for i, x in enumerate(consts) if _is_float(x)]   # carried: they get their gradient
@@ -133,16 +136,18 @@ class OwnScan:
         ctree = jax.tree.structure(init)
 
         def apply(g, h):
-            c, carried = h
+            c, carried, *i = h
             values = list(consts)
-            for i, x in zip(floats, carried):
-                values[i] = x
-            out = jaxpr_as_fun(ClosedJaxpr(closed.jaxpr, values))(*jax.tree.leaves(g), *jax.tree.leaves(c))
-            return jax.tree.unflatten(ctree, out[:n_c]), carried
+            for k, x in zip(floats, carried):
+                values[k] = x
+            rows = [lax.dynamic_index_in_dim(x, i[0].astype(jnp.int32), keepdims=False) for x in rest]
+            out = jaxpr_as_fun(ClosedJaxpr(closed.jaxpr, values))(*jax.tree.leaves(g), *jax.tree.leaves(c), *rows)
+            return (jax.tree.unflatten(ctree, out[:n_c]), carried, *(k + 1 for k in i))
         n = jax.tree.leaves(shards)[0].shape[0]
         stage = pipelined_stage(self.passes(apply, layouts, n))
         late, self.late = self.late, None   # (the first scan over units: the model's last unit is in it)
-        (c, _), extra = stage((init, [consts[i] for i in floats]), shards, late[0] if late else [], None)
+        h = (init, [consts[k] for k in floats], *([jnp.zeros((), jnp.float32)] if rest else []))
+        (c, *_), extra = stage(h, shards, late[0] if late else [], None)
         if late:   # gathered while the last unit computes, reduce-scattered while its backward does
             late[1](extra)
         own = jax.tree.leaves(shards)
