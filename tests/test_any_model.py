@@ -608,17 +608,44 @@ def test_linen_scan_on_the_prefetch_pipeline_equals_single_device():
     assert "3" not in lengths and {"1", "2"} <= set(lengths), lengths
 
 
-@pytest.mark.parametrize("prefetch,strategy", [(None, "full_shard"), (True, "shard_grad_op")])
-def test_nnx_scan_keeps_its_scan_and_equals_single_device(prefetch, strategy):
+class TwoScans(nnx.Module):
+    """Two stacks of ref.ScanBlock, each run by its own nnx.scan, then a final norm that only the end reads."""
+
+    def __init__(self, rngs, width=16):
+        self.embed = nnx.Embed(13, width, rngs=rngs)
+
+        def make(n):
+            @nnx.split_rngs(splits=n)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def layers(rngs):
+                return ref.ScanBlock(rngs, width)
+            return layers(rngs)
+        self.lower, self.upper = make(2), make(3)
+        self.norm = nnx.LayerNorm(width, rngs=rngs)
+
+    def __call__(self, tokens):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def body(h, layer):
+            return layer(h)
+        return self.embed.attend(self.norm(body(body(self.embed(tokens), self.lower) * 0.5, self.upper)))
+
+
+@pytest.mark.parametrize("prefetch,strategy,kind", [(None, "full_shard", "one"), (True, "shard_grad_op", "gated"),
+                                                    (True, "full_shard", "two")])
+def test_nnx_scan_keeps_its_scan_and_equals_single_device(prefetch, strategy, kind):
     """An NNX model whose layers nnx.scan runs (tests/reference.ScanModel), as it is: its scan kept (CPU
     default), or run on the prefetch pipeline (prefetch=True; under SHARD_GRAD_OP, which keeps the gathered
-    units for the backward; the model's scan body multiplies by a root parameter it reads from outside, which
-    the pipeline carries so that it gets its gradient), trains as the plain single-device trainer does."""
-    model = ref.ScanModel(3, nnx.Rngs(0), gated=bool(prefetch))
+    units for the backward, the model's scan body multiplying by a root parameter it reads from outside, which
+    the pipeline carries so that it gets its gradient; and a model with two scans, the pipeline's first and
+    last stages, the final norm gathered during the second), trains as the plain single-device trainer does."""
+    model = TwoScans(nnx.Rngs(0)) if kind == "two" else ref.ScanModel(3, nnx.Rngs(0), gated=kind == "gated")
     data = [{k: v % 13 for k, v in b.items()} for b in batches(NCFG)]
     sharded = jfsdp.fully_shard(model, mesh("2x4"), data[0], units=ref.ScanBlock, remat="full", prefetch=prefetch,
                                 strategy=strategy)
-    assert sharded.scanned == {("layers",): 3} and sharded.prefetch == bool(prefetch)
+    want = {("lower",): 2, ("upper",): 3} if kind == "two" else {("layers",): 3}
+    assert sharded.scanned == want and sharded.prefetch == bool(prefetch)
+    if kind == "two":
+        assert len(sharded.late_leaves) == 2   # the final norm's scale and bias
     mask = sharded.decay_mask()
     opt = jfsdp.adamw(ref.LR, b1=ref.B1, b2=ref.B2, eps=ref.EPS, weight_decay=ref.WD, clip_norm=ref.CLIP, mask=mask)
     state = jfsdp.init_state(sharded, opt)

@@ -144,9 +144,8 @@ class AsIs(ParamTree, TensorAsIs, FSDP):
         prefetch = self.prefetch and not any_unreduced(params)
         own = None   # the model's own scan on the pipeline (own_scan.py); else its own loop in call order
         if prefetch and self.scanned:
-            late = self._late(leaves, lay, lambda: tree) if len(self.scanned) == 1 else None
             own = OwnScan(stacked_units(self, jax.tree.unflatten(treedef, leaves)), stage_passes(self),
-                          self.prefetch_asked is True, late)
+                          self.prefetch_asked is True, self._late(leaves, lay, lambda: tree))
         order = self._call_order(jax.tree.unflatten(treedef, leaves), leaves, lay) if prefetch and not own else None
         if order is not None and self.early[0]:   # an untied embedding: the first unit call's lead (call_order.py)
             for i, x in zip(self.early[0], order.lead([leaves[i] for i in self.early[0]])):

@@ -52,6 +52,7 @@ class OwnScan:
         self.stacked, self.passes, self.strict = stacked, passes, strict
         self.late = late   # (shards, bind(shards) -> None) of the root read after the scan, or None
         self.inside = 0   # > 0 while an iteration is traced with gathered parameters
+        self.runs = 0     # the scans over units run so far in this forward
 
     def scan(self, f, init=None, xs=None, length=None, reverse=False, unroll=1, **kw):
         keep = lambda: _SCAN(f, init, xs, length=length, reverse=reverse, unroll=unroll, **kw)
@@ -143,9 +144,10 @@ class OwnScan:
             rows = [lax.dynamic_index_in_dim(x, i[0].astype(jnp.int32), keepdims=False) for x in rest]
             out = jaxpr_as_fun(ClosedJaxpr(closed.jaxpr, values))(*jax.tree.leaves(g), *jax.tree.leaves(c), *rows)
             return (jax.tree.unflatten(ctree, out[:n_c]), carried, *(k + 1 for k in i))
-        n = jax.tree.leaves(shards)[0].shape[0]
-        stage = pipelined_stage(self.passes(apply, layouts, n))
-        late, self.late = self.late, None   # (the first scan over units: the model's last unit is in it)
+        n, k = jax.tree.leaves(shards)[0].shape[0], self.runs
+        self.runs += 1   # the k-th of the model's scans over units: the pipeline's first and last stages
+        stage = pipelined_stage(self.passes(apply, layouts, n, k == 0, k == len(self.stacked) - 1))
+        late = self.late if k == len(self.stacked) - 1 else None   # the last scan: the model's last unit is in it
         h = (init, [consts[k] for k in floats], *([jnp.zeros((), jnp.float32)] if rest else []))
         (c, *_), extra = stage(h, shards, late[0] if late else [], None)
         if late:   # gathered while the last unit computes, reduce-scattered while its backward does
@@ -164,12 +166,13 @@ def stacked_units(plan, tree) -> dict:
 
 
 def stage_passes(plan):
-    """`passes(apply, layouts, n)` for the model's own scan: one stage, first and last (its units are all
-    the model's: the root runs before and after it), as sharded.py makes `Stacked`'s."""
-    def passes(apply, layouts, n):
-        return StagePasses(apply=apply, layouts=layouts, comm=plan.comm, n=n, first_stage=True, on_cpu=plan.on_cpu,
+    """`passes(apply, layouts, n, first, last)` for one of the model's own scans: a stage, the first and the
+    last of the step as the model runs them (a model with one scan over units: both), as sharded.py makes
+    `Stacked`'s."""
+    def passes(apply, layouts, n, first, last):
+        return StagePasses(apply=apply, layouts=layouts, comm=plan.comm, n=n, first_stage=first, on_cpu=plan.on_cpu,
                            policy=plan.policy, keep_gathered=plan.shards > 1 and not plan.strategy.reshard_after_forward,
-                           prefetch=True, last_stage=True)
+                           prefetch=True, last_stage=last)
     passes.comm = plan.comm
     return passes
 
