@@ -150,13 +150,15 @@ def _stacked(tree):
 
 def linen_run(c, scanned=False, recipe="tensorwise"):
     """Llama in its own loop (1x4, FULL_SHARD, remat full) or under its own nn.scan (2x2, SHARD_GRAD_OP,
-    remat dots), `recipe` on every unit kernel, trained on `c`'s batches -> (plan, figures against `c`)."""
+    remat dots, the scan run on the prefetch pipeline: engine/as_is/own_scan.py; the NNX scan below keeps its
+    scan), `recipe` on every unit kernel, trained on `c`'s batches -> (plan, figures against `c`)."""
     model, spec, strategy, remat = ((ScannedLlama(CFG), "2x2", "shard_grad_op", "dots") if scanned
                                     else (Llama(CFG), "1x4", "full_shard", "full"))
     conv = _stacked if scanned else (lambda t: t)
     mp = FP8_FP32 if recipe == "tensorwise" else jfsdp.MixedPrecision(float8=jfsdp.Float8(recipe="rowwise"))
     plan = jfsdp.fully_shard(model, mesh(spec), c["batches"][0], units=LlamaBlock, strategy=strategy, remat=remat,
-                             mp_policy=mp, rng_streams=())
+                             mp_policy=mp, rng_streams=(), prefetch=True if scanned else None)
+    assert plan.prefetch == scanned
     got = train(plan, c["loss_fn"], c["batches"], conv(c["init"]))
     return plan, runs.figures(got, c, conv, c["init"])
 
@@ -169,7 +171,7 @@ def llama_case():
 @pytest.mark.parametrize("scanned", [False, True])
 def test_linen_as_is_fp8_matches_single_device_fp8(llama_case, scanned):
     """Llama in its own loop (1x4, FULL_SHARD, remat full) and under its own nn.scan (2x2, SHARD_GRAD_OP,
-    remat dots) in float8: every unit kernel float8, none of the root's; 3 AdamW steps against the
+    remat dots, the scan on the prefetch pipeline) in float8: every unit kernel float8, none of the root's; 3 AdamW steps against the
     reference: first-step gradients (the float8 backward), losses, updates; the rowwise reference and
     the trainer without float8 out of bound."""
     plan, m = linen_run(llama_case, scanned)

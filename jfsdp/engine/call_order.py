@@ -233,7 +233,7 @@ def resolve(plan, prefetch) -> bool:
     why = ("units run both inside the model's own scan and from its own Python loop" if mixed else
            f"unit {path_text(plan.nested[0])} called inside a transform of the model's own (nn.remat, lax.cond, ...: "
            "fully_shard's remat= replaces nn.remat)" if plan.nested else
-           "float8 units" if plan.mp.float8 is not None else
+           "float8 units" if plan.mp.float8 is not None and not plan.scanned else
            "a tensor axis (T > 1)" if plan.tensor > 1 else None)
     if why and prefetch:
         raise ConfigError(f"prefetch=True is not supported for a model given as it is with {why}; "

@@ -145,6 +145,15 @@ def intercepted():
         nnx.Linear.__call__ = original
 
 
+def gathered_compute(fn, float8: bool):
+    """`fn` (the unit on whole parameters) on parameters already gathered (float8 kernels boxed), with the
+    float8 matmuls intercepted where `float8`."""
+    def compute(params, inputs):
+        with intercepted() if float8 else contextlib.nullcontext():
+            return fn(params, inputs)
+    return compute
+
+
 def unit_compute(fn, layouts, comm):
     """`(shards, inputs) -> outputs` of a unit call: the shards gathered with `layouts` (float8 leaves
     in float8) and `fn` (the unit on whole parameters) run with the float8 matmuls intercepted."""

@@ -18,7 +18,7 @@ from jfsdp.config.mesh import AXES, mesh_shape
 from jfsdp.engine import call_order
 from jfsdp.engine.fsdp import any_unreduced, is_unreduced, unshard_tree
 from jfsdp.engine.flax_models import Found, UnitMatcher, adapt
-from jfsdp.engine.float8_any import mark_units, unit_compute
+from jfsdp.engine.float8_any import gathered_compute, mark_units, unit_compute
 from jfsdp.engine.as_is import late_root, own_scan
 from jfsdp.engine.as_is.own_scan import OwnScan, stacked_units, stage_passes
 from jfsdp.engine.as_is.params import ParamTree, abstract, unboxed
@@ -156,7 +156,7 @@ class AsIs(ParamTree, TensorAsIs, FSDP):
 
         def hook(path, shards, fn, inputs):
             if own is not None and own.inside:   # an iteration of the model's scan on the pipeline: gathered
-                return fn(shards, inputs)
+                return gathered_compute(fn, self.mp.float8 is not None)(shards, inputs)
             if order is not None:
                 out = order.call(path, fn, inputs)
                 if order.late_gathered is not None:   # the last unit's call: the root read after it, bound anew

@@ -32,6 +32,7 @@ from jax import lax
 from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 
 from jfsdp.config.errors import ConfigError
+from jfsdp.engine.float8 import KERNELS
 from jfsdp.engine.fsdp import unshard_tree
 from jfsdp.engine.model_tree import subtree
 from jfsdp.engine.pipeline import StagePasses, pipelined_stage
@@ -99,8 +100,9 @@ class OwnScan:
         outputs' tree)."""
         shards, layouts = self.stacked[path]
         row = lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
+        box = lambda x: isinstance(x, KERNELS)   # a float8 kernel, gathered: one value of several arrays
         gathered = jax.tree.leaves(jax.eval_shape(lambda s: unshard_tree(s, layouts, self.passes.comm),
-                                                  jax.tree.map(row, shards)))
+                                                  jax.tree.map(row, shards)), is_leaf=box)
         ytree = []
 
         def one(g, c, r):
@@ -110,17 +112,18 @@ class OwnScan:
             for pos, v in zip(rest, r):
                 x[pos] = v
             c, ys = f(c, jax.tree.unflatten(xtree, x))
-            ytree.append(jax.tree.structure(ys))
-            return c, jax.tree.leaves(ys)
+            ytree.append(jax.tree.structure(ys, is_leaf=box))
+            return c, [jax.tree.leaves(y)[0] for y in jax.tree.leaves(ys, is_leaf=box)]
         self.inside += 1
         try:
             closed = jax.make_jaxpr(one)(gathered, init, [row(leaves[i]) for i in rest])
         finally:
             self.inside -= 1
-        jaxpr, n_g, n_c = closed.jaxpr, len(gathered), len(jax.tree.leaves(init))
+        jaxpr, n_c = closed.jaxpr, len(jax.tree.leaves(init))
+        owner = [k for k, g in enumerate(gathered) for _ in jax.tree.leaves(g)]   # unit leaf of each input
         outs = []
-        for v in jaxpr.outvars[n_c:]:
-            k = next((k for k, a in enumerate(jaxpr.invars[:n_g]) if a is v), None)
+        for v in jaxpr.outvars[n_c:]:   # (a gathered float8 kernel by the first of its arrays)
+            k = next((owner[j] for j, a in enumerate(jaxpr.invars[:len(owner)]) if a is v), None)
             if k is None:
                 return "its body returns per-iteration outputs other than the unit's parameters", None, None, None
             outs.append(k)
