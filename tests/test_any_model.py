@@ -805,18 +805,52 @@ class DropScan(nn.Module):
         return e.attend(h)
 
 
-def test_own_scan_with_per_layer_dropout_keys_runs_on_the_prefetch_pipeline():
-    """A Linen scan whose layers draw dropout from keys split per layer runs on the prefetch pipeline (each
-    iteration reads its key by index: engine/as_is/own_scan.py), with the losses and final parameters of the
-    same model run as written (prefetch=False, the path trained against the single-device trainer above):
-    the same dropout masks, and the model's scan of 3 gone from the step."""
+class NNXDropBlock(nnx.Module):
+    def __init__(self, rngs, width=16):
+        self.linear, self.drop = nnx.Linear(width, width, rngs=rngs), nnx.Dropout(0.3, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.drop(self.linear(x))
+
+
+class NNXDropScan(nnx.Module):
+    """Three NNXDropBlocks made by nnx.vmap with their random streams split per layer, run by nnx.scan: the
+    scan's per-iteration inputs hold random keys and counts, its outputs the counts each layer advanced."""
+
+    def __init__(self, rngs, width=16):
+        self.embed = nnx.Embed(13, width, rngs=rngs)
+
+        @nnx.split_rngs(splits=3)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def layers(rngs):
+            return NNXDropBlock(rngs, width)
+        self.layers = layers(rngs)
+
+    def __call__(self, tokens):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def body(h, layer):
+            return layer(h)
+        return self.embed.attend(body(self.embed(tokens), self.layers))
+
+
+@pytest.mark.parametrize("kind", ["linen", "nnx"])
+def test_own_scan_with_per_layer_dropout_keys_runs_on_the_prefetch_pipeline(kind):
+    """A scan whose layers draw dropout from random streams split per layer (Linen: keys split by nn.scan;
+    NNX: keys and counts stacked by nnx.vmap, the counts handed back per iteration) runs on the prefetch
+    pipeline (each iteration reads its keys by index, the counts it hands back computed apart:
+    engine/as_is/own_scan.py), with the losses and final parameters of the same model run as written
+    (prefetch=False, the path trained against the single-device trainer above): the same dropout masks,
+    and the model's scan of 3 gone from the step."""
     data = [{k: v % 13 for k, v in b.items()} for b in batches(NCFG)]
-    keys = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
-    params = jax.jit(DropScan().init)(keys, data[0]["inputs"])["params"]
+    if kind == "linen":
+        model, unit = DropScan(), DropBlock
+        params = jax.jit(model.init)({"params": jax.random.key(0), "dropout": jax.random.key(1)},
+                                     data[0]["inputs"])["params"]
+    else:
+        model, unit, params = NNXDropScan(nnx.Rngs(params=0, dropout=1)), NNXDropBlock, None
     runs = []
     for prefetch in (False, True):
-        sharded = jfsdp.fully_shard(DropScan(), mesh("2x4"), data[0], units=DropBlock, remat="full",
-                                    prefetch=prefetch)
+        sharded = jfsdp.fully_shard(model, mesh("2x4"), data[0], units=unit, remat="full", prefetch=prefetch)
         opt = jfsdp.adamw(1e-2, mask=sharded.decay_mask())
         state = jfsdp.init_state(sharded, opt, params=params)
         step = jfsdp.make_train_step(sharded, opt, nnx_ex.loss_fn)

@@ -160,8 +160,9 @@ class NNXModel:
         each step (and each device, each micro-batch) draws its own random numbers from the seed."""
         def fold(x):
             value = x.get_value() if hasattr(x, "get_value") else x.value   # .value: flax before 0.12
-            if isinstance(x, nnx.RngKey):
-                return x.replace(jax.random.fold_in(value, jax.random.key_data(key)[-1]))
+            if isinstance(x, nnx.RngKey):   # (keys stacked per layer for the model's scan: each one folded)
+                folded = jax.vmap(lambda k: jax.random.fold_in(k, jax.random.key_data(key)[-1]))(value.reshape(-1))
+                return x.replace(folded.reshape(value.shape))
             if isinstance(x, nnx.RngCount):
                 return x.replace(jnp.zeros_like(value))
             return x

@@ -21,7 +21,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax.core.tracers import current_trace
-from jax.extend.core import Literal
 
 from jfsdp.engine.as_is import own_scan
 from jfsdp.engine.layout import is_layout
@@ -31,10 +30,7 @@ from jfsdp.engine.model_tree import subtree
 def _used_inputs(jaxpr, outs=slice(None)) -> list:
     """For each input of a jaxpr, whether an output (of those `outs` selects) depends on it (an equation's
     outputs depend on all its inputs: a nested jaxpr is not looked into)."""
-    need = {v for v in jaxpr.outvars[outs] if not isinstance(v, Literal)}
-    for e in reversed(jaxpr.eqns):
-        if any(v in need for v in e.outvars):
-            need.update(v for v in e.invars if not isinstance(v, Literal))
+    need = own_scan.reads(jaxpr, jaxpr.outvars[outs])
     return [v in need for v in jaxpr.invars]
 
 

@@ -13,7 +13,9 @@ Every other scan (the pipeline's own, one inside a unit, one over other values) 
 
 What the scan may be (`OwnScan.scan`, `_trace`): forward; its per-iteration inputs the unit's parameters and
 values that are not floats (random keys split per layer, read by the iteration's index); its per-iteration
-outputs none, or those parameters passed through (NNX hands the layer's state back). Float values it reads from outside (a table computed before the scan) travel in
+outputs those parameters passed through (NNX hands the layer's state back) or values made from the other
+per-iteration inputs alone (an NNX layer's random counts: computed for every iteration apart, `_made`).
+Float values it reads from outside (a table computed before the scan) travel in
 the pipeline's carry, unchanged by each iteration, so that they get their gradient (summed over the
 iterations by the carry's VJP) and the pipeline's custom VJP closes over no differentiated value; the
 backward keeps one copy per iteration of them, as it keeps each iteration's input. A scan that does not
@@ -29,7 +31,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun
 
 from jfsdp.config.errors import ConfigError
 from jfsdp.engine.float8 import KERNELS
@@ -121,12 +123,14 @@ class OwnScan:
             self.inside -= 1
         jaxpr, n_c = closed.jaxpr, len(jax.tree.leaves(init))
         owner = [k for k, g in enumerate(gathered) for _ in jax.tree.leaves(g)]   # unit leaf of each input
-        outs = []
-        for v in jaxpr.outvars[n_c:]:   # (a gathered float8 kernel by the first of its arrays)
-            k = next((owner[j] for j, a in enumerate(jaxpr.invars[:len(owner)]) if a is v), None)
-            if k is None:
-                return "its body returns per-iteration outputs other than the unit's parameters", None, None, None
-            outs.append(k)
+        outs = []   # (a gathered float8 kernel by the first of its arrays)
+        for v in jaxpr.outvars[n_c:]:
+            outs.append(next((owner[j] for j, a in enumerate(jaxpr.invars[:len(owner)]) if a is v), None))
+        # other per-iteration outputs (an NNX layer's random counts) only from the other per-iteration inputs
+        made = [v for v, k in zip(jaxpr.outvars[n_c:], outs) if k is None]
+        floats = {v for v, x in zip(jaxpr.constvars, closed.consts) if _is_float(x)}
+        if made and reads(jaxpr, made) & (set(jaxpr.invars[:len(owner) + n_c]) | floats):
+            return "its body returns per-iteration outputs computed from its parameters or its carry", None, None, None
         return None, closed, outs, ytree[0]
 
     def _run(self, path, init, closed, outs, ytree, rest):
@@ -155,8 +159,25 @@ class OwnScan:
         (c, *_), extra = stage(h, shards, late[0] if late else [], None)
         if late:   # gathered while the last unit computes, reduce-scattered while its backward does
             late[1](extra)
-        own = jax.tree.leaves(shards)
-        return c, jax.tree.unflatten(ytree, [own[k] for k in outs])
+        own, made = jax.tree.leaves(shards), iter(self._made(closed, outs, n_c, rest))
+        return c, jax.tree.unflatten(ytree, [own[k] if k is not None else next(made) for k in outs])
+
+    @staticmethod
+    def _made(closed, outs, n_c, rest) -> list:
+        """The per-iteration outputs that are not the unit's parameters, for every iteration: the equations
+        that make them (`_trace` checked that they read only the other per-iteration inputs and values
+        that are not floats) mapped over `rest`."""
+        jaxpr = closed.jaxpr
+        made = [v for v, k in zip(jaxpr.outvars[n_c:], outs) if k is None]
+        if not made:
+            return []
+        need = reads(jaxpr, made)
+        part = Jaxpr(jaxpr.constvars, jaxpr.invars, made, [e for e in jaxpr.eqns if any(v in need for v in e.outvars)
+                                                            or not e.outvars])
+        run = jaxpr_as_fun(ClosedJaxpr(part, closed.consts))
+        n_in = len(jaxpr.invars) - len(rest)
+        fill = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in jaxpr.invars[:n_in]]   # read by none of them
+        return list(jax.vmap(lambda *r: run(*fill, *r))(*rest))
 
 
 def stacked_units(plan, tree) -> dict:
@@ -178,6 +199,15 @@ def stage_passes(plan):
                            prefetch=True, last_stage=last)
     passes.comm = plan.comm
     return passes
+
+
+def reads(jaxpr, outvars) -> set:
+    """The variables (inputs, constants, intermediates) that `outvars` of `jaxpr` are computed from."""
+    need = {v for v in outvars if not isinstance(v, Literal)}
+    for e in reversed(jaxpr.eqns):
+        if any(v in need for v in e.outvars):
+            need.update(v for v in e.invars if not isinstance(v, Literal))
+    return need
 
 
 @contextlib.contextmanager
