@@ -8,20 +8,23 @@ shards the engine handed to the model (Flax passes them through untouched). That
 one iteration with the unit's gathered parameters in place of its slice of the shards (the unit's call
 inside then computes on them directly, `OwnScan.inside`), and the iteration becomes the pipeline's unit:
 unit i+1 gathered while unit i computes, unit i's reduce-scatter under unit i-1's backward, the last
-unit's gathered parameters saved for its backward, the first unit's reduce-scatter in parts (step_end.py).
-Every other scan (the pipeline's own, one inside a unit, one over other values) runs as jax's.
+unit's gathered parameters saved for its backward, the first unit's reduce-scatter in parts (step_end.py);
+the root leaves read after the last scan (a final norm, an untied head) gathered while its last unit
+computes. A model with several scans over units runs each as a stage. Every other scan (the pipeline's
+own, one inside a unit, one over other values) runs as jax's.
 
-What the scan may be (`OwnScan.scan`, `_trace`): forward; its per-iteration inputs the unit's parameters and
-values that are not floats (random keys split per layer, read by the iteration's index); its per-iteration
-outputs those parameters passed through (NNX hands the layer's state back) or values made from the other
-per-iteration inputs alone (an NNX layer's random counts: computed for every iteration apart, `_made`).
-Float values it reads from outside (a table computed before the scan) travel in
-the pipeline's carry, unchanged by each iteration, so that they get their gradient (summed over the
+What the scan may be (`OwnScan.scan`, `_trace`): forward; its per-iteration inputs the unit's parameters
+and values that are not floats (random keys split per layer, read by the iteration's index); its
+per-iteration outputs those parameters passed through (NNX hands the layer's state back) or values made
+from the other per-iteration inputs alone (an NNX layer's random counts: computed for every iteration
+apart, `_made`). Float values it reads from outside (a table computed before the scan) travel in the
+pipeline's carry, unchanged by each iteration, so that they get their gradient (summed over the
 iterations by the carry's VJP) and the pipeline's custom VJP closes over no differentiated value; the
-backward keeps one copy per iteration of them, as it keeps each iteration's input. A scan that does not
-fit runs as the model wrote it (each unit gathered in its iteration; on GPUs XLA's collective
-pipeliner moves the gathers and reduce-scatters, as with prefetch=False) with a warning that says why, or, where
-prefetch=True was asked for, is a ConfigError that says why.
+backward keeps one copy per iteration of them, as it keeps each iteration's input. Float8 units run as on
+`Stacked`'s pipeline (kernels gathered in float8). A scan that does not fit runs as the model wrote it
+(each unit gathered in its iteration; on GPUs XLA's collective pipeliner moves the gathers and
+reduce-scatters, as with prefetch=False) with a warning that says why, or, where prefetch=True was asked
+for, is a ConfigError that says why.
 """
 from __future__ import annotations
 
@@ -48,8 +51,8 @@ def _is_float(x) -> bool:
 
 class OwnScan:
     """The model's scans over the units in `stacked` ({unit path: (stacked shards, Layout tree)}) run as
-    pipeline stages; `passes(apply, layouts, n)` makes a stage's StagePasses, `strict` (prefetch=True
-    asked for) turns a scan that does not fit into a ConfigError."""
+    pipeline stages; `passes(apply, layouts, n, first, last)` makes a stage's StagePasses (`stage_passes`),
+    `strict` (prefetch=True asked for) turns a scan that does not fit into a ConfigError."""
 
     def __init__(self, stacked: dict, passes, strict: bool, late=None):
         self.stacked, self.passes, self.strict = stacked, passes, strict
@@ -58,6 +61,8 @@ class OwnScan:
         self.runs = 0     # the scans over units run so far in this forward
 
     def scan(self, f, init=None, xs=None, length=None, reverse=False, unroll=1, **kw):
+        """`jax.lax.scan`'s signature: the model's scan over a unit's stacked shards as a pipeline stage,
+        any other scan as jax runs it."""
         keep = lambda: _SCAN(f, init, xs, length=length, reverse=reverse, unroll=unroll, **kw)
         if self.inside:
             return keep()
@@ -74,11 +79,11 @@ class OwnScan:
         traced = None if why else self._trace(f, init, leaves, xtree, path, where, rest)
         why = why or traced[0]
         if why:
-            where = f"the model's own scan over unit {'/'.join(map(str, path))}"
+            what = f"the model's own scan over unit {'/'.join(map(str, path))}"
             if self.strict:
-                raise ConfigError(f"prefetch=True: {where} cannot run on jfsdp's pipeline: {why}; pass prefetch=None "
+                raise ConfigError(f"prefetch=True: {what} cannot run on jfsdp's pipeline: {why}; pass prefetch=None "
                                   "or False")
-            warnings.warn(f"jfsdp: {where} runs as the model wrote it (each unit gathered in its iteration, XLA's "
+            warnings.warn(f"jfsdp: {what} runs as the model wrote it (each unit gathered in its iteration, XLA's "
                           f"pipeliner on GPUs), not on jfsdp's prefetch pipeline: {why}", stacklevel=2)
             return keep()
         _, closed, outs, ytree = traced
