@@ -271,8 +271,8 @@ def _as_is_schedule(plan) -> str:
         return ("the model's own scan run as a stage of jfsdp's prefetch pipeline (engine/as_is/own_scan.py; one "
                 "that cannot be is run as written, with a warning)")
     if plan.scanned:
-        return ("the model's own scan, XLA's pipeliner (no prefetch in call order: jfsdp does not own the loop "
-                "body; on GPUs the units are called untied from their inputs, one unit per combined collective)")
+        return ("the model's own scan run as written (prefetch off): XLA's pipeliner on GPUs, the units called "
+                "untied from their inputs, one unit per combined collective")
     if plan.prefetch:
         return "prefetch in call order (the next unit's gather in flight while one computes; engine/call_order.py)"
     return "each unit gathered when the model calls it (prefetch off)"
