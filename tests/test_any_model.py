@@ -581,6 +581,12 @@ def linen_scan_run(untied: bool, prefetch=None):
     return step, state, data
 
 
+def scan_lengths(step, state, batch) -> list:
+    """The iteration counts of the scans in the train step's jaxpr (strings): the model's own scan of 3
+    appears there unless it ran on the prefetch pipeline, whose loops are shorter (units peeled)."""
+    return re.findall(r"length=(\d+)", str(jax.make_jaxpr(step)(state, batch)))
+
+
 def test_linen_scan_keeps_its_scan_and_equals_single_device():
     """`models.llama.ScannedLlama` runs its blocks under `nn.scan`: given as it is, the unit is gathered per
     iteration (its stacked parameters sharded by rows within each layer, like a Stacked stage) and it
@@ -604,7 +610,7 @@ def test_linen_scan_on_the_prefetch_pipeline_equals_single_device():
     replaced by the pipeline's loops (forward: units 0..1 with unit 2 peeled; backward: unit 1, with 2 and 0
     peeled)."""
     step, state, data = linen_scan_run(untied=False, prefetch=True)
-    lengths = re.findall(r"length=(\d+)", str(jax.make_jaxpr(step)(state, data[0])))
+    lengths = scan_lengths(step, state, data[0])
     assert "3" not in lengths and {"1", "2"} <= set(lengths), lengths
 
 
@@ -854,7 +860,7 @@ def test_own_scan_with_per_layer_dropout_keys_runs_on_the_prefetch_pipeline(kind
         opt = jfsdp.adamw(1e-2, mask=sharded.decay_mask())
         state = jfsdp.init_state(sharded, opt, params=params)
         step = jfsdp.make_train_step(sharded, opt, nnx_ex.loss_fn)
-        lengths = re.findall(r"length=(\d+)", str(jax.make_jaxpr(step)(state, sharded.step_batch(data[0], 0))))
+        lengths = scan_lengths(step, state, sharded.step_batch(data[0], 0))
         assert ("3" in lengths) != prefetch, lengths
         losses = []
         for b in data:

@@ -139,11 +139,16 @@ class FSDP(RootPasses, ParamLayout):
         """Stage j's pipelined forward and backward passes (pipeline.py), for the prefetch pipeline
         and for steps that consume each unit's gradient as it is reduced. They save what the remat
         policy saves, and the gathered units where the strategy keeps them (ZeRO-2)."""
-        unit = self.model.stages[j].unit
+        return self.passes_of(self.unit_apply(self.model.stages[j].unit), self.unit_layouts[j], self.stage_sizes[j],
+                              j == 0, j == len(self.stage_sizes) - 1, prefetch)
+
+    def passes_of(self, apply, layouts, n, first, last, prefetch: bool = True) -> StagePasses:
+        """StagePasses of n units of `apply` with `layouts` under this plan's strategy, policy and
+        communication; the step's first and last stage where `first` / `last` (a model's own scan's too:
+        as_is/own_scan.py)."""
         keep = self.shards > 1 and not self.strategy.reshard_after_forward
-        return StagePasses(apply=self.unit_apply(unit), layouts=self.unit_layouts[j], comm=self.comm, n=self.stage_sizes[j],
-                           first_stage=j == 0, on_cpu=self.on_cpu, policy=self.policy, keep_gathered=keep,
-                           prefetch=prefetch, last_stage=j == len(self.stage_sizes) - 1)
+        return StagePasses(apply=apply, layouts=layouts, comm=self.comm, n=n, first_stage=first, on_cpu=self.on_cpu,
+                           policy=self.policy, keep_gathered=keep, prefetch=prefetch, last_stage=last)
 
     def step_batch(self, batch, step):
         """The batch a train step feeds to `loss_and_grad` at `step` (a model given as it is adds the rows

@@ -20,7 +20,7 @@ from jfsdp.engine.fsdp import any_unreduced, is_unreduced, unshard_tree
 from jfsdp.engine.flax_models import Found, UnitMatcher, adapt
 from jfsdp.engine.float8_any import gathered_compute, mark_units, unit_compute
 from jfsdp.engine.as_is import late_root, own_scan
-from jfsdp.engine.as_is.own_scan import OwnScan, stacked_units, stage_passes
+from jfsdp.engine.as_is.own_scan import OwnScan, stacked_units
 from jfsdp.engine.as_is.params import ParamTree, abstract, unboxed
 from jfsdp.engine.layout import is_layout, paths
 from jfsdp.engine.model_tree import path_text, scanned_units, subtree
@@ -143,10 +143,12 @@ class AsIs(ParamTree, TensorAsIs, FSDP):
         leaves = [x for _, x in flat]
         prefetch = self.prefetch and not any_unreduced(params)
         own = None   # the model's own scan on the pipeline (own_scan.py); else its own loop in call order
+        late = self._late_root(leaves, lay) if prefetch else None
         if prefetch and self.scanned:
-            own = OwnScan(stacked_units(self, jax.tree.unflatten(treedef, leaves)), stage_passes(self),
-                          self.prefetch_asked is True, self._late(leaves, lay, lambda: tree))
-        order = self._call_order(jax.tree.unflatten(treedef, leaves), leaves, lay) if prefetch and not own else None
+            bind = late and (late[0], lambda xs: late_root.rebind(self.model, tree, late[2], late[1](xs)))
+            own = OwnScan(self, stacked_units(self, jax.tree.unflatten(treedef, leaves)), self.prefetch_asked is True,
+                          bind)
+        order = self._call_order(jax.tree.unflatten(treedef, leaves), late) if prefetch and not own else None
         if order is not None and self.early[0]:   # an untied embedding: the first unit call's lead (call_order.py)
             for i, x in zip(self.early[0], order.lead([leaves[i] for i in self.early[0]])):
                 leaves[i] = x
@@ -160,8 +162,7 @@ class AsIs(ParamTree, TensorAsIs, FSDP):
             if order is not None:
                 out = order.call(path, fn, inputs)
                 if order.late_gathered is not None:   # the last unit's call: the root read after it, bound anew
-                    late_root.rebind(self.model, tree, [self._leaf_paths()[i][0] for i in self.late_leaves],
-                                     order.late_gathered)
+                    late_root.rebind(self.model, tree, late[2], order.late_gathered)
                     order.late_gathered = None
                 return out
             ls = jax.tree.unflatten(jax.tree.structure(shards, is_leaf=is_unreduced), self._unit_layouts(path, shards))
@@ -181,22 +182,22 @@ class AsIs(ParamTree, TensorAsIs, FSDP):
                 out = self.model.apply(tree, batch, hook, units, key, self.matcher.classes)
         return self.mp.cast_output(out)
 
-    def _late(self, leaves, lay, tree):
-        """(shards, bind) of the root leaves read after the last unit (`late_leaves`) for own_scan.py: bind
-        gathers them and writes them into the parameters the model reads (late_root.rebind), or None."""
+    def _late_root(self, leaves, lay):
+        """(shards, gather, key paths) of the root leaves read after the last unit (`late_leaves`), or None:
+        gathered during the last unit (call_order.py, own_scan.py) and bound anew when it returns
+        (late_root.rebind)."""
         late = self.late_leaves
-        paths = [self._leaf_paths()[i][0] for i in late]
-        bind = lambda xs: late_root.rebind(self.model, tree(), paths, [self.gather_root(x, lay[i]) for x, i in zip(xs, late)])
-        return ([leaves[i] for i in late], bind) if late else None
+        if not late:
+            return None
+        gather = lambda xs: [self.gather_root(x, lay[i]) for x, i in zip(xs, late)]
+        return [leaves[i] for i in late], gather, [self._leaf_paths()[i][0] for i in late]
 
-    def _call_order(self, tree, leaves, lay):
+    def _call_order(self, tree, late):
         shards = {u: subtree(tree, u) for u in self.units}
         lays = {u: jax.tree.unflatten(jax.tree.structure(shards[u]), self.leaf_layouts[u]) for u in self.units}
-        late = self.late_leaves   # the root leaves read after the last unit: gathered during its call
-        gather = lambda xs: [self.gather_root(x, lay[i]) for x, i in zip(xs, late)]
         return call_order.CallOrder(self.units, shards, lays, self.comm, self.policy, self.on_cpu,
                                     self.shards > 1 and not self.strategy.reshard_after_forward,
-                                    ([leaves[i] for i in late], gather) if late else None, self.early[1])
+                                    late[:2] if late else None, self.early[1])
 
     @functools.cached_property
     def root_uses(self) -> late_root.RootUses:

@@ -40,7 +40,7 @@ from jfsdp.config.errors import ConfigError
 from jfsdp.engine.float8 import KERNELS
 from jfsdp.engine.fsdp import unshard_tree
 from jfsdp.engine.model_tree import subtree
-from jfsdp.engine.pipeline import StagePasses, pipelined_stage
+from jfsdp.engine.pipeline import pipelined_stage
 
 _SCAN = lax.scan   # jax's own, captured before any replacement
 
@@ -51,11 +51,11 @@ def _is_float(x) -> bool:
 
 class OwnScan:
     """The model's scans over the units in `stacked` ({unit path: (stacked shards, Layout tree)}) run as
-    pipeline stages; `passes(apply, layouts, n, first, last)` makes a stage's StagePasses (`stage_passes`),
-    `strict` (prefetch=True asked for) turns a scan that does not fit into a ConfigError."""
+    pipeline stages of `plan` (an AsIs: its strategy, policy, communication); `strict` (prefetch=True asked
+    for) turns a scan that does not fit into a ConfigError."""
 
-    def __init__(self, stacked: dict, passes, strict: bool, late=None):
-        self.stacked, self.passes, self.strict = stacked, passes, strict
+    def __init__(self, plan, stacked: dict, strict: bool, late=None):
+        self.plan, self.stacked, self.strict = plan, stacked, strict
         self.late = late   # (shards, bind(shards) -> None) of the root read after the scan, or None
         self.inside = 0   # > 0 while an iteration is traced with gathered parameters
         self.runs = 0     # the scans over units run so far in this forward
@@ -90,15 +90,9 @@ class OwnScan:
         return self._run(path, init, closed, outs, ytree, [leaves[i] for i in rest])
 
     def _match(self, leaves):
-        """(unit path, {position in xs: index of the unit's leaf}) if `xs` holds every stacked shard of one
-        unit, each once; else None."""
-        ids = {id(x): i for i, x in enumerate(leaves)}
-        for path, (shards, _) in self.stacked.items():
-            own = jax.tree.leaves(shards)
-            where = {ids[id(x)]: k for k, x in enumerate(own) if id(x) in ids}
-            if own and len(where) == len(own):
-                return path, where
-        return None
+        """(unit path, {position in xs: index of the unit's leaf}) of the unit whose stacked shards `xs`
+        holds, or None (`unit_in`)."""
+        return unit_in(leaves, {path: jax.tree.leaves(shards) for path, (shards, _) in self.stacked.items()})
 
     def _trace(self, f, init, leaves, xtree, path, where, rest):
         """One iteration, traced with the unit's gathered parameters: (why it does not fit or None,
@@ -108,7 +102,7 @@ class OwnScan:
         shards, layouts = self.stacked[path]
         row = lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
         box = lambda x: isinstance(x, KERNELS)   # a float8 kernel, gathered: one value of several arrays
-        gathered = jax.tree.leaves(jax.eval_shape(lambda s: unshard_tree(s, layouts, self.passes.comm),
+        gathered = jax.tree.leaves(jax.eval_shape(lambda s: unshard_tree(s, layouts, self.plan.comm),
                                                   jax.tree.map(row, shards)), is_leaf=box)
         ytree = []
 
@@ -158,7 +152,7 @@ class OwnScan:
             return (jax.tree.unflatten(ctree, out[:n_c]), carried, *(k + 1 for k in i))
         n, k = jax.tree.leaves(shards)[0].shape[0], self.runs
         self.runs += 1   # the k-th of the model's scans over units: the pipeline's first and last stages
-        stage = pipelined_stage(self.passes(apply, layouts, n, k == 0, k == len(self.stacked) - 1))
+        stage = pipelined_stage(self.plan.passes_of(apply, layouts, n, k == 0, k == len(self.stacked) - 1))
         late = self.late if k == len(self.stacked) - 1 else None   # the last scan: the model's last unit is in it
         h = (init, [consts[k] for k in floats], *([jnp.zeros((), jnp.float32)] if rest else []))
         (c, *_), extra = stage(h, shards, late[0] if late else [], None)
@@ -194,18 +188,6 @@ def stacked_units(plan, tree) -> dict:
     return out
 
 
-def stage_passes(plan):
-    """`passes(apply, layouts, n, first, last)` for one of the model's own scans: a stage, the first and the
-    last of the step as the model runs them (a model with one scan over units: both), as sharded.py makes
-    `Stacked`'s."""
-    def passes(apply, layouts, n, first, last):
-        return StagePasses(apply=apply, layouts=layouts, comm=plan.comm, n=n, first_stage=first, on_cpu=plan.on_cpu,
-                           policy=plan.policy, keep_gathered=plan.shards > 1 and not plan.strategy.reshard_after_forward,
-                           prefetch=True, last_stage=last)
-    passes.comm = plan.comm
-    return passes
-
-
 def reads(jaxpr, outvars) -> set:
     """The variables (inputs, constants, intermediates) that `outvars` of `jaxpr` are computed from."""
     need = {v for v in outvars if not isinstance(v, Literal)}
@@ -215,18 +197,21 @@ def reads(jaxpr, outvars) -> set:
     return need
 
 
+def unit_in(leaves, stacked: dict):
+    """(key, {position in `leaves`: index of that unit's leaf}) of the first of `stacked` ({key: a unit's
+    stacked leaves}) whose every leaf is among `leaves`, by identity (the arrays the engine handed the
+    model, which Flax passes through to its scan); else None."""
+    ids = {id(x): i for i, x in enumerate(leaves)}
+    for key, own in stacked.items():
+        where = {ids[id(x)]: k for k, x in enumerate(own) if id(x) in ids}
+        if own and len(where) == len(own):
+            return key, where
+    return None
+
+
 @contextlib.contextmanager
-def scan_inputs(stacked: list, seen: list):
-    """While active, a scan over one of `stacked` (each a unit's stacked leaves) appends its carry's initial
-    value to `seen` (the unit's input, for late_root.root_uses) and returns zeros for its carry, as that
-    trace's units return zeros."""
-    def scan(f, init=None, xs=None, *args, **kw):
-        ids = {id(x) for x in jax.tree.leaves(xs)}
-        if not any(s and all(id(x) in ids for x in s) for s in stacked):
-            return _SCAN(f, init, xs, *args, **kw)
-        seen.append(init)
-        c, ys = _SCAN(f, init, xs, *args, **kw)
-        return jax.tree.map(lambda x: jnp.zeros_like(x) if _is_float(x) else x, c), ys
+def _scan_is(scan):
+    """While active, `jax.lax.scan` (which Flax's scans call) is `scan`."""
     previous = lax.scan
     lax.scan = scan
     try:
@@ -235,13 +220,19 @@ def scan_inputs(stacked: list, seen: list):
         lax.scan = previous
 
 
-@contextlib.contextmanager
-def running(own: OwnScan):
-    """While active, `jax.lax.scan` (which Flax's scans call) is `own.scan`."""
-    previous = lax.scan
-    lax.scan = own.scan
-    try:
-        yield own
-    finally:
-        lax.scan = previous
+def scan_inputs(stacked: list, seen: list):
+    """While active, a scan over one of `stacked` (each a unit's stacked leaves) appends its carry's initial
+    value to `seen` (the unit's input, for late_root.root_uses) and returns zeros for its carry, as that
+    trace's units return zeros."""
+    def scan(f, init=None, xs=None, *args, **kw):
+        if unit_in(jax.tree.leaves(xs), dict(enumerate(stacked))) is None:
+            return _SCAN(f, init, xs, *args, **kw)
+        seen.append(init)
+        c, ys = _SCAN(f, init, xs, *args, **kw)
+        return jax.tree.map(lambda x: jnp.zeros_like(x) if _is_float(x) else x, c), ys
+    return _scan_is(scan)
 
+
+def running(own: OwnScan):
+    """While active, `jax.lax.scan` is `own.scan`: the model's scans over units run as pipeline stages."""
+    return _scan_is(own.scan)
