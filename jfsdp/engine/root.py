@@ -8,6 +8,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jfsdp.engine import column_embed
 from jfsdp.engine.fsdp import any_unreduced, unshard
 from jfsdp.engine.layout import is_layout
 from jfsdp.engine.parallel import vocab
@@ -32,6 +33,20 @@ class RootPasses:
             refs = {id(v) for e in jaxpr.eqns for v in e.invars} | {id(v) for v in jaxpr.outvars}
             return frozenset(i for i, v in enumerate(jaxpr.invars[:len(layouts)]) if id(v) in refs)
         return reads(m.embed_method, self.example_inputs), reads(m.head_method, self.h_shapes[-1])
+
+    @functools.cached_property
+    def embed_tables(self) -> frozenset:
+        """Indices of the root's leaves that the embedding method looks up as an `nn.Embed` table laid out for a
+        lookup by columns (column_embed.eligible), read from one abstract trace."""
+        m = self.model
+        layouts, treedef = jax.tree.flatten(self.split(self.layouts)[0], is_leaf=is_layout)
+        found = set()
+
+        def f(leaves, a):
+            with column_embed.recording({id(x): i for i, x in enumerate(leaves)}, found):
+                return m.root.apply({"params": jax.tree.unflatten(treedef, leaves)}, a, method=m.embed_method)
+        jax.eval_shape(f, [jax.ShapeDtypeStruct(l.full_shape, l.dtype) for l in layouts], self.example_inputs)
+        return frozenset(i for i in found if column_embed.eligible(layouts[i]))
 
     def root_tree(self, shards, reads, gathered=None):
         """The root's parameter tree for a method that reads the leaves `reads` (indices into the flat
@@ -77,12 +92,24 @@ class RootPasses:
         embed_reads, head_reads = self.root_use
         if embed_reads & head_reads or not self.prefetches(0) or any_unreduced(first_stage) or any_unreduced(shards):
             return None
-        reads = sorted(embed_reads)
+        reads, tables = sorted(embed_reads), sorted(embed_reads & self.embed_tables)
+        layouts = jax.tree.leaves(self.split(self.layouts)[0], is_leaf=is_layout)
 
-        def embed(leaves, inputs):
+        def embed(leaves, inputs):   # an nn.Embed table passed as its shard: looked up by columns (column_embed.py)
             placed = dict(zip(reads, leaves))
-            return vocab.embed(self, self.root_tree([placed.get(i, x) for i, x in enumerate(shards)], embed_reads), inputs)
+            now = [placed.get(i, x) for i, x in enumerate(shards)]
+            with column_embed.linen_scope({id(now[i]): (layouts[i], self.comm) for i in tables}):
+                return vocab.embed(self, self.root_tree(now, embed_reads, {i: now[i] for i in tables}), inputs)
         return embed, [shards[i] for i in reads]
+
+    def column_lookups(self, grad_sync: str = "every") -> list:
+        """The layouts of the root leaves whose lookup runs by columns where the tokens allow it
+        (column_embed.applies): the untied `nn.Embed` tables of the first stage's lead (`embed_lead`)."""
+        embed_reads, head_reads = self.root_use
+        if embed_reads & head_reads or not self.prefetches(0) or grad_sync == "once":
+            return []
+        layouts = jax.tree.leaves(self.split(self.layouts)[0], is_leaf=is_layout)
+        return [layouts[i] for i in sorted(embed_reads & self.embed_tables)]
 
     def head(self, root, h):
         """The root's head method on h, its outputs cast by the precision policy (`cast_output`)."""

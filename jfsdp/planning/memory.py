@@ -14,6 +14,8 @@ side, so that a caller compares the two from one place.
 """
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from typing import Callable
 
 import jax
@@ -21,6 +23,7 @@ import jax.numpy as jnp
 
 from jfsdp.config.errors import ConfigError
 from jfsdp.config.policy import wire_dtype
+from jfsdp.engine import column_embed
 from jfsdp.engine.sharded import FSDP
 from jfsdp.planning import as_is, context_plan, hlo
 from jfsdp.planning.estimate import Breakdown, estimate, grad_layouts
@@ -89,21 +92,19 @@ def comm_formula(plan: FSDP, backend: str | None = None, grad_accum: int = 1, gr
     backend = backend or jax.default_backend()
     pdt = wire_dtype(plan.mp.param_dtype or jnp.float32, backend)
     rdt = wire_dtype(plan.mp.reduce_dtype or pdt, backend)
-    root_l = plan.split(plan.layouts)[0]
-    root_p = stored_bytes(root_l, pdt)
+    root_p = stored_bytes(plan.split(plan.layouts)[0], pdt)
     # the units as gathered: a float8 plan's selected kernels go out at 1 byte (plan.unit_layouts)
     gathered = list(zip(getattr(plan, "unit_layouts", None) or plan.split(plan.layouts)[1], plan.stage_sizes))
     unit_p = sum(n * gathered_bytes(l, pdt) for l, n in gathered)
     g = grad_layouts(plan, trainable)
     grads = stored_bytes(g.root_tree, rdt) + sum(n * stored_bytes(l, rdt) for l, n in g.stages)
-    psi = elements(plan)[0]
-    psi_g = g.real_elements   # the parameters that are reduced (trainable)
+    psi, psi_g = elements(plan)[0], g.real_elements   # psi_g: the parameters that are reduced (trainable)
     # the headline formula uses the policy's dtypes, not the backend's
     pb = jnp.dtype(plan.mp.param_dtype or jnp.float32).itemsize
     rb = jnp.dtype(plan.mp.reduce_dtype or plan.mp.param_dtype or jnp.float32).itemsize
     out = {"all-gather": 0.0, "reduce-scatter": 0.0, "all-reduce": 0.0, "all-to-all": 0.0}
-    # expert-parallel MoE stages (jfsdp.engine.moe): their experts are neither gathered nor
-    # reduce-scattered; their tokens travel by all-to-all instead (the cost model's 'ep' figure)
+    # expert-parallel MoE stages (jfsdp.engine.moe): their experts are neither gathered nor reduce-scattered;
+    # their tokens travel by all-to-all instead (the cost model's 'ep' figure)
     from jfsdp.engine import moe
     a2a = ep_grads = 0.0
     for (layouts, n), m in zip(stages(plan), getattr(plan, "moe_stages", None) or []):
@@ -132,6 +133,8 @@ def comm_formula(plan: FSDP, backend: str | None = None, grad_accum: int = 1, gr
     else:
         out["all-reduce"] = 2 * grads * (N - 1) / N
         contract = 2 * psi_g * rb * (N - 1) / N
+    # an untied embedding looked up by columns in each micro-batch (jfsdp/engine/column_embed.py)
+    looked_up = column_lookup_terms(plan, out, lookup_tokens(plan, batch, grad_accum), grad_sync, pdt, rdt)
     k_reduce = grad_accum if grad_sync == "every" else 1
     for key, times in (("all-gather", grad_accum), ("all-to-all", grad_accum), ("reduce-scatter", k_reduce),
                        ("all-reduce", k_reduce)):
@@ -139,7 +142,7 @@ def comm_formula(plan: FSDP, backend: str | None = None, grad_accum: int = 1, gr
     if plan.strategy.sharded and getattr(plan, "root_gathered_once", False) and grad_accum > 1:
         # the root's gathers once per step, but a head gathered in the last unit call (as_is/late_root.py)
         late = plan.root_in_every_micro_batch(pdt) if grad_sync == "every" else 0
-        out["all-gather"] -= (root_p - late) * (S - 1) / S * (grad_accum - 1)
+        out["all-gather"] -= (root_p - late - looked_up) * (S - 1) / S * (grad_accum - 1)
     if getattr(plan, "context", 1) > 1:
         if batch is None:
             raise ConfigError("at C > 1 the ring's bytes depend on the batch: comm_formula(..., batch=)")
@@ -149,6 +152,34 @@ def comm_formula(plan: FSDP, backend: str | None = None, grad_accum: int = 1, gr
         (gathers * psi * pb * (S - 1) / S) * (grad_accum - 1)
         + (psi_g * rb * (S - 1) / S + 2 * psi_g * rb / S * (R - 1) / R) * (k_reduce - 1))
     return out
+
+
+def column_lookup_terms(plan, out: dict, tokens, grad_sync: str, pdt, rdt) -> int:
+    """`comm_formula`'s terms for the embedding tables looked up by columns (jfsdp/engine/column_embed.py) at
+    `tokens` a device, added to `out` (one micro-batch's bytes by kind): no gather or reduce-scatter of the
+    table; its four all-to-alls and the ids' gather. Returns the tables' gathered bytes (`pdt`)."""
+    looked_up = 0
+    for l in plan.column_lookups(grad_sync) if tokens is not None and plan.strategy.sharded else ():
+        if column_embed.applies(l, tokens):
+            f, wire = (l.shards - 1) / l.shards, column_embed.wire_bytes(l, tokens, pdt.itemsize, pdt.itemsize,
+                                                                        rdt.itemsize)
+            looked_up += stored_bytes(l, pdt)
+            out["all-gather"] += wire["all-gather"] - stored_bytes(l, pdt) * f
+            out["reduce-scatter"] -= stored_bytes(l, rdt) * f
+            out["all-to-all"] += wire["all-to-all"]
+    return looked_up
+
+
+def lookup_tokens(plan, batch=None, grad_accum: int = 1) -> int | None:
+    """Token ids a device looks up per micro-batch: its share of the batch's `inputs` (`batch`, a tree of shapes,
+    or the plan's example inputs), or None where the plan has no such array."""
+    x = batch if batch is not None else getattr(plan, "example_inputs", None)
+    if x is None:
+        x = getattr(plan, "example_batch", None)
+    x = x.get("inputs") if isinstance(x, Mapping) else x
+    if not hasattr(x, "shape"):
+        return None
+    return math.prod(x.shape) // (plan.n_devices * grad_accum)
 
 
 def comm_measured(compiled, n_devices: int) -> dict:

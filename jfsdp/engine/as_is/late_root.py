@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax.core.tracers import current_trace
 
+from jfsdp.engine import column_embed
 from jfsdp.engine.as_is import own_scan
 from jfsdp.engine.layout import is_layout
 from jfsdp.engine.model_tree import subtree
@@ -40,6 +41,7 @@ class RootUses(NamedTuple):
     late: tuple    # root leaves on which no unit call's inputs depend (read after the last unit, or never)
     early: tuple   # root leaves that only feed unit calls' inputs (an untied embedding)
     ahead: tuple   # the first unit's last-called top-level submodule's leaves (a Llama block's feed-forward)
+    tables: tuple = ()   # root leaves looked up as an nn.Embed / nnx.Embed table (column_embed.py)
 
 
 def root_uses(plan) -> RootUses:
@@ -51,6 +53,7 @@ def root_uses(plan) -> RootUses:
     - early: those some unit's inputs depend on and the model's outputs do not; reduce-scattered under the
       first unit's backward, as `Stacked`'s pipeline does with its lead (step_end.py).
     - ahead: step_end.last_called of the first unit, the first of its gradient's parts.
+    - tables: the root leaves an `nn.Embed` / `nnx.Embed` looks up (column_embed.recording).
     No unit call seen (a method under nn.jit replaying a cached trace): all three empty."""
     from jfsdp.engine.step_end import last_called
     flat, treedef = jax.tree_util.tree_flatten_with_path(plan.layouts, is_leaf=is_layout)
@@ -76,7 +79,8 @@ def root_uses(plan) -> RootUses:
             zero = lambda x: jnp.zeros_like(x) if jnp.issubdtype(x.dtype, jnp.floating) else x
             return jax.tree.map(zero, fn(shards, inputs))
         key, units = jax.random.key(0), set(plan.units)
-        with own_scan.scan_inputs([jax.tree.leaves(subtree(tree, p)) for p in plan.scanned], seen):
+        with own_scan.scan_inputs([jax.tree.leaves(subtree(tree, p)) for p in plan.scanned], seen), \
+                column_embed.recording({id(x): i for i, x in zip(root, root_leaves)}, tables):
             if m.kind == "linen":
                 out = m.apply(tree, batch, hook, units, {s: key for s in m.rng_streams})
             else:
@@ -84,6 +88,7 @@ def root_uses(plan) -> RootUses:
         return seen, out
 
     abstract = [jax.ShapeDtypeStruct(flat[i][1].full_shape, dtype(flat[i][1])) for i in root]
+    tables = set()
     jaxpr, (seen, out) = jax.make_jaxpr(outputs, return_shape=True)(abstract, plan.example_batch)
     if not seen:
         return RootUses((), (), ())
@@ -91,7 +96,7 @@ def root_uses(plan) -> RootUses:
     fed = _used_inputs(jaxpr.jaxpr, slice(0, n_in))
     read = _used_inputs(jaxpr.jaxpr, slice(n_in, n_in + len(jax.tree.leaves(out))))
     return RootUses(tuple(i for i, f in zip(root, fed) if not f),
-                    tuple(i for i, f, r in zip(root, fed, read) if f and not r), tuple(ahead))
+                    tuple(i for i, f, r in zip(root, fed, read) if f and not r), tuple(ahead), tuple(sorted(tables)))
 
 
 def rebind(model, tree, paths, values):

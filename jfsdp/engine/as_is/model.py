@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from jfsdp.config.errors import ConfigError
 from jfsdp.config.mesh import AXES, mesh_shape
-from jfsdp.engine import call_order
+from jfsdp.engine import call_order, column_embed
 from jfsdp.engine.fsdp import any_unreduced, is_unreduced, unshard_tree
 from jfsdp.engine.flax_models import Found, UnitMatcher, adapt
 from jfsdp.engine.float8_any import gathered_compute, mark_units, unit_compute
@@ -152,9 +152,11 @@ class AsIs(ParamTree, TensorAsIs, FSDP):
         if order is not None and self.early[0]:   # an untied embedding: the first unit call's lead (call_order.py)
             for i, x in zip(self.early[0], order.lead([leaves[i] for i in self.early[0]])):
                 leaves[i] = x
-        # the root is gathered once per step; a unit's leaves stay shards until the unit is called
-        tree = jax.tree.unflatten(treedef, [x if u is not None else self.gather_root(x, l)
-                                            for x, l, u in zip(leaves, lay, keys)])
+        # the root is gathered once per step (an untied nn.Embed table looked up by columns: column_embed.py);
+        # a unit's leaves stay shards until the unit is called
+        cols = self.column_tables if prefetch else ()
+        tree = jax.tree.unflatten(treedef, [x if u is not None or i in cols else self.gather_root(x, l)
+                                            for i, (x, l, u) in enumerate(zip(leaves, lay, keys))])
 
         def hook(path, shards, fn, inputs):
             if own is not None and own.inside:   # an iteration of the model's scan on the pipeline: gathered
@@ -174,7 +176,8 @@ class AsIs(ParamTree, TensorAsIs, FSDP):
                                                  self.policy, tied))
         key = self._step_key(rows)
         units = set(self.units)
-        with own_scan.running(own) if own is not None else contextlib.nullcontext():
+        with own_scan.running(own) if own is not None else contextlib.nullcontext(), \
+                column_embed.scope(self.model.kind, {id(leaves[i]): (lay[i], self.comm) for i in cols}):
             if self.model.kind == "linen":
                 rngs = {s: jax.random.fold_in(key, i) for i, s in enumerate(self.model.rng_streams)}
                 out = self.model.apply(tree, batch, hook, units, rngs)
@@ -214,6 +217,19 @@ class AsIs(ParamTree, TensorAsIs, FSDP):
     def early(self) -> tuple:
         """(the root leaves only the units' inputs read, the first unit's leaves reduced first)."""
         return self.root_uses.early, self.root_uses.ahead
+
+    @property
+    def column_tables(self) -> tuple:
+        """The untied embedding tables (`early` root leaves an nn.Embed / nnx.Embed looks up) that the prefetch
+        paths look up by columns where the tokens allow it (column_embed.py)."""
+        lay = jax.tree.leaves(self.layouts, is_leaf=is_layout)
+        return tuple(i for i in self.root_uses.tables if i in self.early[0] and column_embed.eligible(lay[i]))
+
+    def column_lookups(self, grad_sync: str = "every") -> list:
+        """The planner's: the layouts of `column_tables` where a step looks them up by columns."""
+        lay = jax.tree.leaves(self.layouts, is_leaf=is_layout)
+        on = self.prefetch and self.strategy.sharded and grad_sync != "once"
+        return [lay[i] for i in self.column_tables] if on else []
 
     def _unit_layouts(self, path, shards):
         """The layouts of a unit's leaves; for a unit made inside the model's own NNX scan (path None),
