@@ -99,14 +99,14 @@ def compile_case(cfg, *, as_is, mesh_spec="1x8", strategy="full_shard", remat="f
     if target:   # what XLA:GPU's schedule leaves exposed (no compute between a collective's start and done)
         ov = hlo.overlap_summary(hlo.overlap(compiled.as_text(), plan.n_devices))
         row["exposed"] = {k: {f: ov.get(k, {}).get(f, 0) for f in ("exposed_bytes", "exposed_ops", "hidden_ops")}
-                          for k in ("all-gather", "reduce-scatter")}
+                          for k in ("all-gather", "reduce-scatter", "all-to-all")}
     if planner:   # the planner's analytic answers for the same plan (as-is plans too: jfsdp/planning/as_is.py)
         backend = "gpu" if target else "cpu"
         with targets.tracing_for(target) if target else contextlib.nullcontext():
             est = memory.estimate(plan, opt, loss, b, prefetch=plan.prefetch, backend=backend)
         formula = memory.comm_formula(plan, backend=backend)
         row.update(estimate_bytes=est.total, estimate_ratio=round(est.total / m["total"], 3),
-                   comm_formula={k: formula[k] for k in ("all-gather", "reduce-scatter", "all-reduce")})
+                   comm_formula={k: formula[k] for k in ("all-gather", "reduce-scatter", "all-reduce", "all-to-all")})
     return row
 
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 from results_source import GIB, g, load, source, table
 
 NAMES = ("any_model_llama1b.json", "any_model_llama8b.json")
-KINDS = ("all-gather", "reduce-scatter")
+KINDS = ("all-gather", "reduce-scatter", "all-to-all")   # all-to-all: an embedding looked up by columns
 
 
 def _comm(r: dict, kind: str) -> str:
-    sent = r["collectives"][kind]["wire_bytes"] / GIB
-    if "exposed" not in r:
+    sent = r["collectives"].get(kind, {}).get("wire_bytes", 0) / GIB
+    if "exposed" not in r or kind not in r["exposed"]:
         return f"{g(sent)} sent"
     e = r["exposed"][kind]
     return f"{g(e['exposed_bytes'] / GIB)} of {g(sent)} ({e['exposed_ops']} of {e['exposed_ops'] + e['hidden_ops']} ops)"
@@ -31,8 +31,9 @@ def _section(name: str) -> list[str]:
              "on" if r["prefetch"] else "off", g(r["total_bytes"] / GIB)] + [_comm(r, k) for k in KINDS]
             + [g(r["estimate_ratio"], 3)] for r in d["rows"]]
     head = ["model", "target", "mesh", "strategy", "remat", "prefetch", "memory",
-            "all-gathers (H100: exposed of sent)", "reduce-scatters (H100: exposed of sent)", "estimate / compiled"]
-    return out + table(head, rows, "llllllrrrr")
+            "all-gathers (H100: exposed of sent)", "reduce-scatters (H100: exposed of sent)",
+            "all-to-alls (H100: exposed of sent)", "estimate / compiled"]
+    return out + table(head, rows, "llllllrrrrr")
 
 
 def any_model_page() -> list[str]:

@@ -38,6 +38,8 @@ from jfsdp.config.sequence import check_mlp_tile
 from jfsdp.config.xla_flags import cpu_xla_flags
 
 BASE_TARGETS = ("gpu", "tpu", "cpu")   # the backends estimated without compiling for them
+LOOKUP = {"columns": "by columns, never gathered (two all-to-alls each way; jfsdp/engine/column_embed.py)",
+          "gathered": "gathered (this many tokens a device move more by columns; jfsdp/engine/column_embed.py)"}
 
 
 def _args(argv):
@@ -179,6 +181,8 @@ def render(r: dict) -> str:
     if r.get("layouts"):
         lines += ["", "parameter layout (jfsdp/engine/layout.py; every leaf per unit, in --json): "
                   + r["layouts"]["summary"]]
+    if r.get("embedding_lookup"):
+        lines.append(f"embedding lookup (untied nn.Embed table): {LOOKUP[r['embedding_lookup']]}")
     if r.get("moe"):
         lines += ["", "MoE stages (mode per stage; gather = all-gather + reduce-scatter of the experts' weights, "
                   "ep = all-to-all of the tokens; jfsdp/engine/moe.py)"] + [f"  {x}" for x in r["moe"]]

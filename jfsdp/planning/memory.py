@@ -170,6 +170,16 @@ def column_lookup_terms(plan, out: dict, tokens, grad_sync: str, pdt, rdt) -> in
     return looked_up
 
 
+def lookup_kind(plan, batch=None, grad_accum: int = 1, grad_sync: str = "every") -> str | None:
+    """How the step looks up an untied nn.Embed table on the prefetch paths (jfsdp/engine/column_embed.py): 'columns'
+    (no gather of the table), 'gathered' (the tokens outnumber what a column lookup saves), None (no such table)."""
+    tables = plan.column_lookups(grad_sync) if plan.strategy.sharded and plan.tensor == 1 else []
+    if not tables:
+        return None
+    tokens = lookup_tokens(plan, batch, grad_accum)
+    return "columns" if tokens is not None and all(column_embed.applies(l, tokens) for l in tables) else "gathered"
+
+
 def lookup_tokens(plan, batch=None, grad_accum: int = 1) -> int | None:
     """Token ids a device looks up per micro-batch: its share of the batch's `inputs` (`batch`, a tree of shapes,
     or the plan's example inputs), or None where the plan has no such array."""

@@ -262,6 +262,7 @@ def _estimates(a, cfg, case: _Case, budget: int) -> dict:
     if any(plan.moe_stages):
         rep["moe"] = moe.describe(plan)
     rep["layouts"] = sizes.leaf_layouts(plan)
+    rep["embedding_lookup"] = memory.lookup_kind(plan, case.batch, a.grad_accum, a.grad_sync)
     return rep
 
 
