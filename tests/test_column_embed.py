@@ -12,6 +12,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import flax.linen as nn
 import pytest
 from flax import nnx
 
@@ -132,6 +133,25 @@ def test_only_where_it_sends_fewer_bytes():
         root, unit, n = models.parts(cfg)
         plan = jfsdp.fully_shard(jfsdp.Stacked(root, unit, n), _mesh("1x8"), b["inputs"], remat="full", prefetch=prefetch)
         assert plan.column_lookups() == [], (cfg.vocab_size, cfg.tie_embeddings, prefetch)
+
+
+class _Scaled(nn.Embed):
+    def __call__(self, ids):
+        return super().__call__(ids) * 2.0
+
+
+def test_a_subclass_with_its_own_lookup_keeps_its_table_gathered():
+    """Only an nn.Embed / nnx.Embed whose `__call__` is the library's is looked up by columns: a subclass's
+    own `__call__` (here a scaled lookup) may read the table otherwise, so its table is not recorded."""
+    ids = jnp.zeros((2, 4), jnp.int32)
+    for cls, want in ((nn.Embed, {0}), (_Scaled, set())):
+        found = set()
+
+        def f(table):
+            with column_embed.recording({id(table): 0}, found):
+                return cls(512, 8).apply({"params": {"embedding": table}}, ids)
+        jax.eval_shape(f, jax.ShapeDtypeStruct((512, 8), jnp.float32))
+        assert found == want, cls
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="jax-cuda13-plugin: Linux wheels only")

@@ -153,7 +153,8 @@ def nnx_scope(tables: dict):
 @contextlib.contextmanager
 def recording(index: dict, found: set):
     """While active, the lookups of `nn.Embed` / `nnx.Embed` modules whose table is one of `index` ({id(array):
-    i}) add i to `found` (an abstract trace of a model tells which of its leaves are tables looked up)."""
+    i}) add i to `found` (an abstract trace of a model tells which of its leaves are tables looked up). A
+    subclass with a `__call__` of its own is not recorded: its table stays gathered."""
     def seen(table):
         i = index.get(id(nn.meta.unbox(table)))
         if i is not None:
@@ -161,13 +162,15 @@ def recording(index: dict, found: set):
 
     def intercept(next_fun, args, kwargs, context):
         mod = context.module
-        if isinstance(mod, nn.Embed) and context.method_name == "__call__" and mod.has_variable("params", "embedding"):
+        if (isinstance(mod, nn.Embed) and type(mod).__call__ is nn.Embed.__call__ and context.method_name == "__call__"
+                and mod.has_variable("params", "embedding")):   # (a subclass's own lookup is left alone)
             seen(mod.get_variable("params", "embedding"))
         return next_fun(*args, **kwargs)
     real = nnx.Embed.__call__
 
     def call(self, inputs, *args, **kwargs):
-        seen(self.embedding.get_value())
+        if type(self).__call__ is call:
+            seen(self.embedding.get_value())
         return real(self, inputs, *args, **kwargs)
     nnx.Embed.__call__ = call
     try:
