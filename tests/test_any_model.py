@@ -19,6 +19,9 @@ from flax import nnx
 
 import jfsdp
 from tests import compile_flags, reference as ref
+# the tests that compile the same programs again (the Linen decoder's deferred init on 2x4, the dropout runs'
+# steps of one seed, the single-device reference of the own-scan Llama) compile each once
+from tests.shared_compiles import program_folder, shared_programs  # noqa: F401  (fixtures)
 
 
 def _example(name):
@@ -146,6 +149,7 @@ def test_deferred_init_bit_for_bit_under_default_emitters():
     assert p.returncode == 0 and "2 passed" in p.stdout, p.stdout[-3000:] + p.stderr[-2000:]
 
 
+@pytest.mark.usefixtures("shared_programs")
 def test_linen_deferred_init_is_the_models_own_init():
     """init_state(rng) runs the model's own initializers shard by shard. Against the model's own `init`,
     as docs/any-model.md states it: the leaves, shapes and dtypes of model.init(key, batch); bit for
@@ -223,6 +227,7 @@ def test_nnx_as_is_equals_single_device(nnx_reference, spec, strategy, prefetch)
 
 
 # ---- dropout
+@pytest.mark.usefixtures("shared_programs")
 @pytest.mark.parametrize("kind", ["linen", "nnx"])
 def test_dropout_is_deterministic_for_a_seed_and_learns(kind):
     steps = 6
@@ -240,6 +245,7 @@ def test_dropout_is_deterministic_for_a_seed_and_learns(kind):
     assert runs[0][-1] < runs[0][0]
 
 
+@pytest.mark.usefixtures("shared_programs")
 def test_dropout_changes_the_loss_and_differs_per_step():
     """Dropout is on (the loss differs from the deterministic model's) and each step draws anew."""
     data = batches(linen_ex.Config(layers=2))
@@ -587,6 +593,7 @@ def scan_lengths(step, state, batch) -> list:
     return re.findall(r"length=(\d+)", str(jax.make_jaxpr(step)(state, batch)))
 
 
+@pytest.mark.usefixtures("shared_programs")
 def test_linen_scan_keeps_its_scan_and_equals_single_device():
     """`models.llama.ScannedLlama` runs its blocks under `nn.scan`: given as it is, the unit is gathered per
     iteration (its stacked parameters sharded by rows within each layer, like a Stacked stage) and it
@@ -594,6 +601,7 @@ def test_linen_scan_keeps_its_scan_and_equals_single_device():
     linen_scan_run(untied=False)
 
 
+@pytest.mark.usefixtures("shared_programs")
 def test_linen_scan_untied_as_on_gpus_equals_single_device():
     """The own scan's units as GPUs call them (`call_unit(..., ordered=False)`: no data dependencies, a
     checkpoint without a CSE barrier, for XLA's collective pipeliner), run here on CPU devices by
@@ -602,6 +610,7 @@ def test_linen_scan_untied_as_on_gpus_equals_single_device():
     linen_scan_run(untied=True)
 
 
+@pytest.mark.usefixtures("shared_programs")
 def test_linen_scan_on_the_prefetch_pipeline_equals_single_device():
     """prefetch=True (the default on GPUs): the model's own `nn.scan` runs as a stage of jfsdp's prefetch pipeline
     (engine/as_is/own_scan.py: unit i+1 gathered during unit i, reduce-scatters one unit behind, the last
