@@ -131,23 +131,26 @@ def linen_scope(tables: dict):
 
 
 @contextlib.contextmanager
-def nnx_scope(tables: dict):
-    """`linen_scope` for NNX: `nnx.Embed.__call__` looks up by columns where its table is one of `tables`."""
-    if not tables:
-        yield
-        return
+def _nnx_call(make):
+    """While active, `nnx.Embed.__call__` is `make(the library's __call__)`."""
     real = nnx.Embed.__call__
-
-    def call(self, inputs, *args, **kwargs):
-        entry = tables.get(id(self.embedding.get_value()))
-        if entry is None:
-            return real(self, inputs, *args, **kwargs)
-        return embed(self.embedding.get_value(), inputs, *entry, self.dtype)
-    nnx.Embed.__call__ = call
+    nnx.Embed.__call__ = make(real)
     try:
         yield
     finally:
         nnx.Embed.__call__ = real
+
+
+def nnx_scope(tables: dict):
+    """`linen_scope` for NNX: `nnx.Embed.__call__` looks up by columns where its table is one of `tables`."""
+    def make(real):
+        def call(self, inputs, *args, **kwargs):
+            entry = tables.get(id(self.embedding.get_value()))
+            if entry is None:
+                return real(self, inputs, *args, **kwargs)
+            return embed(self.embedding.get_value(), inputs, *entry, self.dtype)
+        return call
+    return _nnx_call(make) if tables else contextlib.nullcontext()
 
 
 @contextlib.contextmanager
@@ -166,18 +169,15 @@ def recording(index: dict, found: set):
                 and mod.has_variable("params", "embedding")):   # (a subclass's own lookup is left alone)
             seen(mod.get_variable("params", "embedding"))
         return next_fun(*args, **kwargs)
-    real = nnx.Embed.__call__
 
-    def call(self, inputs, *args, **kwargs):
-        if type(self).__call__ is call:
-            seen(self.embedding.get_value())
-        return real(self, inputs, *args, **kwargs)
-    nnx.Embed.__call__ = call
-    try:
-        with nn.intercept_methods(intercept):
-            yield
-    finally:
-        nnx.Embed.__call__ = real
+    def make(real):
+        def call(self, inputs, *args, **kwargs):
+            if type(self).__call__ is call:
+                seen(self.embedding.get_value())
+            return real(self, inputs, *args, **kwargs)
+        return call
+    with _nnx_call(make), nn.intercept_methods(intercept):
+        yield
 
 
 def scope(kind: str, tables: dict):
