@@ -99,9 +99,7 @@ def _lookup_bwd(layout, comm, dtype, every, g):
     cols = jnp.zeros((layout.shape[0], layout.shape[1] // layout.shards), rdt)
     _, put = jax.vjp(lambda c: jnp.take(c, every, axis=0), cols)          # the lookup's transpose: a scatter-add
     d = lax.all_to_all(put(g.astype(rdt))[0], FSDP_AXIS, 0, 1, tiled=True)   # back to this device's rows
-    if comm.reduce_axes:
-        d = lax.psum(d, comm.reduce_axes)
-    return d.astype(layout.dtype) * comm.scale, None
+    return comm.finish(d, layout.dtype), None
 
 
 _lookup.defvjp(_lookup_fwd, _lookup_bwd)

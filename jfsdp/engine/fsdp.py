@@ -34,6 +34,13 @@ class Comm:
     param_dtype: Any
     reduce_dtype: Any
 
+    def finish(self, g, dtype):
+        """A gradient shard reduced over the shards -> the step's: summed over `reduce_axes`, cast to `dtype`
+        (the master's), times `scale`."""
+        if self.reduce_axes:
+            g = lax.psum(g, self.reduce_axes)
+        return g.astype(dtype) * self.scale
+
 
 class Unreduced(NamedTuple):
     """A shard and a slot for its whole gradient: `unshard` gathers `shard` as usual, and its backward
@@ -77,9 +84,7 @@ def reduce_gradient(g, layout: Layout, comm: Comm):
     g = layout.pad(g.astype(comm.reduce_dtype or g.dtype))
     if layout.shards > 1:
         g = lax.psum_scatter(g, layout.gather_axes, scatter_dimension=0, tiled=True)
-    if comm.reduce_axes:
-        g = lax.psum(g, comm.reduce_axes)
-    return g.astype(layout.dtype) * comm.scale
+    return comm.finish(g, layout.dtype)
 
 
 def _unshard_fwd(shard, layout, comm):

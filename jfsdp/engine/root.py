@@ -85,12 +85,19 @@ class RootPasses:
             shards = [dict(zip(late, held)).get(i, x) for i, x in enumerate(shards)]
         return self.head(root(head_reads), h)
 
+    @property
+    def untied_lead(self) -> bool:
+        """Whether the embedding can be the first stage's lead (`embed_lead`): only it reads its leaves (untied)
+        and the first stage runs the prefetch pipeline."""
+        embed_reads, head_reads = self.root_use
+        return not embed_reads & head_reads and self.prefetches(0)
+
     def embed_lead(self, shards, first_stage):
         """The embedding as the first stage's lead (its gather and lookup run inside the prefetch pipeline, its
         backward under unit 0's weight gradients: pipeline.pipelined_stage): (function, the leaves it reads)
         where only the embedding reads them (untied) and the first stage runs the pipeline; else None."""
-        embed_reads, head_reads = self.root_use
-        if embed_reads & head_reads or not self.prefetches(0) or any_unreduced(first_stage) or any_unreduced(shards):
+        embed_reads = self.root_use[0]
+        if not self.untied_lead or any_unreduced(first_stage) or any_unreduced(shards):
             return None
         reads, tables = sorted(embed_reads), sorted(embed_reads & self.embed_tables)
         layouts = jax.tree.leaves(self.split(self.layouts)[0], is_leaf=is_layout)
@@ -105,11 +112,10 @@ class RootPasses:
     def column_lookups(self, grad_sync: str = "every") -> list:
         """The layouts of the root leaves whose lookup runs by columns where the tokens allow it
         (column_embed.applies): the untied `nn.Embed` tables of the first stage's lead (`embed_lead`)."""
-        embed_reads, head_reads = self.root_use
-        if embed_reads & head_reads or not self.prefetches(0) or grad_sync == "once":
+        if not self.untied_lead or grad_sync == "once":   # (grad_sync 'once': the first stage's shards unreduced)
             return []
         layouts = jax.tree.leaves(self.split(self.layouts)[0], is_leaf=is_layout)
-        return [layouts[i] for i in sorted(embed_reads & self.embed_tables)]
+        return [layouts[i] for i in sorted(self.root_use[0] & self.embed_tables)]
 
     def head(self, root, h):
         """The root's head method on h, its outputs cast by the precision policy (`cast_output`)."""

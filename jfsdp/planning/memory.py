@@ -159,7 +159,7 @@ def column_lookup_terms(plan, out: dict, tokens, grad_sync: str, pdt, rdt) -> in
     `tokens` a device, added to `out` (one micro-batch's bytes by kind): no gather or reduce-scatter of the
     table; its four all-to-alls and the ids' gather. Returns the tables' gathered bytes (`pdt`)."""
     looked_up = 0
-    for l in plan.column_lookups(grad_sync) if tokens is not None and plan.strategy.sharded else ():
+    for l in plan.column_lookups(grad_sync) if tokens is not None else ():
         if column_embed.applies(l, tokens):
             f, wire = (l.shards - 1) / l.shards, column_embed.wire_bytes(l, tokens, pdt.itemsize, pdt.itemsize,
                                                                         rdt.itemsize)
@@ -173,7 +173,7 @@ def column_lookup_terms(plan, out: dict, tokens, grad_sync: str, pdt, rdt) -> in
 def lookup_kind(plan, batch=None, grad_accum: int = 1, grad_sync: str = "every") -> str | None:
     """How the step looks up an untied nn.Embed table on the prefetch paths (jfsdp/engine/column_embed.py): 'columns'
     (no gather of the table), 'gathered' (the tokens outnumber what a column lookup saves), None (no such table)."""
-    tables = plan.column_lookups(grad_sync) if plan.strategy.sharded and plan.tensor == 1 else []
+    tables = plan.column_lookups(grad_sync) if plan.tensor == 1 else []   # (T > 1: leaves on more axes, none eligible)
     if not tables:
         return None
     tokens = lookup_tokens(plan, batch, grad_accum)

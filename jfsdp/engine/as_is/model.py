@@ -228,7 +228,7 @@ class AsIs(ParamTree, TensorAsIs, FSDP):
     def column_lookups(self, grad_sync: str = "every") -> list:
         """The planner's: the layouts of `column_tables` where a step looks them up by columns."""
         lay = jax.tree.leaves(self.layouts, is_leaf=is_layout)
-        on = self.prefetch and self.strategy.sharded and grad_sync != "once"
+        on = self.prefetch and grad_sync != "once"
         return [lay[i] for i in self.column_tables] if on else []
 
     def _unit_layouts(self, path, shards):

@@ -165,9 +165,7 @@ def _reduce(g, layout: LogicalTensorLayout, comm):
     g = layout.disassemble(g.astype(comm.reduce_dtype or g.dtype))
     if layout.shards > 1:
         g = _per_slice(lambda s: lax.psum_scatter(s, FSDP_AXIS, scatter_dimension=1, tiled=True), g)
-    if comm.reduce_axes:
-        g = lax.psum(g, comm.reduce_axes)
-    return g.astype(layout.dtype) * comm.scale
+    return comm.finish(g, layout.dtype)
 
 
 def _gather_fwd(x, layout, comm):
