@@ -17,6 +17,7 @@ the target's topology (25-90 s a compile on a 2-core CPU machine).
     python benchmarks/context_long.py --contexts none --points 8b --seq-lens 262144,1572864 ...   # llama-8b, C = 8
     python benchmarks/context_long.py --model-option mlp_tile=4096 ...   # a config field (e.g. a tiled MLP)
     python benchmarks/context_long.py --reuse FILE ...   # compiled figures of identical points taken from FILE
+    python benchmarks/context_long.py --ring-attention cudnn ...   # cuDNN's per-block attention (default: blockwise)
 """
 from __future__ import annotations
 
@@ -61,13 +62,14 @@ def options(items) -> dict:
 
 
 RING_SUMS = "fp32"   # --ring-sums: the ring backward's sums across hops (models.factory.context_kernel)
+RING_ATTENTION = "blockwise"   # --ring-attention: the ring's per-block attention (this benchmark's default: blockwise)
 
 
-def cache_key(model, devices, context, seq, overrides, target, ring_sums="fp32") -> str:
-    """A point's identity in --reuse's cache (the ring's sums named only where not the default, so that files
-    written before the option stay reusable)."""
-    return json.dumps([model, devices, context, seq, overrides, target] + ([ring_sums] if ring_sums != "fp32" else []),
-                      sort_keys=True)
+def cache_key(model, devices, context, seq, overrides, target, ring_sums="fp32", ring_attention="blockwise") -> str:
+    """A point's identity in --reuse's cache (the ring's sums and per-block attention named only where not the
+    default, so that files written before the options stay reusable)."""
+    return json.dumps([model, devices, context, seq, overrides, target] + ([ring_sums] if ring_sums != "fp32" else [])
+                      + ([ring_attention] if ring_attention != "blockwise" else []), sort_keys=True)
 
 
 def point(model: str, devices: int, context: int, seq: int, overrides: dict, target: str, compile_: bool,
@@ -78,14 +80,15 @@ def point(model: str, devices: int, context: int, seq: int, overrides: dict, tar
     from jfsdp.planning import memory, report, targets
 
     rows = devices // context
-    key = cache_key(model, devices, context, seq, overrides, target, RING_SUMS)
+    key = cache_key(model, devices, context, seq, overrides, target, RING_SUMS, RING_ATTENTION)
     out = {"model": model, "devices": devices, "mesh": f"1x{rows}", "context": context, "seq_len": seq,
-           "sequences": rows, "tokens_per_device": seq // context, "overrides": overrides, "ring_sums": RING_SUMS}
+           "sequences": rows, "tokens_per_device": seq // context, "overrides": overrides, "ring_sums": RING_SUMS,
+           "ring_attention": RING_ATTENTION}
     devs = targets.devices(target, (1, rows), 1, context)
     with targets.tracing_for(target):
         cfg, plan, opt, loss_fn, batch = report.build(model, f"1x{rows}", "full_shard", "bf16", "full", rows, seq,
                                                       devs, "cudnn", context=context, overrides=overrides,
-                                                      ring_sums=RING_SUMS)
+                                                      ring_sums=RING_SUMS, ring_attention=RING_ATTENTION)
         est = memory.estimate(plan, opt, loss_fn, batch, prefetch=True, backend="gpu")
         out["estimate"] = est.as_dict()
         if compile_ and key in cache:
@@ -162,6 +165,9 @@ def main(argv=None) -> int:
                    help="replace a field of the models' configs (e.g. a tiled MLP's tile size, once it exists)")
     p.add_argument("--ring-sums", default="fp32", choices=("fp32", "bf16"),
                    help="the ring backward's sums across hops (train.py's --ring-sums)")
+    p.add_argument("--ring-attention", default="blockwise", choices=("blockwise", "cudnn"),
+                   help="the ring's per-block attention (train.py's --ring-attention; this benchmark's figures are "
+                   "the blockwise kernel's unless cudnn is named)")
     p.add_argument("--reuse", default=None, help="a JSON of an earlier run: its compiled figures for identical points")
     p.add_argument("--seed-log", default=None, help="an earlier run's printed log: its compiled totals for identical "
                    "points (the breakdown is recomputed; argument/temp not known)")
@@ -170,8 +176,8 @@ def main(argv=None) -> int:
                    "with the estimate's breakdown recomputed at each point; for a run stopped before its end")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
-    global RING_SUMS
-    RING_SUMS = a.ring_sums
+    global RING_SUMS, RING_ATTENTION
+    RING_SUMS, RING_ATTENTION = a.ring_sums, a.ring_attention
     overrides = options(a.model_option)
     budget = int(a.device_memory_gib * GIB)
     cache = {}
@@ -181,7 +187,7 @@ def main(argv=None) -> int:
         for q in old.get("probes", []) + old.get("points", []):
             if "compiled" in q:
                 cache[cache_key(q["model"], q["devices"], q["context"], q["seq_len"], q["overrides"], old["target"],
-                                q.get("ring_sums", "fp32"))] = q
+                                q.get("ring_sums", "fp32"), q.get("ring_attention", "blockwise"))] = q
     for log in ([a.seed_log] if a.seed_log else []) + (a.from_logs or []):
         import re
         for line in open(log):
@@ -189,7 +195,7 @@ def main(argv=None) -> int:
             if m:
                 model, c, t = m.group(1), int(m.group(2)), int(m.group(3).replace(",", ""))
                 devices = 64 if model == "llama-70b" else 8
-                cache[cache_key(model, devices, c, t, overrides, a.target, a.ring_sums)] = {   # the log's own setting
+                cache[cache_key(model, devices, c, t, overrides, a.target, a.ring_sums, a.ring_attention)] = {   # the log's own setting
                     "compiled": {"total": int(float(m.group(4)) * GIB)}, "compile_s": float(m.group(5))}
     import jax
     t0 = time.time()

@@ -535,8 +535,10 @@ def main(argv=None):
     t = time.time()
     import torch
     result = {"date": time.strftime("%Y-%m-%d"), "command": "python " + " ".join([os.path.relpath(__file__)] + sys.argv[1:]),
-              "device": f"CPU ({os.cpu_count()} cores): jfsdp on fake XLA devices, FSDP2 on the fake process group "
-                        f"(memory) / gloo processes (speed)", "jax": jax.__version__, "torch": torch.__version__}
+              "device": (f"CPU ({os.cpu_count()} cores): jfsdp on fake XLA devices, FSDP2 on the fake process group "
+                         f"(memory) / gloo processes (speed)" if a.device != "cuda" else
+                         f"{torch.cuda.get_device_name(0)}: jfsdp and FSDP2 (speed) on the GPU"),
+              "jax": jax.__version__, "torch": torch.__version__}
     if a.only in (None, "memory"):
         result["memory_setup"] = {"model": a.model, "per_rank_batch": 1, "optimizer": "AdamW + clip 1.0, decay on matrices",
                                   "torch": "FSDPMemTracker peak of step 2 (FakeTensorMode, fake process group)",

@@ -24,7 +24,7 @@ import os
 import sys
 import re
 
-from jfsdp.config.args import ASYNC_TP, ArgParser, async_tp_option
+from jfsdp.config.args import ASYNC_TP, RING_ATTENTION, ArgParser, async_tp_option
 from jfsdp.config.errors import ConfigError
 from jfsdp.config.mesh import mesh_spec
 from jfsdp.config.moe_calibration import check_calibrate, read as read_calibration
@@ -66,6 +66,11 @@ def model_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
     g.add_argument("--ring-sums", default=d.ring_sums, choices=("fp32", "bf16"),
                    help="with --context C > 1: the ring backward's sums across hops (dQ, dK, dV) in fp32, or in bf16 "
                    "with bf16 compute: half their memory and ring bytes, dK up to 1.9x one device's error at C = 8 "
+                   "(docs/context-parallel.md)")
+    g.add_argument("--ring-attention", default=d.ring_attention, choices=RING_ATTENTION,
+                   help="with --context C > 1: the ring's per-block attention: cuDNN's fused attention (bf16 compute "
+                   "on NVIDIA GPUs; about 9x the blockwise kernel's speed on an H100, more memory at long sequences), "
+                   "the blockwise kernel (any backend; the longest sequences), or auto: cuDNN where it applies "
                    "(docs/context-parallel.md)")
     g.add_argument("--async-tp", default=d.async_tp, choices=ASYNC_TP,
                    help="with --tensor T > 1: run each TP all-gather and reduce-scatter as a ring of T-1 transfers, "
@@ -227,6 +232,10 @@ def check_flags(c: TrainConfig) -> int | None:
         check_context_flags(c)
     if c.ring_sums != "fp32" and (c.context == 1 or c.precision == "fp32"):
         fail(f"--ring-sums {c.ring_sums} applies to --context C > 1 with bf16 compute")
+    if c.ring_attention == "cudnn" and (c.context == 1 or c.precision == "fp32"):
+        fail("--ring-attention cudnn applies to --context C > 1 with bf16 compute (cuDNN takes 16-bit inputs)")
+    if c.ring_attention == "cudnn" and not accelerator_present():
+        fail("--ring-attention cudnn needs an NVIDIA GPU (cuDNN); this host has none: use auto or blockwise")
     try:
         async_tp_option(c.async_tp, c.tensor)
         check_mlp_tile(c.mlp_tile, c.seq_len, c.context, c.tensor)

@@ -31,7 +31,7 @@ import os
 import sys
 import time
 
-from jfsdp.config.args import ASYNC_TP, EXIT_BAD_INPUT, ArgParser, async_tp_option, parse_bytes  # noqa: F401 (jfsdp.plan.parse_bytes)
+from jfsdp.config.args import ASYNC_TP, EXIT_BAD_INPUT, RING_ATTENTION, ArgParser, async_tp_option, parse_bytes  # noqa: F401 (jfsdp.plan.parse_bytes)
 from jfsdp.config.errors import ConfigError
 from jfsdp.config.mesh import mesh_spec
 from jfsdp.config.sequence import check_mlp_tile
@@ -52,6 +52,9 @@ def _args(argv):
     p.add_argument("--ring-sums", choices=("fp32", "bf16"), default="fp32",
                    help="with --context C > 1 (train.py's --ring-sums): the ring backward's sums across hops in fp32, "
                    "or in bf16 for bf16 compute (half their memory and bytes, less accurate: docs/context-parallel.md)")
+    p.add_argument("--ring-attention", choices=RING_ATTENTION, default="auto",
+                   help="with --context C > 1 (train.py's --ring-attention): the ring's per-block attention, cuDNN's "
+                   "(bf16 on a GPU target), blockwise, or auto: cuDNN where it applies")
     p.add_argument("--context", type=int, default=1, metavar="C",
                    help="context-parallel size (train.py's --context): mesh RxS x C (x T) devices, each sequence "
                    "split over C, attention as a ring (docs/context-parallel.md)")

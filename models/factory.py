@@ -8,7 +8,9 @@ import jfsdp
 from models import moe as moe_model
 from models import loss_fn as loss_fn_of, parts
 from models.attention import blockwise_attention_bwd, blockwise_attention_fwd, blockwise_dq_out, blockwise_dq_zeros
-from models.llama import Llama, LlamaBlock, LlamaConfig, ScannedLlama
+from models.attention_cudnn import applies as cudnn_applies, backward_workspace as cudnn_backward_workspace
+from models.attention_cudnn import cudnn_attention_bwd, cudnn_attention_fwd
+from models.llama import Llama, LlamaBlock, LlamaConfig, ScannedLlama, attention_impl
 from models.moe import MoEConfig
 
 
@@ -119,16 +121,25 @@ def tensor_plan(cfg):
 RING_SUMS = ("fp32", "bf16")
 
 
-def context_kernel(block: int = 512, ring_sums: str = "fp32"):
+def context_kernel(block: int = 512, ring_sums: str = "fp32", attention: str = "blockwise"):
     """The per-block attention of context parallelism's ring (jfsdp.engine.parallel.context) for the Llama
-    models: blockwise attention's two halves (models/attention.py), which give the log-sum-exp that the
-    ring's merge needs. fully_shard's `context_attention` at C > 1. `ring_sums` "bf16": the backward's sums
-    across hops (dQ, dK, dV) in bf16 for bf16 compute, half their memory and bytes, at the price of accuracy
-    (train.py's --ring-sums; docs/context-parallel.md); "fp32" (default) keeps them in fp32."""
+    models, fully_shard's `context_attention` at C > 1. `attention` "blockwise": blockwise attention's two
+    halves (models/attention.py), which give the log-sum-exp that the ring's merge needs, on every backend;
+    "cudnn": cuDNN's fused attention with its log-sum-exp, its backward fed the merged output and
+    log-sum-exp (models/attention_cudnn.py; bf16/fp16 inputs only: `ring_attention_impl` picks it where it
+    applies). `ring_sums` "bf16": the backward's sums across hops (dQ, dK, dV) in bf16 for bf16 compute, half
+    their memory and bytes, at the price of accuracy (train.py's --ring-sums; docs/context-parallel.md);
+    "fp32" (default) keeps them in fp32."""
     if ring_sums not in RING_SUMS:
         raise jfsdp.ConfigError(f"ring sums '{ring_sums}': choose fp32 or bf16")
     from jfsdp.engine.parallel.ring import Into, Kernel, sum_dtype   # here: importing this module must not start jax
     low = ring_sums == "bf16"
+    if attention == "cudnn":   # no rowsum(dO * O) in o's place: cuDNN's backward takes o itself
+        return Kernel(lambda q, k, v, causal: cudnn_attention_fwd(q, k, v, causal=causal),
+                      lambda q, k, v, o, lse, do, causal: cudnn_attention_bwd(q, k, v, o, lse, do, causal=causal),
+                      low_sums=low, workspace=cudnn_backward_workspace)
+    if attention != "blockwise":
+        raise jfsdp.ConfigError(f"ring attention '{attention}': choose blockwise or cudnn")
     # the ring's running dQ as one accumulator in the kernel's layout, each call adding into it in place
     into = Into(lambda q, piece, after: blockwise_dq_zeros(q, piece, block=block, dtype=sum_dtype(q, low), after=after),
                 lambda q, k, v, o, lse, do, causal, acc, at: blockwise_attention_bwd(
@@ -138,3 +149,24 @@ def context_kernel(block: int = 512, ring_sums: str = "fp32"):
                   lambda q, k, v, o, lse, do, causal: blockwise_attention_bwd(
                       q, k, v, o, lse, do, causal=causal, block=block, dq_dtype=sum_dtype(q, low)),
                   sums=True, low_sums=low, into=into)
+
+
+def ring_attention_impl(cfg, mp, choice: str = "auto") -> str:
+    """The ring's per-block attention for a model config and mixed-precision policy (train.py's and the
+    planner's --ring-attention `choice`): "blockwise" as asked; "cudnn" as asked, where cuDNN takes the
+    inputs (bf16 compute, a head dimension it takes: else a ConfigError); "auto": "cudnn" where the model's
+    own attention would be cuDNN's (models/llama.py `attention_impl`: also a CUDA backend, or attention
+    "cudnn" for a program compiled for a GPU), else "blockwise"."""
+    import jax.numpy as jnp
+    if choice not in ("auto", "cudnn", "blockwise"):
+        raise jfsdp.ConfigError(f"ring attention '{choice}': choose auto, cudnn or blockwise")
+    cfg = cfg.llama() if isinstance(cfg, MoEConfig) else cfg
+    dtype = getattr(mp, "param_dtype", None) or jnp.float32
+    if choice == "cudnn":
+        if not isinstance(cfg, LlamaConfig) or not cudnn_applies(dtype, cfg.head_dim):
+            raise jfsdp.ConfigError("ring attention 'cudnn' needs bf16 compute and a head dimension that is a "
+                                    "multiple of 8 up to 128 (models/attention_cudnn.py)")
+        return "cudnn"
+    if choice == "blockwise" or not isinstance(cfg, LlamaConfig):
+        return "blockwise"
+    return "cudnn" if attention_impl(cfg, dtype) == "cudnn" else "blockwise"

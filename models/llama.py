@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from models.attention import blockwise_attention
+from models.attention_cudnn import applies as cudnn_applies
 from models.tiled_mlp import tiled_swiglu
 
 ATTENTION = ("auto", "blockwise", "cudnn", "xla")
@@ -106,9 +107,7 @@ def attention_impl(cfg: LlamaConfig, dtype, seq_len: int | None = None) -> str:
     attention from BLOCKWISE_FROM tokens on (or when the length is not given), to the XLA reference below."""
     if cfg.attention in ("xla", "blockwise"):
         return cfg.attention
-    ok = (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-          and cfg.head_dim % 8 == 0 and cfg.head_dim <= 128)
-    if ok and (cfg.attention == "cudnn" or jax.default_backend() == "gpu"):
+    if cudnn_applies(dtype, cfg.head_dim) and (cfg.attention == "cudnn" or jax.default_backend() == "gpu"):
         return "cudnn"
     return "blockwise" if seq_len is None or seq_len >= BLOCKWISE_FROM else "xla"
 

@@ -141,18 +141,21 @@ def first_hops(hlo_text) -> set:
     return out
 
 
-def test_the_ring_hides_every_hop_but_the_first_on_an_h100_target():
+@pytest.mark.parametrize("attention", ["blockwise", "cudnn"])
+def test_the_ring_hides_every_hop_but_the_first_on_an_h100_target(attention):
     """Ring attention's forward and backward (bf16, llama-8b's 32 query and 8 K/V heads of 128, 16,384 tokens
     over C = 4) compiled for H100s without one, with jfsdp's GPU flags for C > 1: in XLA:GPU's schedule
     (`hlo.overlap`, the planner's reader) every collective-permute but the first hop of each pass (K and V,
-    bf16, sent from this rank's own block) is in flight while attention computes (its blockwise loops). The
-    cotangent is computed from the output, as a layer's is. Before the ring was pinned (and with one
-    collective in flight, XLA's default) 2 to 9 ops beyond the first hops were exposed."""
+    bf16, sent from this rank's own block) is in flight while attention computes (the blockwise kernel's
+    loops, or cuDNN's fused attention: models/attention_cudnn.py, one call per block pair, 2C - 1 per pass
+    with zigzag). The cotangent is computed from the output, as a layer's is. Before the ring was pinned
+    (and with one collective in flight, XLA's default) 2 to 9 ops beyond the first hops were exposed.
+    (cuDNN's numbers need a GPU: benchmarks/context_cudnn.py, docs/context-parallel.md.)"""
     from jfsdp.planning import targets
     from models.factory import context_kernel
     c, t = 4, 16384
     mesh = Mesh(np.array(targets.devices("h100", (1, c))), ("context",))
-    ring = jax.shard_map(functools.partial(ring_attention, kernel=context_kernel(block=512)), mesh=mesh,
+    ring = jax.shard_map(functools.partial(ring_attention, kernel=context_kernel(block=512, attention=attention)), mesh=mesh,
                          in_specs=(P(None, "context"),) * 3, out_specs=P(None, "context"), check_vma=False)
 
     def grads(q, k, v, do):
@@ -177,6 +180,30 @@ def test_the_ring_hides_every_hop_but_the_first_on_an_h100_target():
     assert sum(o.collective.result_bytes for o in perms) == (4 * (c - 1) + 2 * (2 * (c - 2) + 2)) * block
     assert sum(o.collective.result_bytes for o in perms if o.collective.name in first) == 4 * block
     assert all(o.hidden for o in perms if o.collective.name not in first), hlo.render_overlap(perms)
+    calls = re.findall(r'custom_call_target="__cudnn\$(fmhaSoftmax\w*)"', text)
+    assert sorted(calls) == ([] if attention == "blockwise" else ["fmhaSoftmax"] * (2 * c - 1) + ["fmhaSoftmaxBackward"] * (2 * c - 1))
+
+
+def test_the_ring_takes_cudnn_where_the_model_would():
+    """models/factory.py `ring_attention_impl`: the ring's per-block attention is cuDNN's where the model's own
+    attention would be (bf16 compute, attention 'cudnn' or a CUDA backend), blockwise elsewhere (fp32; CPU
+    with attention 'auto'); cuDNN's halves refuse inputs it cannot take."""
+    import dataclasses
+
+    from jfsdp.config.policy import MixedPrecision
+    from models import get_config
+    from models.attention_cudnn import cudnn_attention_fwd
+    from models.factory import ring_attention_impl
+    bf16, fp32 = MixedPrecision.parse("bf16"), MixedPrecision.parse("fp32")
+    llama = get_config("llama-test")
+    cudnn = dataclasses.replace(llama, attention="cudnn")
+    assert ring_attention_impl(cudnn, bf16) == "cudnn" and ring_attention_impl(cudnn, fp32) == "blockwise"
+    assert ring_attention_impl(llama, bf16) == "blockwise"   # 'auto' on this CPU backend
+    moe = lambda name: dataclasses.replace(get_config(name), attention="cudnn")   # MoE configs: their Llama part
+    assert ring_attention_impl(moe("mixtral-8x7b"), bf16) == "cudnn"
+    assert ring_attention_impl(moe("moe-test"), bf16) == "blockwise"   # head dimension 18: not a multiple of 8
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        cudnn_attention_fwd(*(jnp.zeros((1, 8, 2, 8)) for _ in range(3)))
 
 
 def _unmasked_pairs(order, context):

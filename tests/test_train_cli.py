@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 from tests.compile_flags import FAST
 
+from jfsdp.config.xla_flags import accelerator_present
+
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--mesh", "2x4", "--model", "llama-test", "--batch-size", "8", "--seq-len", "32"]
 
@@ -130,6 +132,8 @@ BAD = {
     "ring-sums-without-context": (["--ring-sums", "bf16"], "--ring-sums bf16 applies to --context C > 1"),
     "ring-sums-fp32-compute": (["--mesh", "1x2", "--context", "2", "--seq-len", "64", "--ring-sums", "bf16"],
                                "with bf16 compute"),
+    "ring-attention-cudnn-fp32": (["--mesh", "1x2", "--context", "2", "--seq-len", "64", "--ring-attention", "cudnn"],
+                                  "cuDNN takes 16-bit inputs"),
     "context-zero": (["--context", "0"], "--context must be at least 1"),
     "context-seq-len": (["--mesh", "1x2", "--context", "3", "--seq-len", "64"], "2*C = 6 equal chunks"),
     "context-tensor-seq-len": (["--mesh", "1x2", "--context", "2", "--tensor", "2", "--seq-len", "36"],
@@ -140,6 +144,9 @@ BAD = {
                               "does not divide the 32 tokens per device"),
     "mlp-tile-moe": (["--model", "moe-test", "--mlp-tile", "16"], "--mlp-tile applies to the Llama models"),
 }
+if not accelerator_present():   # on a GPU host cuDNN is there and the option is taken
+    BAD["ring-attention-cudnn-no-gpu"] = (["--mesh", "1x2", "--context", "2", "--seq-len", "64", "--precision", "bf16",
+                                           "--ring-attention", "cudnn"], "needs an NVIDIA GPU")
 
 
 def _assert_one_line_error(r, expect):

@@ -12,6 +12,7 @@ EXIT_BAD_INPUT = 2   # the exit status of every bad input (a ConfigError at the 
 
 
 ASYNC_TP = ("auto", "on", "off")   # --async-tp, train.py's and the planner's
+RING_ATTENTION = ("auto", "cudnn", "blockwise")   # --ring-attention, train.py's and the planner's (C > 1)
 
 
 def async_tp_option(value: str, tensor: int) -> bool | None:

@@ -17,7 +17,9 @@ many tokens a device holds and what the ring adds.
   tile of the per-block kernel (L = T/2C at most its block), XLA schedules the hops' independent kernels
   together: four score tiles (scores and exponentials of the hop's two kernel calls) per hop, 4(C - 1) in
   all (measured on XLA:CPU: docs/planner.md). Where the kernel loops over several tiles per hop, the
-  tiles are one iteration's, as at C = 1.
+  tiles are one iteration's, as at C = 1. On a GPU, plus the kernel's `workspace` for its diagonal call
+  (T/C queries), where it declares one: cuDNN's backward workspace, which a compile for a GPU target made
+  without a GPU does not show (models/attention_cudnn.py `backward_workspace`).
 Nothing is compiled; `jfsdp.planning.estimate` and `jfsdp.planning.memory.comm_formula` call these where
 `plan.context` > 1."""
 from __future__ import annotations
@@ -169,5 +171,7 @@ def ring_buffers(plan, local_batch, backend: str | None = None) -> int:
             # docs/context-parallel.md). XLA:CPU keeps at most two in all
             gpu = GPU_SUMS * o32 + int(GPU_FP32 * b * t * h * d * 4) - widened_bytes(plan, local_batch, dt)
             held = tiles + (gpu if backend == "gpu" else min(C - 1, 2) * o32)
+            if backend == "gpu" and getattr(kernel, "workspace", None):   # the diagonal call's, unseen off a GPU
+                held += kernel.workspace(b, t, h, d)
             best = held if best is None else max(best, held)
     return best or 0

@@ -25,13 +25,15 @@ DEFAULT_MEMORY = 80 * 2**30   # per device, where neither --device-memory nor a 
 
 def build(model_name, mesh_spec, strategy, precision, remat, batch_size, seq_len, devices=None, attention=None,
           loss="fused", moe="auto", moe_chunks="auto", backend=None, prefetch=None, tensor=1, async_tp=None, context=1,
-          overrides=None, mlp_tile=0, as_is=None, moe_buckets=None, moe_calibration=None, ring_sums="fp32"):
+          overrides=None, mlp_tile=0, as_is=None, moe_buckets=None, moe_calibration=None, ring_sums="fp32",
+          ring_attention="auto"):
     """(cfg, plan, optimizer, loss_fn, batch shapes) for a named model; nothing allocated. `mlp_tile`: the
     Llama MLP's tile in tokens (models/llama.py; 0: off).
     `devices`: the mesh's devices (default: all local ones); `attention`: override the config's;
     `prefetch`, `async_tp`: fully_shard's; `tensor`: T, with the model's tensor plan (models/factory.py) when T > 1;
     `moe_buckets`, `moe_calibration`: adaptive MoE's (models.factory.language_model's buckets, calibration);
-    `context`: C, with the model's ring kernel (models.factory.context_kernel) when C > 1; `overrides`: fields of
+    `context`: C, with the model's ring kernel (models.factory.context_kernel) when C > 1, `ring_attention` its
+    per-block attention (auto, cudnn, blockwise: models.factory.ring_attention_impl); `overrides`: fields of
     the model's config to replace ({'name': value}; an unknown field is a ConfigError); `as_is`: 'loop' or
     'scan', the Llama given as it is instead of as `Stacked` (models.factory.as_is_model)."""
     import jax
@@ -79,7 +81,9 @@ def build(model_name, mesh_spec, strategy, precision, remat, batch_size, seq_len
     plan = jfsdp.fully_shard(model, mesh, x, strategy=strategy, mp_policy=mp,
                              remat=remat, moe=moe_opt, prefetch=prefetch, tensor_plan=tensor_plan,
                              async_tp=async_tp if tensor > 1 else None,
-                             context_attention=models.factory.context_kernel(ring_sums=ring_sums) if context > 1 else None)
+                             context_attention=models.factory.context_kernel(
+                                 ring_sums=ring_sums, attention=models.factory.ring_attention_impl(cfg, mp, ring_attention))
+                             if context > 1 else None)
     return cfg, plan, jfsdp.adamw(1e-4), loss_fn, {"inputs": x, "targets": x}
 
 
@@ -172,7 +176,8 @@ def report(a, budget: int | None = None) -> dict:
                                    context=context, as_is=getattr(a, "as_is", None),
                                    moe_buckets=getattr(a, "moe_buckets", None),
                                    moe_calibration=getattr(a, "moe_calibration", None),
-                                   ring_sums=getattr(a, "ring_sums", "fp32"))
+                                   ring_sums=getattr(a, "ring_sums", "fp32"),
+                                   ring_attention=getattr(a, "ring_attention", "auto"))
         tile = getattr(a, "mlp_tile", 0)
         if tile == "auto":   # the largest tile whose estimate fits; off where the untiled plan fits
             from jfsdp.planning import tiling

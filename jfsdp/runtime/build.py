@@ -105,7 +105,8 @@ def shard_model(c: TrainConfig, models, model: ModelChoice, mesh, strategy, mp, 
         if moe_variant is not None:
             moe = moe_variant(moe)
         plan = models.factory.tensor_plan(model.config) if c.tensor > 1 else None
-        ring = models.factory.context_kernel(ring_sums=c.ring_sums) if c.context > 1 else None   # docs/context-parallel.md
+        ring = (models.factory.context_kernel(ring_sums=c.ring_sums, attention=models.factory.ring_attention_impl(config, mp, c.ring_attention))
+                if c.context > 1 else None)   # docs/context-parallel.md
         return jfsdp.fully_shard(module, mesh, example, strategy=strategy, mp_policy=mp, remat=c.remat, moe=moe,
                                  tensor_plan=plan, async_tp=async_tp_option(c.async_tp, c.tensor),
                                  context_attention=ring)

@@ -12,6 +12,7 @@ class TrainConfig:
     tensor: int = 1                 # tensor-parallel size T (a third mesh axis; docs/tensor-parallel.md)
     context: int = 1                # context-parallel size C (the sequence split over it; docs/context-parallel.md)
     ring_sums: str = "fp32"         # C > 1: the ring backward's sums across hops, fp32 or (bf16 compute) bf16
+    ring_attention: str = "auto"    # C > 1: the ring's per-block attention: auto (cuDNN where it applies), cudnn, blockwise
     async_tp: str = "auto"          # T > 1: the TP collectives as rings that overlap the matmuls (auto: on GPUs)
     strategy: str = "full_shard"
     model: str = "llama-tiny"

@@ -54,12 +54,16 @@ class Kernel(NamedTuple):
     ring computes them once, and o (a (T/C, H, D) array) is not held through the backward's hops.
     `low_sums`: the sums across hops in bf16 for bf16 inputs (`sum_dtype`); default fp32.
     `into` (an `Into`, optional): the backward half adding dq into an accumulator, which the ring then uses
-    (with zigzag) in place of a (T/C, H, D) array per call and the sums across hops."""
+    (with zigzag) in place of a (T/C, H, D) array per call and the sums across hops.
+    `workspace` (optional): (B, T, H, D) of a call's queries -> bytes its backward holds that a program
+    compiled for a GPU target without a GPU does not show (cuDNN's workspace: sized only on a GPU); the
+    planner adds the diagonal call's (jfsdp/planning/context_plan.py)."""
     fwd: Callable
     bwd: Callable
     sums: bool = False
     low_sums: bool = False
     into: "Into | None" = None
+    workspace: "Callable | None" = None
 
 
 class Into(NamedTuple):
