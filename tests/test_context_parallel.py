@@ -70,8 +70,9 @@ def inputs(t, b=2, h=4, kv=2, d=8):
 
 
 @pytest.mark.parametrize("context, zz, into", [(2, True, None), (4, True, None), (2, False, None), (4, True, BLOCK),
-                                              (4, True, 3)],
-                         ids=["zigzag-2", "zigzag-4", "contiguous-2", "zigzag-4-into", "zigzag-4-into-refused"])
+                                              (4, True, 3), (8, True, "dense"), (8, False, "dense")],
+                         ids=["zigzag-2", "zigzag-4", "contiguous-2", "zigzag-4-into", "zigzag-4-into-refused",
+                              "zigzag-8", "contiguous-8"])
 def test_ring_attention_equals_full_causal_attention(context, zz, into):
     """Output and dq, dk, dv of ring attention (GQA 4:2) equal the full sequence's in float64; the
     compiled program's collective-permutes are the ring's: forward C - 1 hops of the K and V blocks,
@@ -79,10 +80,13 @@ def test_ring_attention_equals_full_causal_attention(context, zz, into):
     and one of dK, dV home, each one local K (or V) block: 6C - 6. `into`: the models' kernel
     (models/factory.py `context_kernel`) with blocks of that size, whose dq the ring adds into one
     accumulator (ring.py `Into`); blocks of 3 do not tile a 4-token zigzag chunk, so its ring sums the
-    calls' dq as without it."""
+    calls' dq as without it; "dense": C = 8 with DENSE_KERNEL (below)."""
     from models.factory import context_kernel
     q, k, v, do = inputs(8 * context)
-    kernel = KERNEL if into is None else context_kernel(block=into)
+    if into == "dense":   # C = 8 with the dense per-block kernel: the ring's logic, at half the compile time
+        kernel, into = DENSE_KERNEL, None
+    else:
+        kernel = KERNEL if into is None else context_kernel(block=into)
     assert into is None or (kernel.into.zeros(q[:, :8], 4, q) is None) == (into == 3)
     compiled = ring_program(context, zz, kernel=kernel).lower(q, k, v, do).compile()
     for name, got, want in zip(("out", "dq", "dk", "dv"), compiled(q, k, v, do), attention64(q, k, v, do)):
