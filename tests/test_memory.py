@@ -189,6 +189,9 @@ def _plan_here(monkeypatch, capsys, *args):
     (["--model", "moe-test", "--mesh", "1x16", "--as-is", "loop", "--no-compile"], "not MoEConfig", False),
     (["--model", "moe-test", "--mesh", "1x16", "--moe", "adaptive", "--moe-calibration", "/nonexistent/c.json"],
      "moe calibration /nonexistent/c.json: No such file", False),
+    # the ring's cuDNN kernel compiles for a GPU only (this machine has none; --target h100 would take it)
+    (["--model", "llama-8b", "--mesh", "1x2", "--context", "2", "--precision", "bf16", "--ring-attention", "cudnn"],
+     "--ring-attention cudnn needs a GPU to compile for", False),
 ])
 def test_plan_bad_input_is_one_line_and_status_2(monkeypatch, capsys, args, needle, process):
     """One case as the command (its process's exit status), the others through its main."""

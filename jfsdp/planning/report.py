@@ -161,6 +161,9 @@ def report(a, budget: int | None = None) -> dict:
     gpu = a.target in targets.TARGETS
     if a.xla_option and not gpu:
         raise ConfigError("--xla-option applies to a named GPU target (--target h100, ...)")
+    if getattr(a, "ring_attention", "auto") == "cudnn" and not (gpu or jax.default_backend() == "gpu"):
+        raise ConfigError("--ring-attention cudnn needs a GPU to compile for: a named GPU target (--target h100, "
+                          "...) or this machine's own")
     # a named GPU: its devices, and cuDNN's fused attention where it applies (bf16 compute, head_dim a
     # multiple of 8 up to 128)
     tensor = getattr(a, "tensor", 1)
