@@ -104,6 +104,17 @@ def test_fp8_unit_matmuls_are_float8_gemms(h100, h100_fp8):
     assert root(g8) and all(g.dtypes == ("bf16", "bf16") for g in root(g8)) and len(root(g8)) == len(root(g16))
 
 
+def test_options_this_xla_does_not_define_are_left_out(monkeypatch):
+    """jax 0.11.2's XLA rejects xla_gpu_enable_pipelined_* (no such compile option), which jfsdp's flags set
+    for jax 0.10: `compiler_options` keeps only what the installed XLA defines, and warns for the rest."""
+    bogus = "xla_gpu_option_jfsdp_made_up"
+    monkeypatch.setattr(targets, "flags_for", lambda *a: {**xla_flags.flags_for(*a), bogus: True})
+    with pytest.warns(UserWarning, match=f"has no option {bogus}"):
+        opts = targets.compiler_options(prefetch=True)
+    want = {k: v for k, v in xla_flags.flags_for(True).items() if k not in xla_flags.flags_in_env()}
+    assert bogus not in opts and want and all(opts[k] == v for k, v in want.items()), opts
+
+
 def test_targets_are_gpus_of_the_declared_kind():
     for name, t in targets.TARGETS.items():
         assert t.source and "gpu_device_info" in t.text_proto()

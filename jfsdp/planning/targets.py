@@ -200,13 +200,35 @@ def compiler_options(overrides: dict | None = None, prefetch: bool = False, asyn
     any flag the user set in XLA_FLAGS, plus `overrides` (a value of None drops a flag). Pass to
     `Lowered.compile(compiler_options=...)`; `own_scan_unit(plan)` for a model's own scan."""
     env = flags_in_env()
-    opts = {k: v for k, v in flags_for(prefetch, async_tp, context, own_scan).items() if k not in env}
+    opts = {k: v for k, v in flags_for(prefetch, async_tp, context, own_scan).items() if k not in env and defined(k, v)}
     for k, v in (overrides or {}).items():
         if v is None:
             opts.pop(k, None)
         else:
             opts[k] = v
     return opts
+
+
+@functools.lru_cache(maxsize=None)
+def defined(name: str, value) -> bool:
+    """Whether this jax's XLA defines the compile option `name`: XLA rejects an option it does not define
+    (INVALID_ARGUMENT: No such compile option) on every backend, so a trivial program compiled once on
+    this process's own backend tells. jax 0.11.2's XLA no longer has xla_gpu_enable_pipelined_all_gather,
+    _reduce_scatter and _all_reduce (found on the GPU machine, 2026-11-27), which jfsdp's flags set for jax
+    0.10; such an option is left out of `compiler_options`, with a warning (the program then compiles as
+    that XLA does by default)."""
+    import warnings
+
+    import jax
+    import jax.numpy as jnp
+    try:
+        jax.jit(lambda x: x + 1).lower(jnp.zeros(1)).compile(compiler_options={name: value})
+    except Exception as e:  # jax's runtime error type differs across versions: matched by its message
+        if "No such compile option" not in str(e):
+            raise
+        warnings.warn(f"jax {jax.__version__}'s XLA has no option {name}: compiling without it", stacklevel=3)
+        return False
+    return True
 
 
 @contextlib.contextmanager
