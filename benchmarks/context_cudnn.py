@@ -68,9 +68,9 @@ def one_device_program(impl):
 
 
 def inputs(t, b, h, kv, d, dtype):
-    import jax
-    ks = jax.random.split(jax.random.key(0), 4)
-    return tuple(jax.random.normal(key, (b, t, n, d)).astype(dtype) for key, n in zip(ks, (h, kv, kv, h)))
+    """The ring test's q, k, v, do (tests/test_context_parallel.py `inputs`) in `dtype`."""
+    from tests.test_context_parallel import inputs as fp32_inputs
+    return tuple(x.astype(dtype) for x in fp32_inputs(t, b, h, kv, d))
 
 
 def errors(a, contexts, blockwise_contexts) -> list:
@@ -152,16 +152,17 @@ def main(argv=None) -> int:
               f"this machine's backend is {jax.default_backend()}", file=sys.stderr)
         return 2
     print(jax.__version__, jax.devices(), flush=True)
+    def save():   # after each part: the errors survive a speed part that fails or runs out of time
+        if a.json:
+            with open(a.json, "w") as fh:
+                json.dump(out, fh, indent=2)
+    contexts = ([int(c) for c in x.split(",") if c] for x in (a.contexts, a.blockwise_contexts))
     out = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
-           "date": time.strftime("%Y-%m-%d"), "errors": errors(a, *([int(c) for c in x.split(",") if c] for x in (a.contexts, a.blockwise_contexts)))}
-    if a.json:
-        with open(a.json, "w") as fh:
-            json.dump(out, fh, indent=2)
+           "date": time.strftime("%Y-%m-%d"), "errors": errors(a, *contexts)}
+    save()
     if a.speed_seq:
         out["speed"] = speed(a)
-    if a.json:
-        with open(a.json, "w") as fh:
-            json.dump(out, fh, indent=2)
+        save()
     return 0
 
 

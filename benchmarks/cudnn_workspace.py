@@ -5,9 +5,10 @@ and XLA's temporaries, on a GPU or for an H100 target on a machine without one.
 
 On a GPU, XLA asks cuDNN to build each attention graph while it compiles and sizes the call's workspace
 (the last, u8[N], element of the custom call's result). Compiled for a GPU target on a CPU machine no
-graph is built and the workspace is u8[0]: that compile does not see it, and neither does any memory
-figure read from it (jfsdp.planning.hlo.memory adds it back, `cudnn_workspace`). docs/gpus.md keeps the
-figures and the formula they fit."""
+graph is built and the workspace is u8[0]: that compile does not see it, and neither does the compiled
+memory figure read from it. The planner's estimate adds it for the ring's cuDNN kernel only
+(`Kernel.workspace`, jfsdp/planning/context_plan.py; models/attention_cudnn.py `backward_workspace`).
+docs/context-parallel.md keeps the figures and the formula they fit."""
 from __future__ import annotations
 
 import argparse

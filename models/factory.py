@@ -158,8 +158,9 @@ def ring_attention_impl(cfg, mp, choice: str = "auto") -> str:
     own attention would be cuDNN's (models/llama.py `attention_impl`: also a CUDA backend, or attention
     "cudnn" for a program compiled for a GPU), else "blockwise"."""
     import jax.numpy as jnp
-    if choice not in ("auto", "cudnn", "blockwise"):
-        raise jfsdp.ConfigError(f"ring attention '{choice}': choose auto, cudnn or blockwise")
+    from jfsdp.config.args import RING_ATTENTION
+    if choice not in RING_ATTENTION:
+        raise jfsdp.ConfigError(f"ring attention '{choice}': choose {', '.join(RING_ATTENTION)}")
     cfg = cfg.llama() if isinstance(cfg, MoEConfig) else cfg
     dtype = getattr(mp, "param_dtype", None) or jnp.float32
     if choice == "cudnn":
