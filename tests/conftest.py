@@ -10,9 +10,6 @@ from tests.compile_flags import FAST, gpu_fast  # noqa: E402  (jax-free)
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=16 " + FAST).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# MLIR locations without the Python tracebacks behind each op (inherited by the processes the tests start):
-# only the debug metadata of the HLO changes, which no test reads; lowering and compiling get faster.
-os.environ.setdefault("JAX_INCLUDE_FULL_TRACEBACKS_IN_LOCATIONS", "false")
 
 import gc  # noqa: E402
 
@@ -62,10 +59,9 @@ def pytest_collection_modifyitems(config, items):
 
 # Python's cyclic garbage collector: the modules imported so far are frozen out of its scans, and it runs
 # less often (jax's tracing allocates many short-lived objects: about 5% of a traced-and-compiled step's CPU
-# time went to collections at the default thresholds, perf, 2026-11-27). With the locations above, a file of
-# the suite run beside its twin without them (same load on the 2 cores): tests/test_tensor_parallel.py 122.8
-# -> 113.9 s, tests/test_equivalence.py 115-121 -> 108.5 s (2-core Intel Xeon VM, 2026-11-27). No test
-# depends on when garbage is collected: jax.Array buffers are freed by reference counting.
+# time went to collections at the default thresholds, perf, 2026-11-27). No test depends on when garbage is
+# collected. (JAX_INCLUDE_FULL_TRACEBACKS_IN_LOCATIONS=false was tried beside it and is not used: it drops the
+# Flax module names from the HLO's op_name, which the GPU-target tests read.)
 gc.collect()
 gc.freeze()
 gc.set_threshold(20_000, 50, 100)
