@@ -5,6 +5,7 @@ check that the other recipe's reference is out of those bounds (benchmarks/float
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 import jfsdp
 from tests import reference as ref
@@ -20,18 +21,23 @@ def stacked_plan(case, mesh_spec, strategy, remat, mp):
 
 def float8_run(plan, loss_fn, init, batches, steps):
     """jfsdp's gradients on batches[0], then `steps` clipped AdamW steps (the reference's constants) ->
-    (losses, gathered gradients, gathered final parameters or None when steps is 0)."""
-    loss, grads = jax.jit(plan.loss_and_grad(loss_fn))(plan.shard(init), jax.device_put(batches[0], plan.batch_sharding))
+    (losses, gathered gradients, gathered final parameters or None when steps is 0). With steps, the
+    first-step gradients are the train step's own, kept by ref.keep_gradients (one program, not a
+    loss_and_grad program beside the step); without, loss_and_grad's."""
     if not steps:
+        loss, grads = jax.jit(plan.loss_and_grad(loss_fn))(plan.shard(init),
+                                                           jax.device_put(batches[0], plan.batch_sharding))
         return [float(loss)], plan.gather(grads), None
-    opt = jfsdp.adamw(ref.LR, b1=ref.B1, b2=ref.B2, eps=ref.EPS, weight_decay=ref.WD, clip_norm=ref.CLIP, mask=plan.decay_mask())
+    adamw = jfsdp.adamw(ref.LR, b1=ref.B1, b2=ref.B2, eps=ref.EPS, weight_decay=ref.WD, clip_norm=ref.CLIP,
+                        mask=plan.decay_mask())
+    opt = optax.chain(ref.keep_gradients(), adamw)
     state = jfsdp.init_state(plan, opt, params=plan.shard(init))
     step = jfsdp.make_train_step(plan, opt, loss_fn)
     losses = []
     for b in batches[:steps]:
         state, m = step(state, jax.device_put(b, plan.batch_sharding))
         losses.append(float(m["loss"]))
-    return losses, plan.gather(grads), plan.gather(state.params)
+    return losses, plan.gather(state.opt_state[0][0]), plan.gather(state.params)
 
 
 def bf16_rest_run(case, loss_fn, ref_forward, devices, mp):

@@ -193,15 +193,18 @@ def test_fp8_tensor_parallel_matches_single_device_fp8(fp8_case, async_tp):
     mesh = jfsdp.make_mesh("1x4", tensor=2, devices=jax.devices()[:8])
     plan = jfsdp.fully_shard(model, mesh, c["batches"][0]["inputs"], strategy="full_shard", remat="none",
                              mp_policy=POLICIES["fp32"], tensor_plan=factory.tensor_plan(CFG), async_tp=async_tp)
-    got = runs.float8_run(plan, lf, c["init"], c["batches"], 0)
-    m = runs.figures(got, {**c["fp32"], **{k: c[k] for k in ("plain", "other", "other_loss")}})
+    # runs.float8_run's first step (steps 0), the program lowered once: run here and read below
+    args = (plan.shard(c["init"]), jax.device_put(c["batches"][0], plan.batch_sharding))
+    lowered = jax.jit(plan.loss_and_grad(lf)).lower(*args)
+    loss, grads = lowered.compile()(*args)
+    m = runs.figures(([float(loss)], plan.gather(grads), None),
+                     {**c["fp32"], **{k: c[k] for k in ("plain", "other", "other_loss")}})
     runs.check(m, {k: v for k, v in BOUNDS.items() if k != "update"})
-    batch = jax.device_put(c["batches"][0], plan.batch_sharding)
     print("tp fp8 figures", m)
     # XLA:CPU widens f8 dots to f32 when it compiles, so the program is read as lowered: every unit
     # matmul's dot takes float8 operands: 7 TP matmuls (q, k, v, o, w1, w2, w3) x 3 (forward, dX, dW),
     # in the scanned unit's body, once per sequence block with async TP; the head's stays f32
-    text = jax.jit(plan.loss_and_grad(lf)).lower(plan.shard(c["init"]), batch).as_text()
+    text = lowered.as_text()
     dots = re.findall(r"stablehlo.dot_general .*?: \((tensor<[^>]*>), (tensor<[^>]*>)\)", text)
     f8 = [d for d in dots if "f8E" in d[0] and "f8E" in d[1]]
     print("tp fp8 dots", len(f8), "of", len(dots))
