@@ -121,14 +121,24 @@ TENSORWISE = dict(grad=0.1, grad_all=0.03, loss0=1e-5, loss=1e-3, update=0.4)
 ROWWISE = dict(grad=1e-3, grad_all=1e-3, loss0=1e-5, loss=1e-3, update=0.1)
 NNX = dict(grad=0.1, grad_all=0.05, loss0=2e-4, loss=5e-3)
 NNX_SCAN = dict(grad=0.1, grad_all=0.025, loss0=1e-5, loss=5e-3)
-def llama_reference(recipe="tensorwise", steps=STEPS, seed=0):
+def llama_reference(recipe="tensorwise", steps=STEPS, seed=0, tensorwise=None):
     """The single-device float8 trainer on Llama (data and initialization from `seed`), `recipe`'s matmul
     in the units' Dense layers (ref.float8_matmul or ref.rowwise_matmul); and the first step without
-    float8 and in the other recipe."""
-    batches = [{k: jnp.asarray(v) for k, v in b.items()}
-               for b in ref.token_batches(CFG.vocab_size, steps, BATCH, SEQ, seed=seed)]
+    float8 and in the other recipe. For the rowwise recipe, `tensorwise` (this function's tensorwise case
+    of the same seed, with at least `steps` steps) gives the initialization and those two first steps:
+    its own trainer's first step is the tensorwise one (the same loss on the same batch and parameters),
+    its `plain` the step without float8."""
+    if tensorwise is not None:
+        assert recipe == "rowwise" and len(tensorwise["batches"]) >= steps
+        batches, init = tensorwise["batches"][:steps], tensorwise["init"]
+        others = dict(plain=tensorwise["plain"], other=tensorwise["grads"], other_loss=tensorwise["losses"][0])
+    else:
+        batches = [{k: jnp.asarray(v) for k, v in b.items()}
+                   for b in ref.token_batches(CFG.vocab_size, steps, BATCH, SEQ, seed=seed)]
+        init, others = None, None
     model, lf = Llama(CFG), models.loss_fn(CFG)
-    init = jax.jit(model.init)(jax.random.key(seed), batches[0]["inputs"])["params"]
+    if init is None:
+        init = jax.jit(model.init)(jax.random.key(seed), batches[0]["inputs"])["params"]
     in_unit = lambda path: path[0].startswith("layers")   # the root's head stays as written
 
     def loss(p, b, matmul):
@@ -138,7 +148,7 @@ def llama_reference(recipe="tensorwise", steps=STEPS, seed=0):
     with jax.default_device(jax.devices()[0]):
         losses, final, grads = ref.run_steps(reference_optimizer(mask),
                                              per_device(lambda p, b: loss(p, b, MATMULS[recipe])), init, batches)
-        others = first_step_others(loss, recipe, init, batches[0])
+        others = others or first_step_others(loss, recipe, init, batches[0])
     return dict(batches=batches, init=init, losses=losses, final=final, grads=grads, loss_fn=lf, **others)
 
 
@@ -180,13 +190,13 @@ def test_linen_as_is_fp8_matches_single_device_fp8(llama_case, scanned):
     runs.check(m, TENSORWISE)
 
 
-def test_linen_as_is_rowwise_matches_single_device_rowwise():
+def test_linen_as_is_rowwise_matches_single_device_rowwise(llama_case):
     """The rowwise recipe (jfsdp.Float8(recipe='rowwise')) on Llama in its own loop (1x4, FULL_SHARD): the
     unit kernels gathered in the param dtype and multiplied in float8 with per-row / per-column scales,
     2 AdamW steps against the single-device rowwise trainer (ref.rowwise_matmul): first-step gradients,
     losses, updates; the tensorwise reference and the trainer without float8 out of bound."""
     from jfsdp.engine.float8_rowwise import RowwiseLayout
-    plan, m = linen_run(llama_reference("rowwise", steps=2), recipe="rowwise")
+    plan, m = linen_run(llama_reference("rowwise", steps=2, tensorwise=llama_case), recipe="rowwise")
     marked = [l for ls in plan.leaf_layouts.values() for l in ls if isinstance(l, RowwiseLayout)]
     assert len(marked) == len(KERNELS) * CFG.n_layers
     runs.check(m, ROWWISE)
