@@ -61,9 +61,10 @@ def test_stacked_lookup_by_columns_equals_single_device(spec, remat):
     on 16 shards and hybrid (2 replicas: the table's gradient summed over `data` too)."""
     root, unit, n = models.parts(CFG)
     b, lf = _batch(CFG.vocab_size), models.loss_fn(CFG)
-    with jax.default_device(jax.devices()[0]):
-        init = ref.init_params(root, unit, n, b["inputs"])
-        want_loss, want = jax.device_get(jax.value_and_grad(lambda p: lf(ref.forward(root, unit, p, b["inputs"]), b))(init))
+    with jax.default_device(jax.devices()[0]):   # jitted: one program each, not op by op
+        init = jax.jit(lambda x: ref.init_params(root, unit, n, x))(b["inputs"])
+        want_loss, want = jax.device_get(jax.jit(jax.value_and_grad(
+            lambda p: lf(ref.forward(root, unit, p, b["inputs"]), b)))(init))
     plan = jfsdp.fully_shard(jfsdp.Stacked(root, unit, n), _mesh(spec), b["inputs"], remat=remat, prefetch=True)
     table = plan.layouts["root"]["tok_embeddings"]["embedding"]
     assert plan.column_lookups() == [table]
@@ -75,9 +76,10 @@ def test_as_is_lookup_by_columns_equals_single_device(model_class, spec):
     """A Linen model given as it is, prefetch in call order (its own loop) and its own nn.scan on the pipeline:
     the untied table (late_root.root_uses: read by an nn.Embed, only before the units) looked up by columns."""
     b, lf, model = _batch(CFG.vocab_size), models.loss_fn(CFG), model_class(CFG)
-    with jax.default_device(jax.devices()[0]):
-        init = model.init(jax.random.key(0), b["inputs"])["params"]
-        want_loss, want = jax.device_get(jax.value_and_grad(lambda p: lf(model.apply({"params": p}, b["inputs"]), b))(init))
+    with jax.default_device(jax.devices()[0]):   # jitted: one program each, not op by op
+        init = jax.jit(model.init)(jax.random.key(0), b["inputs"])["params"]
+        want_loss, want = jax.device_get(jax.jit(jax.value_and_grad(
+            lambda p: lf(model.apply({"params": p}, b["inputs"]), b)))(init))
     plan = jfsdp.fully_shard(model, _mesh(spec), b, units=LlamaBlock, rng_streams=(), remat="full", prefetch=True)
     assert len(plan.column_tables) == 1 and len(plan.column_lookups()) == 1
     _check(plan, lf, init, b, want_loss, want, (CFG.vocab_size, CFG.dim))
@@ -110,8 +112,9 @@ def test_nnx_as_is_lookup_by_columns_equals_single_device():
     b = _batch(256)   # 64 tokens a device: 64 + 256/8 < 256
     lf = lambda logits, batch: -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), batch["targets"][..., None], -1))
     graphdef, params = nnx.split(_Untied(nnx.Rngs(0)), nnx.Param)
-    with jax.default_device(jax.devices()[0]):
-        want_loss, want = jax.device_get(jax.value_and_grad(lambda p: lf(nnx.merge(graphdef, p)(b["inputs"]), b))(params))
+    with jax.default_device(jax.devices()[0]):   # jitted: one program, not op by op
+        want_loss, want = jax.device_get(jax.jit(jax.value_and_grad(
+            lambda p: lf(nnx.merge(graphdef, p)(b["inputs"]), b)))(params))
     plan = jfsdp.fully_shard(_Untied(nnx.Rngs(0)), _mesh("1x8"), b, units=_Block, remat="full", prefetch=True)
     assert len(plan.column_tables) == 1
     _check(plan, lf, jax.device_get(params.to_pure_dict()), b, want_loss, want.to_pure_dict(), (256, 16))
