@@ -1,7 +1,8 @@
 """Checkpoints: exact resume, faults (SIGTERM, kill -9 mid-write, NaN, bad checkpoints), resharding.
 
-train.py runs as a subprocess where its behaviour is the point; resharding runs in-process on the 16
-fake devices. The reference for resharding is a run on the original mesh that never stopped."""
+train.py runs as a subprocess of its own where the process's behaviour is the point (SIGTERM, kill -9); the
+other runs fork from one server process that imported jax and jfsdp once (tests/train_server.py);
+resharding runs in-process on the 16 fake devices. The reference for resharding is a run on the original mesh that never stopped."""
 import json
 import os
 import shutil
@@ -20,6 +21,7 @@ import jfsdp
 import models
 from jfsdp.io import checkpoint as jckpt
 from tests.compile_flags import FAST
+from tests.train_server import TrainServer
 
 REPO = Path(__file__).resolve().parents[1]
 RUN = ["--mesh", "1x2", "--model", "llama-test", "--batch-size", "4", "--seq-len", "16", "--steps", "12",
@@ -39,9 +41,16 @@ def env(tmp_path_factory):
     return e
 
 
-def train(env, *args, timeout=300):
-    return subprocess.run([sys.executable, str(REPO / "train.py"), *RUN, *args], capture_output=True, text=True,
-                          env=env, timeout=timeout, cwd=REPO)
+@pytest.fixture(scope="module")
+def server(env, tmp_path_factory):
+    """The module's plain train.py runs, one start-up for all (tests/train_server.py)."""
+    s = TrainServer(env, tmp_path_factory.mktemp("server"))
+    yield s
+    s.close()
+
+
+def train(server, *args, timeout=300):
+    return server.run(*RUN, *args, timeout=timeout)
 
 
 def popen(env, *args, python=None):
@@ -70,10 +79,10 @@ def wait_for(pred, p, timeout=120):
 
 
 @pytest.fixture(scope="module")
-def straight(env, tmp_path_factory):
+def straight(server, tmp_path_factory):
     """12 steps in one go, saving every 3: the reference losses and a checkpoint folder."""
     d = tmp_path_factory.mktemp("straight")
-    r = train(env, "--metrics-out", str(d / "m.jsonl"), "--ckpt-dir", str(d / "ck"), "--save-every", "3",
+    r = train(server, "--metrics-out", str(d / "m.jsonl"), "--ckpt-dir", str(d / "ck"), "--save-every", "3",
               "--keep", "2")
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"checkpoint saved to {d / 'ck' / '12'}" in r.stderr
@@ -83,17 +92,17 @@ def straight(env, tmp_path_factory):
     return d, ref
 
 
-def test_resume_is_exact_and_existing_checkpoints_need_resume(env, straight, tmp_path):
+def test_resume_is_exact_and_existing_checkpoints_need_resume(server, straight, tmp_path):
     _, ref = straight
     m, ck = tmp_path / "m.jsonl", tmp_path / "ck"
-    r = train(env, "--metrics-out", str(m), "--ckpt-dir", str(ck), "--stop-after", "6")
+    r = train(server, "--metrics-out", str(m), "--ckpt-dir", str(ck), "--stop-after", "6")
     assert r.returncode == 0, r.stderr[-3000:]
     assert os.listdir(ck) == ["6"]
     # without --resume, a folder that holds checkpoints is refused and left as it was
-    one_line_error(train(env, "--ckpt-dir", str(ck), "--metrics-out", ""), "already holds checkpoints",
+    one_line_error(train(server, "--ckpt-dir", str(ck), "--metrics-out", ""), "already holds checkpoints",
                    "step 6", "--resume")
     assert os.listdir(ck) == ["6"]
-    r = train(env, "--metrics-out", str(m), "--ckpt-dir", str(ck), "--resume")
+    r = train(server, "--metrics-out", str(m), "--ckpt-dir", str(ck), "--resume")
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"resumed from {ck / '6'} (step 6" in r.stderr
     assert losses(m) == ref           # bit for bit: the JSON floats are the float32 losses exactly
@@ -129,7 +138,7 @@ runpy.run_path("train.py", run_name="__main__")
 """
 
 
-def test_sigterm_saves_and_resume_is_exact(env, straight, tmp_path):
+def test_sigterm_saves_and_resume_is_exact(env, server, straight, tmp_path):
     _, ref = straight
     m, ck, marker = tmp_path / "m.jsonl", tmp_path / "ck", tmp_path / "marker"
     p = popen(env, "--metrics-out", str(m), "--ckpt-dir", str(ck), python=["-c", HOLD_AT_STEP_6, str(marker)])
@@ -144,7 +153,7 @@ def test_sigterm_saves_and_resume_is_exact(env, straight, tmp_path):
     assert max(losses(m)) == 6
     assert f"terminated at step 6/12 (SIGTERM): stopping; checkpoint saved to {ck / '6'}" in err
     assert "Traceback" not in err and os.listdir(ck) == ["6"]
-    r = train(env, "--metrics-out", str(m), "--ckpt-dir", str(ck), "--resume")
+    r = train(server, "--metrics-out", str(m), "--ckpt-dir", str(ck), "--resume")
     assert r.returncode == 0, r.stderr[-3000:]
     assert losses(m) == ref
 
@@ -168,7 +177,7 @@ runpy.run_path("train.py", run_name="__main__")
 """
 
 
-def test_kill_9_while_saving_resumes_from_the_previous_checkpoint(env, straight, tmp_path):
+def test_kill_9_while_saving_resumes_from_the_previous_checkpoint(env, server, straight, tmp_path):
     _, ref = straight
     from orbax.checkpoint._src.path import atomicity   # the hook below relies on this orbax internal
     assert "_final_path" in atomicity.AtomicRenameTemporaryPath.finalize.__code__.co_names, \
@@ -186,18 +195,18 @@ def test_kill_9_while_saving_resumes_from_the_previous_checkpoint(env, straight,
     assert p.returncode == -signal.SIGKILL
     left = sorted(os.listdir(ck))
     assert "3" in left and "6" not in left and any(n.startswith("6.orbax-checkpoint-tmp") for n in left), left
-    r = train(env, "--metrics-out", str(m), "--ckpt-dir", str(ck), "--resume", "--save-every", "3")
+    r = train(server, "--metrics-out", str(m), "--ckpt-dir", str(ck), "--resume", "--save-every", "3")
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"resumed from {ck / '3'} (step 3" in r.stderr and "ignoring unfinished checkpoint write" in r.stderr
     assert losses(m) == ref
     assert "12" in os.listdir(ck)
 
 
-def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(env, tmp_path):
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(server, tmp_path):
     ck = tmp_path / "ck"
     # warmup from lr 0: the first steps are finite, then an absurd lr blows the weights up; the log
     # interval is long, so the checkpointer's own check is what meets the non-finite state first
-    r = train(env, "--lr", "1e30", "--clip", "0", "--warmup", "3", "--log-every", "12", "--save-every", "1",
+    r = train(server, "--lr", "1e30", "--clip", "0", "--warmup", "3", "--log-every", "12", "--save-every", "1",
               "--ckpt-dir", str(ck), "--metrics-out", "")
     err = one_line_error(r, "NaN or inf", "not saved", "last good checkpoint is")
     good = int(err.rsplit("/", 1)[1])
@@ -234,50 +243,18 @@ BAD = {
 }
 
 
-# The six cases go through train.py in one process: it imports jax and jfsdp once, then forks once per case
-# (no XLA backend has started yet: each case fakes its devices as train.py does), and each fork runs train.py
-# as `python train.py ...` would (runpy, as __main__), its stdout and stderr in files of its own, its exit
-# status reported. Jax being imported already, train.py trains in that process itself instead of a
-# supervised child (jfsdp/runtime/supervisor.py); the supervisor passes a child's stderr through unchanged
-# and adds nothing to an exit of status 2. One process instead of six: a case no longer pays Python's start
-# and the jax and jfsdp imports (2.5 s on the idle 2-core VM); train.py's own set-up before the error stays.
-RUN_CASES = """
-import json, os, runpy, sys
-import jax, jfsdp.cli, jfsdp.runtime.run   # imported once; neither starts a backend
-for argv, out in json.loads(sys.argv.pop(1)):
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:
-        for fd, name in ((1, out + ".stdout"), (2, out + ".stderr")):
-            os.dup2(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
-        sys.argv = ["train.py", *argv]
-        runpy.run_path("train.py", run_name="__main__")
-        sys.exit(0)
-    print(json.dumps([out, os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])]), flush=True)
-"""
-
-
 @pytest.fixture(scope="module")
-def bad_runs(env, saved, tmp_path_factory):
+def bad_runs(server, saved, tmp_path_factory):
     """{case: (its checkpoint folder, the folder's listing before the run, the finished run)} for BAD: each
-    case on its own copy of the straight run's checkpoints, damaged as the case says."""
-    root, jobs, before = tmp_path_factory.mktemp("bad"), [], {}
+    case on its own copy of the straight run's checkpoints, damaged as the case says (the module's server
+    runs them: train.py's own set-up before the error stays)."""
+    root, runs = tmp_path_factory.mktemp("bad"), {}
     for case, (args, damage, _) in BAD.items():
         ck = root / case / "ck"
         shutil.copytree(saved, ck)
         damage(ck / "12")
-        before[case] = sorted(p.relative_to(ck).as_posix() for p in ck.rglob("*"))
-        jobs.append(([*RUN, "--ckpt-dir", str(ck), "--resume", "--metrics-out", "", *args], str(root / case / "run")))
-    p = subprocess.run([sys.executable, "-c", RUN_CASES, json.dumps(jobs)], capture_output=True, text=True, env=env,
-                       timeout=300, cwd=REPO)
-    assert p.returncode == 0, p.stderr[-3000:]
-    codes = dict(json.loads(line) for line in p.stdout.splitlines())
-    runs = {}
-    for case in BAD:
-        out = root / case / "run"
-        runs[case] = (root / case / "ck", before[case], subprocess.CompletedProcess(
-            [], codes[str(out)], Path(f"{out}.stdout").read_text(), Path(f"{out}.stderr").read_text()))
+        before = sorted(p.relative_to(ck).as_posix() for p in ck.rglob("*"))
+        runs[case] = (ck, before, train(server, "--ckpt-dir", str(ck), "--resume", "--metrics-out", "", *args))
     return runs
 
 
