@@ -26,6 +26,7 @@ from jfsdp.planning import memory
 from jfsdp.planning.report import largest_batch
 from jfsdp.engine.layout import stored_bytes
 from tests.compile_flags import FAST
+from tests.train_server import TrainServer
 
 # Width 256 so that parameters, gathered units and activations all weigh in the peak; vocab 259
 # pads on 8 and 16 shards (259 -> 264 or 272 rows), so padding is exercised.
@@ -163,6 +164,15 @@ def _plan(*args, env_extra=None):
                           timeout=300)
 
 
+@pytest.fixture(scope="module")
+def planner(tmp_path_factory):
+    """`python -m jfsdp.plan` runs in _plan's environment that are not about the process (its exit status,
+    its own device count): forked from one server that imported jax and jfsdp once (tests/train_server.py)."""
+    s = TrainServer({**os.environ, "XLA_FLAGS": FAST}, tmp_path_factory.mktemp("planner"), main="jfsdp.plan")
+    yield s
+    s.close()
+
+
 def _plan_here(monkeypatch, capsys, *args):
     """`jfsdp.plan`'s main in this process (its devices are this session's 16: a mesh must use them all)
     -> (exit status, stderr)."""
@@ -228,14 +238,14 @@ def test_plan_compiles_with_train_py_cpu_flags(monkeypatch):
     assert "device_count=64" not in os.environ["XLA_FLAGS"] and "scheduler=false" in os.environ["XLA_FLAGS"]
 
 
-def test_plan_json_report_llama70b_on_64_devices(tmp_path):
+def test_plan_json_report_llama70b_on_64_devices(planner, tmp_path):
     """The llama-70b plan of docs/planner.md over all 64 devices (bf16, untied embedding and head, 80 units,
     one sequence per device), its flags spelled out: the JSON report, and the CPU estimate against
     XLA:CPU's compiled step, which the planner compiles with train.py's CPU flags (XLA:CPU's default
     scheduler makes the units' stacked gradients and the embedding's at the step's start)."""
     out = tmp_path / "plan.json"
-    p = _plan("--model", "llama-70b", "--mesh", "1x64", "--precision", "bf16", "--batch-size", "64",
-              "--seq-len", "2048", "--device-memory", "80GiB", "--target", "cpu", "--json", str(out))
+    p = planner.run("--model", "llama-70b", "--mesh", "1x64", "--precision", "bf16", "--batch-size", "64",
+                    "--seq-len", "2048", "--device-memory", "80GiB", "--target", "cpu", "--json", str(out))
     assert p.returncode == 0, p.stderr
     r = json.loads(out.read_text())
     assert r["compiled"]["backend"] == "cpu" and r["batch_size"] == 64
@@ -245,7 +255,7 @@ def test_plan_json_report_llama70b_on_64_devices(tmp_path):
     assert "fits in" in p.stdout and "largest global batch" in p.stdout
 
 
-def test_plan_freeze_against_the_compiled_step(tmp_path):
+def test_plan_freeze_against_the_compiled_step(planner, tmp_path):
     """`--freeze 'tok_emb|feed_forward'` (the tied embedding and the MLPs) on llama-small 1x8: the
     estimate against XLA:CPU's compiled step with those leaves frozen (make_train_step(trainable=),
     compiled by the planner with train.py's CPU flags) within the planner's error (10% on CPU:
@@ -258,7 +268,7 @@ def test_plan_freeze_against_the_compiled_step(tmp_path):
     reports = {}
     for name, extra in (("all", ["--no-compile"]), ("frozen", ["--freeze", "tok_emb|feed_forward"])):
         out = tmp_path / f"{name}.json"
-        p = _plan(*args, *extra, "--json", str(out))
+        p = planner.run(*args, *extra, "--json", str(out))
         assert p.returncode == 0, p.stderr
         reports[name] = json.loads(out.read_text())
     r, full = reports["frozen"], reports["all"]
