@@ -1,4 +1,6 @@
-"""train.py as users run it: a subprocess with its own environment (it fakes its own CPU devices).
+"""train.py as users run it: a subprocess with its own environment (it fakes its own CPU devices). Runs
+whose point is the process (Ctrl-C, an XLA abort, the real command's exit status) start train.py themselves;
+the others fork from one server process that imported jax and jfsdp once (tests/train_server.py).
 Bad input is checked in-process through the same `jfsdp.cli.main` (a subprocess costs a jax import
 each), with one subprocess that shows the real command's exit status and single line."""
 import json
@@ -12,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from tests.compile_flags import FAST
+from tests.train_server import TrainServer
 
 from jfsdp.config.xla_flags import accelerator_present
 
@@ -34,10 +37,18 @@ def run_train(*args, timeout=300):
                           env=_env(), timeout=timeout, cwd=REPO)
 
 
-def test_tiny_run_end_to_end(tmp_path):
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """The module's train.py runs that are not about the process, one start-up for all."""
+    s = TrainServer(_env(), tmp_path_factory.mktemp("server"))
+    yield s
+    s.close()
+
+
+def test_tiny_run_end_to_end(server, tmp_path):
     metrics = tmp_path / "run" / "metrics.jsonl"
-    r = run_train(*TINY, "--steps", "16", "--log-every", "4", "--eval-every", "8", "--lr", "3e-3",
-                  "--warmup", "4", "--gen-tokens", "8", "--metrics-out", str(metrics))
+    r = server.run(*TINY, "--steps", "16", "--log-every", "4", "--eval-every", "8", "--lr", "3e-3",
+                   "--warmup", "4", "--gen-tokens", "8", "--metrics-out", str(metrics))
     assert r.returncode == 0, r.stderr
     assert "faking 8 CPU devices" in r.stderr and "Traceback" not in r.stderr
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
@@ -54,15 +65,15 @@ def test_tiny_run_end_to_end(tmp_path):
     assert "summary" in r.stdout and "MFU n/a on CPU" in r.stdout and "== sample" in r.stdout
 
 
-def test_moe_model_trains_and_logs_its_router(tmp_path):
+def test_moe_model_trains_and_logs_its_router(server, tmp_path):
     """train.py --model moe-test in expert-parallel mode: the loss falls, and the metrics carry the
     load-balancing loss and the dropped fraction (measured by the model's own statistics), the capacity
     (ceil(1.25 x 32 x 2 / 8) = 10 slots), the mode and the chunks; the evaluations carry the
     language-model loss, the load-balancing loss and the dropped share of the validation batches."""
     metrics = tmp_path / "metrics.jsonl"
-    r = run_train("--mesh", "1x4", "--model", "moe-test", "--moe", "ep", "--batch-size", "8", "--seq-len", "32",
-                  "--steps", "8", "--log-every", "4", "--eval-every", "8", "--gen-tokens", "4",
-                  "--metrics-out", str(metrics))
+    r = server.run("--mesh", "1x4", "--model", "moe-test", "--moe", "ep", "--batch-size", "8", "--seq-len", "32",
+                   "--steps", "8", "--log-every", "4", "--eval-every", "8", "--gen-tokens", "4",
+                   "--metrics-out", str(metrics))
     assert r.returncode == 0, r.stderr
     train = [x for x in map(json.loads, metrics.read_text().splitlines()) if "loss" in x]
     assert [x["step"] for x in train] == [4, 8]
@@ -81,14 +92,14 @@ def test_moe_model_trains_and_logs_its_router(tmp_path):
     assert "moe_aux_loss" in r.stdout and "moe_mode ep" in r.stdout and "== sample" in r.stdout
 
 
-def test_moe_calibrate_times_each_variant_and_runs_the_fastest(tmp_path):
+def test_moe_calibrate_times_each_variant_and_runs_the_fastest(server, tmp_path):
     """train.py --moe adaptive --moe-calibrate FILE: before training, every variant of the one bucket (gather,
     and ep with one chunk) is timed on the run's devices and written to FILE, which --moe-calibration reads;
     the run then takes the faster one at that capacity (its logged mode)."""
     cal, metrics = tmp_path / "cal.json", tmp_path / "m.jsonl"
-    r = run_train("--mesh", "1x4", "--model", "moe-test", "--moe", "adaptive", "--moe-buckets", "16", "--moe-chunks",
-                  "1", "--batch-size", "4", "--seq-len", "32", "--steps", "2", "--log-every", "2", "--eval-every", "0",
-                  "--gen-tokens", "0", "--moe-calibrate", str(cal), "--metrics-out", str(metrics))
+    r = server.run("--mesh", "1x4", "--model", "moe-test", "--moe", "adaptive", "--moe-buckets", "16", "--moe-chunks",
+                   "1", "--batch-size", "4", "--seq-len", "32", "--steps", "2", "--log-every", "2", "--eval-every", "0",
+                   "--gen-tokens", "0", "--moe-calibrate", str(cal), "--metrics-out", str(metrics))
     assert r.returncode == 0, r.stderr
     from jfsdp.config.moe_calibration import read
     table = read(str(cal))
@@ -218,10 +229,10 @@ def test_a_models_own_step_metrics_are_logged():
     assert extra == plain.replace("loss 1.5000 |", "loss 1.5000 | aux_loss 0.5 | dropped 0.25 |")
 
 
-def test_nan_loss_is_an_error(tmp_path):
+def test_nan_loss_is_an_error(server):
     # an absurd learning rate blows the weights up within a few steps
-    r = run_train(*TINY, "--steps", "6", "--log-every", "3", "--lr", "1e30", "--warmup", "0", "--clip", "0",
-                  "--metrics-out", "")
+    r = server.run(*TINY, "--steps", "6", "--log-every", "3", "--lr", "1e30", "--warmup", "0", "--clip", "0",
+                   "--metrics-out", "")
     _assert_one_line_error(r, "training diverged")
 
 
