@@ -8,7 +8,6 @@ at --tensor 2."""
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -22,12 +21,10 @@ from models import factory
 from jfsdp.io import checkpoint as jckpt
 from jfsdp import export as jexport
 from jfsdp.io import hf
-from tests.compile_flags import FAST
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-REPO = Path(__file__).resolve().parents[1]
 SEQ = 24
 
 
@@ -126,7 +123,7 @@ def test_init_from_and_export_match_transformers(tmp_path, tied, monkeypatch, ca
     assert not np.allclose(ours, theirs, atol=1e-3)   # the step changed the model: the export is not the input
 
 
-def test_tokenizer_json_drives_train_py(tmp_path):
+def test_tokenizer_json_drives_train_py(tmp_path, monkeypatch, capsys):
     from tokenizers import Tokenizer, models as tm, pre_tokenizers, trainers, decoders
     src = tmp_path / "hf"
     make_hf_model(src, tied=True)
@@ -140,15 +137,22 @@ def test_tokenizer_json_drives_train_py(tmp_path):
                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tok.save(str(src / "tokenizer.json"))
     eos = tok.token_to_id("</s>")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": FAST,
-           "PYTHONUNBUFFERED": "1"}
     m = tmp_path / "m.jsonl"
-    r = subprocess.run([sys.executable, str(REPO / "train.py"), "--init-from", str(src), "--data", str(data),
-                        "--mesh", "1x2", "--tensor", "2", "--batch-size", "4", "--seq-len", "32", "--steps", "4", "--log-every", "1",
-                        "--eval-every", "0", "--prompt", "def unshard(", "--gen-tokens", "5", "--temperature", "0",
-                        "--metrics-out", str(m), "--ckpt-dir", str(tmp_path / "ck")],
-                       capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
+    # train.py's main in this process (a subprocess would add Python's start and the jax imports): the mesh
+    # takes the first 4 of this session's 16 devices; the device set-up it does writes XLA_FLAGS and
+    # JAX_PLATFORMS, which monkeypatch puts back
+    for k in ("XLA_FLAGS", "JAX_PLATFORMS"):
+        monkeypatch.setenv(k, os.environ.get(k, ""))
+    from jfsdp import cli
+    try:
+        code = cli.main(["--init-from", str(src), "--data", str(data), "--mesh", "1x2", "--tensor", "2", "--batch-size", "4",
+                         "--seq-len", "32", "--steps", "4", "--log-every", "1", "--eval-every", "0", "--prompt",
+                         "def unshard(", "--gen-tokens", "5", "--temperature", "0", "--metrics-out", str(m),
+                         "--ckpt-dir", str(tmp_path / "ck")])
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    r = subprocess.CompletedProcess([], code, out.out, out.err)
     assert f"text tokenized with {src / 'tokenizer.json'}" in r.stdout
     assert "mesh 1x2 --tensor 2 (1 replicas x 2 shards x 2 tensor-parallel ranks)" in r.stdout
     # the corpus is the tokenizer's ids: as many tokens as the tokenizer gives (plus the end of text), not bytes
