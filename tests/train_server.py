@@ -4,9 +4,9 @@ and the planner do) and the fork runs train.py as `python train.py ...` would (r
 `python -m jfsdp.plan ...`), its stdout and stderr in files of its own; the server reports the fork's exit
 status. A run no longer pays Python's start and the jax and jfsdp imports (2.8 s of CPU on the 2-core VM),
 and the imported modules are frozen out of its cyclic garbage collections (gc.freeze, as tests/conftest.py
-does): 4 runs of test_checkpoint's 12-step llama-test run, its compiles cached, took 17.2 s of CPU through a
-server (its imports included) and 30.9 s as 4 processes (2026-11-27). The run's own set-up, compiles and
-training stay.
+does): tests/test_checkpoint.py's train.py runs took 69.4 s of CPU through a server and 97.8 s as processes
+of their own (the two versions of the file run side by side, 2-core Intel Xeon VM, 2026-11-27). The run's
+own set-up, compiles and training stay.
 
 Jax being imported already, train.py trains in the fork itself instead of a supervised child
 (jfsdp/runtime/supervisor.py): tests whose point is the process (signals, an XLA abort, exit statuses of the
