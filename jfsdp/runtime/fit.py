@@ -97,6 +97,9 @@ class Case:
     backend: str
     grad_sync: str = "every"
     trainable: object = None   # make_train_step's (--freeze): frozen leaves have no gradient or optimizer state
+    # breakdown's results by (plan, rows, update in backward): the decision asks for some of them more than once,
+    # and each is a trace of the step
+    memo: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     def estimate(self, batch_size=None, update_in_backward=None, sharded=None) -> int:
         """The estimate's total per device (bytes)."""
@@ -110,9 +113,14 @@ class Case:
         if getattr(sharded, "as_is", False):   # a model given as it is: its example batch's keys and shapes
             batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct((rows, *a.shape[1:]), a.dtype), sharded.example_batch)
         uib = self.update_in_backward if update_in_backward is None else update_in_backward
-        return memory.estimate(sharded, self.optimizer, self.loss_fn, batch,
-                               prefetch=sharded.prefetch, backend=self.backend, update_in_backward=uib,
-                               grad_accum=self.grad_accum, grad_sync=self.grad_sync, trainable=self.trainable)
+        key = (id(sharded), rows, uib)
+        if key in self.memo and self.memo[key][0] is sharded:
+            return self.memo[key][1]
+        b = memory.estimate(sharded, self.optimizer, self.loss_fn, batch,
+                            prefetch=sharded.prefetch, backend=self.backend, update_in_backward=uib,
+                            grad_accum=self.grad_accum, grad_sync=self.grad_sync, trainable=self.trainable)
+        self.memo[key] = (sharded, b)   # the plan is kept with it: its id is not reused while it is here
+        return b
 
 
 def alternatives(case: Case, budget: int, reshard) -> list[str]:
