@@ -6,6 +6,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import jfsdp
@@ -31,9 +32,12 @@ def case(request):
     bs = batches(cfg)
     with jax.default_device(jax.devices()[0]):
         params = ref.init_params(root, unit, n, bs[0]["inputs"])
-        losses, final = ref.train(root, unit, models.loss_fn(cfg), params, bs)     # plain head and loss
+        # ref.train's steps (plain head and loss), with the first step's gradients: jax.grad of the plain
+        # loss on the first batch at the initial parameters
+        loss = lambda p, b: models.loss_fn(cfg)(ref.forward(root, unit, p, b["inputs"]), b)
+        losses, final, grads = ref.run_steps(ref.optimizer(), loss, params, bs)
     return dict(cfg=cfg, root=root, unit=unit, n=n, batches=bs, init=jax.device_get(params), losses=losses,
-                final=jax.device_get(final))
+                final=jax.device_get(final), grads=jax.device_get(grads))
 
 
 @pytest.mark.parametrize("mesh_spec", ["1x8", "2x4"])
@@ -41,7 +45,8 @@ def test_fused_loss_equals_plain_reference(case, mesh_spec):
     mesh = jfsdp.make_mesh(mesh_spec, devices=jax.devices()[:8])
     model = jfsdp.Stacked(case["root"], case["unit"], case["n"], head_method="head_features")
     plan = jfsdp.fully_shard(model, mesh, case["batches"][0]["inputs"], strategy="full_shard", remat="full")
-    opt = jfsdp.adamw(ref.LR, b1=ref.B1, b2=ref.B2, eps=ref.EPS, weight_decay=ref.WD, clip_norm=ref.CLIP)
+    adamw = jfsdp.adamw(ref.LR, b1=ref.B1, b2=ref.B2, eps=ref.EPS, weight_decay=ref.WD, clip_norm=ref.CLIP)
+    opt = optax.chain(ref.keep_gradients(), adamw)   # the step's own first gradients, in the same program
     state = jfsdp.init_state(plan, opt, params=case["init"])
     # chunk 40 does not divide the 32 (1x8: 2 rows x 16) or 64 tokens per device: a ragged last chunk
     step = jfsdp.make_train_step(plan, opt, jfsdp.train.losses.lm_loss(vocab_major=case["cfg"].tie_embeddings, chunk=40))
@@ -50,14 +55,9 @@ def test_fused_loss_equals_plain_reference(case, mesh_spec):
         state, m = step(state, plan.put_batch(b))
         losses.append(float(m["loss"]))
     np.testing.assert_allclose(losses, case["losses"], rtol=1e-5)
-    # first-step gradients, against jax.grad of the plain single-device loss (measured <= 7e-7)
-    root, unit, cfg, b0 = case["root"], case["unit"], case["cfg"], case["batches"][0]
-    with jax.default_device(jax.devices()[0]):
-        ref_g = jax.grad(lambda p: models.loss_fn(cfg)(ref.forward(root, unit, p, b0["inputs"]), b0))(
-            jax.device_put(case["init"]))
-    _, g = jax.jit(plan.loss_and_grad(jfsdp.train.losses.lm_loss(vocab_major=cfg.tie_embeddings, chunk=40)))(
-        plan.shard(case["init"]), plan.put_batch(b0))
-    for path, b, a in ref.paired(ref_g, plan.gather(g)):
+    # the step's first gradients (kept by ref.keep_gradients), against jax.grad of the plain single-device
+    # loss (measured <= 7e-7)
+    for path, b, a in ref.paired(case["grads"], plan.gather(state.opt_state[0][0])):
         assert np.max(np.abs(a - b)) <= 1e-5 * np.max(np.abs(b)), path
     # parameters after 3 AdamW steps, within tests/reference.py's parameter tolerance. Adam turns
     # summation-order noise in the gradient (the chunked head, the mesh's reduction) into lr-sized
