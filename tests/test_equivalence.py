@@ -58,9 +58,11 @@ def _make_case(cfg):
     batches = _batches(cfg)
     with jax.default_device(jax.devices()[0]):
         params = ref.init_params(root, unit, n, batches[0]["inputs"])
-        losses, final = ref.train(root, unit, models.loss_fn(cfg), params, batches)
+        # ref.train's AdamW steps; its first-step gradients are reference_grads'
+        loss = lambda p, b: models.loss_fn(cfg)(ref.forward(root, unit, p, b["inputs"]), b)
+        losses, final, first = ref.run_steps(ref.optimizer(), loss, params, batches)
     return dict(cfg=cfg, root=root, unit=unit, n=n, batches=batches, init=jax.device_get(params),
-                ref_losses=losses, ref_final=jax.device_get(final), cache={})
+                ref_losses=losses, ref_final=jax.device_get(final), cache={"grads": jax.device_get(first)})
 
 
 def reference_once(case, name, compute):
@@ -73,10 +75,9 @@ def reference_once(case, name, compute):
 
 
 def reference_grads(case):
-    """jax.grad of the single-device loss on the first batch, at the initial parameters."""
-    lf, b = models.loss_fn(case["cfg"]), case["batches"][0]
-    return reference_once(case, "grads", lambda: jax.grad(
-        lambda p: lf(ref.forward(case["root"], case["unit"], p, b["inputs"]), b))(case["init"]))
+    """jax.grad of the single-device loss on the first batch, at the initial parameters (the reference
+    run's first step computed them: `_make_case`)."""
+    return case["cache"]["grads"]
 
 
 def run_jfsdp(case, mesh_spec, strategy, remat="none", mp=None, grad_accum=1):
@@ -188,6 +189,22 @@ def test_bf16_policy_matches_single_device_bf16(case, mesh_spec, strategy):
     ref.assert_updates_close(got, want, case["init"], BF16_UPDATE_RTOL)
 
 
+def first_step_reference(cfg):
+    """(initial parameters, loss, jax.grad of the single-device loss) on cfg's first batch: the llama case's
+    (its reference run's first step) for LLAMA itself, else computed here once per config."""
+    if cfg == LLAMA:
+        case = get_case("llama")
+        return case["init"], case["ref_losses"][0], reference_grads(case)
+    if cfg not in _CASES:
+        root, unit, n = models.parts(cfg)
+        b, lf = _batches(cfg)[0], models.loss_fn(cfg)
+        with jax.default_device(jax.devices()[0]):
+            init = ref.init_params(root, unit, n, b["inputs"])
+            loss = lambda p: lf(ref.forward(root, unit, p, b["inputs"]), b)
+            _CASES[cfg] = jax.device_get((init, *jax.value_and_grad(loss)(init)))
+    return _CASES[cfg]
+
+
 @pytest.mark.parametrize("mesh_spec,remat,tied", [("1x16", "dots", False), ("2x4", "full", False), ("1x8", "full", True)])
 def test_prefetch_pipeline_gradients_match(mesh_spec, remat, tied):
     """The prefetch pipeline's end of the backward (engine/step_end.py: unit 0's gradient reduced in two
@@ -197,10 +214,7 @@ def test_prefetch_pipeline_gradients_match(mesh_spec, remat, tied):
     cfg = dataclasses.replace(LLAMA, tie_embeddings=tied)
     root, unit, n = models.parts(cfg)
     b, lf = _batches(cfg)[0], models.loss_fn(cfg)
-    with jax.default_device(jax.devices()[0]):
-        init = ref.init_params(root, unit, n, b["inputs"])
-        loss = lambda p: lf(ref.forward(root, unit, p, b["inputs"]), b)
-        want_loss, want = jax.device_get(jax.value_and_grad(loss)(init))
+    init, want_loss, want = first_step_reference(cfg)
     n_dev = jfsdp.parse_mesh(mesh_spec)[0] * jfsdp.parse_mesh(mesh_spec)[1]
     mesh = jfsdp.make_mesh(mesh_spec, devices=jax.devices()[:n_dev])
     plan = jfsdp.fully_shard(jfsdp.Stacked(root, unit, n), mesh, b["inputs"], remat=remat, prefetch=True)
