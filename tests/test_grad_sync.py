@@ -264,6 +264,18 @@ def test_bad_combinations():
 FLOAT8_BOUNDS = {"tensorwise": (0.05, 1e-4), "rowwise": (1e-3, 1e-4)}
 
 
+@functools.lru_cache(maxsize=None)
+def _float8_plain(cfg):
+    """(initial parameters, the plain fp32 trainer's first-batch gradients) of the float8 tests' model: the
+    same for both recipes, computed once."""
+    root, unit, n = models.parts(cfg)
+    batches = _batches()
+    plain = lambda p, b: models.loss_fn(cfg)(ref.forward(root, unit, p, b["inputs"]), b)
+    with jax.default_device(jax.devices()[0]):
+        init = jax.device_get(ref.init_params(root, unit, n, batches[0]["inputs"]))
+        return init, jax.device_get(jax.jit(jax.grad(plain))(init, batches[0]))
+
+
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_float8_once_matches_single_device_float8(recipe):
     """Float8 (tensorwise: kernels gathered in float8; rowwise: in the param dtype) with grad_sync='once':
@@ -280,11 +292,9 @@ def test_float8_once_matches_single_device_float8(recipe):
     matmul = ref.float8_matmul if recipe == "tensorwise" else ref.rowwise_matmul
     fp8 = ref.float8_dense(lambda path: True, matmul)
     loss = lambda p, b: models.loss_fn(cfg)(ref.forward(root, unit, p, b["inputs"], unit_interceptor=fp8), b)
-    plain = lambda p, b: models.loss_fn(cfg)(ref.forward(root, unit, p, b["inputs"]), b)
+    init, grads_plain = _float8_plain(cfg)
     with jax.default_device(jax.devices()[0]):
-        init = jax.device_get(ref.init_params(root, unit, n, batches[0]["inputs"]))
         losses_r, _, grads_r = jax.device_get(ref.run_steps(optax.sgd(LR), loss, init, batches, chunks=devices * k))
-        grads_plain = jax.device_get(jax.jit(jax.grad(plain))(init, batches[0]))
     opt = _sgd()
     state = jfsdp.init_state(plan, opt, params=init)
     step = jfsdp.make_train_step(plan, opt, models.loss_fn(cfg), grad_accum=k, grad_sync="once", donate=False)
