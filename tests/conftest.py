@@ -2,6 +2,11 @@
 import os
 import tempfile
 
+# NumPy's OpenBLAS on one thread, in the test processes and the processes they start: its idle worker threads
+# spin after each call (about 1% of a test process's CPU samples, perf, 2026-11-27), on a machine whose two
+# cores the two xdist workers already fill. Set before anything imports NumPy.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 from tests.compile_flags import FAST, gpu_fast  # noqa: E402  (jax-free)
 
 # Faster CPU compiles (tests/compile_flags.py says what each flag changes). Flags given from outside are
