@@ -1,5 +1,6 @@
 """Every strategy on every mesh gives the single-device reference's losses and parameters."""
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -189,20 +190,19 @@ def test_bf16_policy_matches_single_device_bf16(case, mesh_spec, strategy):
     ref.assert_updates_close(got, want, case["init"], BF16_UPDATE_RTOL)
 
 
+@functools.lru_cache(maxsize=None)
 def first_step_reference(cfg):
     """(initial parameters, loss, jax.grad of the single-device loss) on cfg's first batch: the llama case's
     (its reference run's first step) for LLAMA itself, else computed here once per config."""
     if cfg == LLAMA:
         case = get_case("llama")
         return case["init"], case["ref_losses"][0], reference_grads(case)
-    if cfg not in _CASES:
-        root, unit, n = models.parts(cfg)
-        b, lf = _batches(cfg)[0], models.loss_fn(cfg)
-        with jax.default_device(jax.devices()[0]):
-            init = ref.init_params(root, unit, n, b["inputs"])
-            loss = lambda p: lf(ref.forward(root, unit, p, b["inputs"]), b)
-            _CASES[cfg] = jax.device_get((init, *jax.value_and_grad(loss)(init)))
-    return _CASES[cfg]
+    root, unit, n = models.parts(cfg)
+    b, lf = _batches(cfg)[0], models.loss_fn(cfg)
+    with jax.default_device(jax.devices()[0]):
+        init = ref.init_params(root, unit, n, b["inputs"])
+        loss = lambda p: lf(ref.forward(root, unit, p, b["inputs"]), b)
+        return jax.device_get((init, *jax.value_and_grad(loss)(init)))
 
 
 @pytest.mark.parametrize("mesh_spec,remat,tied", [("1x16", "dots", False), ("2x4", "full", False), ("1x8", "full", True)])

@@ -157,9 +157,12 @@ def test_largest_batch_and_bytes_parsing():
     assert parse_bytes("80GiB") == 80 * 2**30 and parse_bytes("40GB") == 40 * 10**9 and parse_bytes("512") == 512
 
 
+def _plan_env(**extra):
+    return {**os.environ, "XLA_FLAGS": FAST, **extra}   # the planner fakes its devices
+
+
 def _plan(*args, env_extra=None):
-    env = {**os.environ, "XLA_FLAGS": FAST}   # the planner fakes its devices
-    env.update(env_extra or {})
+    env = _plan_env(**(env_extra or {}))
     return subprocess.run([sys.executable, "-m", "jfsdp.plan", *args], capture_output=True, text=True, env=env,
                           timeout=300)
 
@@ -168,7 +171,7 @@ def _plan(*args, env_extra=None):
 def planner(tmp_path_factory):
     """`python -m jfsdp.plan` runs in _plan's environment that are not about the process (its exit status,
     its own device count): forked from one server that imported jax and jfsdp once (tests/train_server.py)."""
-    s = TrainServer({**os.environ, "XLA_FLAGS": FAST}, tmp_path_factory.mktemp("planner"), main="jfsdp.plan")
+    s = TrainServer(_plan_env(), tmp_path_factory.mktemp("planner"), main="jfsdp.plan")
     yield s
     s.close()
 
