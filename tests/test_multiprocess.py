@@ -47,18 +47,14 @@ def losses(recs):
     return [(r["step"], "loss" if "loss" in r else "val_loss", r.get("loss", r.get("val_loss"))) for r in recs]
 
 
-_SINGLE = {}
-
-
-def single(mesh, tmp_path_factory):
-    """The reference: the same command in one process with 8 fake devices, on the same mesh."""
-    if mesh not in _SINGLE:
-        out = tmp_path_factory.mktemp("single") / "m.jsonl"
-        p = subprocess.run([sys.executable, "train.py", "--mesh", mesh, *RUN, "--metrics-out", str(out)], cwd=ROOT,
-                           env=env(), capture_output=True, text=True, timeout=300)
-        assert p.returncode == 0, p.stderr[-2000:]
-        _SINGLE[mesh] = records(out)
-    return _SINGLE[mesh]
+def single(*extra):
+    """The reference, started at once (it runs while the test waits on the other processes): the same command
+    in one process with 8 fake devices, on the same mesh. -> (the process, its metrics file)."""
+    out = Path(extra[-1])
+    with open(out.with_suffix(".err"), "w") as err:
+        p = subprocess.Popen([sys.executable, "train.py", *extra[:-1], "--metrics-out", str(out)], cwd=ROOT, env=env(),
+                             stdout=subprocess.DEVNULL, stderr=err)
+    return p, out
 
 
 def launch(mesh, out, *extra):
@@ -75,29 +71,84 @@ def assert_same_losses(ours, ref):
         assert abs(a - b) <= 1e-6 * abs(b), (step, kind, a, b)
 
 
-def test_two_processes_equal_one_through_a_resume(tmp_path_factory, tmp_path):
-    """The launcher's 2 processes on 2x4 (hybrid sharding: fsdp inside a process, data across them):
-    4 steps, stop, then --resume on both processes for the rest, on 2x2 with --tensor 2 (tensor
-    parallelism across processes; fp32: the losses of T = 2 and T = 1 agree to 1.8e-7 relative, measured);
-    only process 0 reports, saves' lines and writes the metrics; the losses are those of one process
-    running straight through on 2x4.
-    (test_dead_peer_stops_the_others runs fsdp across the two processes, 1x8.)"""
-    out, ckpt = tmp_path / "m.jsonl", tmp_path / "ckpt"
-    p = launch("2x4", out, "--ckpt-dir", str(ckpt), "--save-every", "4", "--stop-after", "4")
-    assert "fsdp axis: 4 devices per group, 2 groups, inside one process" in p.stdout, p.stdout
-    assert p.stderr.count("checkpoint saved to") == 1, p.stderr                   # said once, by process 0
-    # resumed under tensor parallelism: 2x2 x tensor 2, each tensor group inside a process
-    p = launch("2x2", out, "--tensor", "2", "--ckpt-dir", str(ckpt), "--save-every", "4", "--resume", "--gen-tokens", "4")
+# Process 0 of the run whose peer dies: train.py, held in the metrics record of step 6 once checkpoint 4 is
+# complete on disk (orbax finishes it in its own threads meanwhile), so that kill -9 of process 1 lands at the
+# same step after the same checkpoint on every machine, however fast its steps. Held, process 0 can only be
+# ended by the coordination service, once process 1's heartbeats stop.
+HOLD_AT_STEP_6 = """
+import runpy, sys, time
+from pathlib import Path
+import jfsdp.runtime.metrics
+marker, ckpt = Path(sys.argv.pop(1)), Path(sys.argv.pop(1))
+real_write = jfsdp.runtime.metrics.MetricsFile.write
+def write(self, **rec):
+    real_write(self, **rec)
+    if rec.get("step") == 6 and "loss" in rec:
+        deadline = time.monotonic() + 120
+        while not (ckpt / "4").is_dir() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        marker.write_text("at 6")
+        time.sleep(300)
+jfsdp.runtime.metrics.MetricsFile.write = write
+sys.argv[0] = "train.py"
+runpy.run_path("train.py", run_name="__main__")
+"""
+
+
+def test_dead_peer_stops_the_others_and_both_resume_equal_to_one_process(tmp_path):
+    """fsdp across the two processes (1x8, started by hand: no launcher watching): kill -9 of process 1 after
+    step 6 (checkpoint 4 on disk); process 0 stops by itself because the coordination service saw process 1's
+    heartbeats stop (its error output says so), instead of hanging in a collective. Then --resume on both
+    processes through the launcher, on 2x2 with --tensor 2 (hybrid: data across the processes, tensor groups
+    inside each; a T = 1 checkpoint under T = 2; fp32: the losses of T = 2 and T = 1 agree to 1.8e-7 relative,
+    measured), continues from checkpoint 4; only process 0 reports, saves' lines and writes the metrics; the
+    losses of both runs are those of one process running 1x8 straight through."""
+    out, ckpt, marker, err0, out0 = (tmp_path / n for n in ("m.jsonl", "ckpt", "marker", "process0.err", "process0.out"))
+    flags = [*RUN, "--save-every", "4", "--ckpt-dir", str(ckpt)]   # 8 steps: held at 6, the run does not end
+    ref, ref_out = single("--mesh", "1x8", *RUN, tmp_path / "single.jsonl")
+    args = ["train.py", "--mesh", "1x8", *flags, "--metrics-out", str(out), "--coordinator", f"127.0.0.1:{free_port()}",
+            "--num-processes", "2", "--heartbeat-timeout", "5"]
+    with open(err0, "w") as log, open(out0, "w") as stdout:
+        procs = [subprocess.Popen([sys.executable, "-c", HOLD_AT_STEP_6, str(marker), str(ckpt), *args[1:], "--process-id", "0"],
+                                  cwd=ROOT, env=env(), stdout=stdout, stderr=log),
+                 subprocess.Popen([sys.executable, *args, "--process-id", "1"], cwd=ROOT, env=env(),
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    try:
+        deadline = time.monotonic() + 240
+        while not marker.exists():
+            assert time.monotonic() < deadline and procs[0].poll() is None, ("the run did not reach step 6",
+                                                                             err0.read_text()[-2000:])
+            time.sleep(0.2)
+        procs[1].send_signal(signal.SIGKILL)
+        # a hang, not a slow machine, is what fails here: 120 s is far above the 5 s heartbeat timeout; what
+        # stopped the process is read from its own error output
+        code = procs[0].wait(timeout=120)
+    finally:
+        for q in procs:
+            if q.poll() is None:
+                q.kill()
+    # jaxlib's coordination service ends it (a fatal log, SIGABRT) naming the missed heartbeats of task 1,
+    # in one of its two wordings (jaxlib 0.10.2: which one depends on which of its threads sees it first)
+    text = err0.read_text()
+    missed = re.search(r"Task 1 heartbeat timeout|unhealthy \(stopped sending heartbeats\):\s*1\b", text)
+    assert code == -signal.SIGABRT and missed, (code, text[-2000:])
+    assert "fsdp axis: 8 devices per group, 1 groups, across 2 processes" in out0.read_text(), out0.read_text()
+    assert sorted(os.listdir(ckpt)) == ["4"], os.listdir(ckpt)
+    # both processes resume from checkpoint 4, under tensor parallelism, and go on to step 8
+    p = launch("2x2", out, *flags[len(RUN):], "--tensor", "2", "--resume", "--gen-tokens", "4")
     assert "tensor axis: 2 devices per group, 4 groups, inside one process" in p.stdout, p.stdout
-    assert p.stderr.count("resumed from") == 1, p.stderr
+    assert p.stderr.count(f"resumed from {ckpt / '4'} (step 4,") == 1, p.stderr
+    assert p.stderr.count("checkpoint saved to") == 1, p.stderr                   # said once, by process 0
     assert p.stdout.count("== summary") == 1 and p.stdout.count("== sample") == 1   # process 0 only
-    # the resumed run evaluates again at its first step: drop that repeat, then compare
+    assert records(out)[-1]["step"] == 8
+    # the resumed run logs step 6 and evaluates step 4 again: drop those repeats, then compare
     seen, unique = set(), []
     for r in losses(records(out)):
         if r[:2] not in seen:
             seen.add(r[:2])
             unique.append(r)
-    assert_same_losses(unique, losses(single("2x4", tmp_path_factory)))
+    assert ref.wait(timeout=300) == 0, ref_out.with_suffix(".err").read_text()[-2000:]
+    assert_same_losses(unique, losses(records(ref_out)))
 
 
 def test_coordinator_faults_are_errors_within_the_timeout():
@@ -126,51 +177,6 @@ def test_coordinator_faults_are_errors_within_the_timeout():
         for q in (unreachable, missing_peer):
             if q.poll() is None:
                 q.kill()
-
-
-def test_dead_peer_stops_the_others(tmp_path):
-    """fsdp across the two processes (1x8): kill -9 of process 1 mid-run: process 0 stops by itself (no
-    launcher watching) because the
-    coordination service saw process 1's heartbeats stop (its error output says so), instead of
-    hanging in a collective; then --resume on both processes continues from the last complete
-    checkpoint."""
-    out = tmp_path / "m.jsonl"
-    port = free_port()
-    ckpt = tmp_path / "ckpt"
-    flags = [*RUN, "--steps", "1000", "--eval-every", "0", "--ckpt-dir", str(ckpt), "--save-every", "2"]
-    args = [sys.executable, "train.py", "--mesh", "1x8", *flags, "--metrics-out", str(out),
-            "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--heartbeat-timeout", "5"]
-    err0 = tmp_path / "process0.err"
-    with open(err0, "w") as log:
-        procs = [subprocess.Popen(args + ["--process-id", str(i)], cwd=ROOT, env=env(), stdout=subprocess.DEVNULL,
-                                  stderr=log if i == 0 else subprocess.DEVNULL) for i in range(2)]
-    try:
-        deadline = time.monotonic() + 240
-        while not (out.exists() and '"step": 4,' in out.read_text()):
-            assert time.monotonic() < deadline and procs[0].poll() is None, "the run did not start"
-            time.sleep(0.5)
-        procs[1].send_signal(signal.SIGKILL)
-        # a hang in a collective, not a slow machine, is what fails here: 120 s is far above the 5 s
-        # heartbeat timeout; what stopped the process is read from its own error output
-        code = procs[0].wait(timeout=120)
-    finally:
-        for q in procs:
-            if q.poll() is None:
-                q.kill()
-    # jaxlib's coordination service ends it (a fatal log, SIGABRT) naming the missed heartbeats of task 1,
-    # in one of its two wordings (jaxlib 0.10.2: which one depends on which of its threads sees it first)
-    text = err0.read_text()
-    missed = re.search(r"Task 1 heartbeat timeout|unhealthy \(stopped sending heartbeats\):\s*1\b", text)
-    assert code == -signal.SIGABRT and missed, (code, text[-2000:])
-    # both processes resume from the last complete checkpoint and go on
-    p = subprocess.run([sys.executable, "-m", "jfsdp.launch", "-n", "2", "train.py", "--mesh", "1x8", *flags,
-                        "--metrics-out", str(out), "--resume", "--stop-after", "2"], cwd=ROOT, env=env(),
-                       capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert "fsdp axis: 8 devices per group, 1 groups, across 2 processes" in p.stdout, p.stdout
-    step = int(p.stderr.split("resumed from")[1].split("(step ")[1].split(",")[0])
-    assert step >= 2 and step % 2 == 0, p.stderr   # the last save that completed before the kill
-    assert records(out)[-1]["step"] == step + 2
 
 
 def test_detect():
