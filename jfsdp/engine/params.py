@@ -130,10 +130,16 @@ class ParamLayout:
 
     def abstract_params(self):
         """The shards as ShapeDtypeStructs carrying their shardings: lower and compile without
-        allocating anything."""
-        shapes = jax.eval_shape(self.init, jax.random.key(0))
-        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes,
-                            self.param_shardings)
+        allocating anything. Traced once per layout (the state's shardings, the step, the planner and
+        checkpoints all ask for it)."""
+        made = getattr(self, "_abstract", None)
+        if made is None or made[0] is not self.layouts or made[1] is not self.param_shardings:
+            shapes = jax.eval_shape(self.init, jax.random.key(0))
+            made = (self.layouts, self.param_shardings,
+                    jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes,
+                                 self.param_shardings))
+            self._abstract = made
+        return made[2]
 
     def init_full(self, rng):
         """The unsharded initial parameters (one device): the reference for `init`."""
