@@ -9,6 +9,7 @@ model (`jfsdp` never imports `models` at import time; pip installs only `jfsdp`)
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import sys
 
@@ -83,11 +84,13 @@ def take_devices(c: TrainConfig, r: int, s: int) -> list:
 
 def shard_model(c: TrainConfig, models, model: ModelChoice, mesh, strategy, mp, calibration=None,
                 moe_variant=None) -> tuple:
-    """(the sharded model the loss trains, the sharded model that returns logits, the loss function).
+    """(the sharded model the loss trains, a function that gives the sharded model that returns logits, the
+    loss function).
     --mlp-tile is applied here, not to `model.config`: the checkpoints' identity keeps the config without it
     (tiling changes how the MLP runs, not its parameters, so a run resumes under any tile).
     The fused loss takes (hidden, head weight) from the root; sampling needs logits: a second sharded
-    model over the same parameters with the plain head (nothing is compiled until it is used).
+    model over the same parameters with the plain head, built the first time it is asked for (a run that
+    samples nothing, and the fit check's and calibration's plans, never trace it).
     `calibration`: an adaptive MoE stage's measured {(capacity, mode, chunks): seconds} (--moe-calibrate),
     instead of --moe-calibration's file; `moe_variant`: a function of the MoE option that replaces it (one
     variant's own program, jfsdp.runtime.calibrate)."""
@@ -110,9 +113,9 @@ def shard_model(c: TrainConfig, models, model: ModelChoice, mesh, strategy, mp, 
         return jfsdp.fully_shard(module, mesh, example, strategy=strategy, mp_policy=mp, remat=c.remat, moe=moe,
                                  tensor_plan=plan, async_tp=async_tp_option(c.async_tp, c.tensor),
                                  context_attention=ring)
-    logits_sharded = shard("head")
-    sharded = shard(None) if c.loss == "fused" else logits_sharded
-    return sharded, logits_sharded, loss_fn
+    sharded = shard(None if c.loss == "fused" else "head")
+    logits = functools.cache(lambda: shard("head")) if c.loss == "fused" else (lambda: sharded)
+    return sharded, logits, loss_fn
 
 
 def make_optimizer(c: TrainConfig, sharded) -> tuple:

@@ -34,7 +34,7 @@ STEPS = 3   # timed steps per variant, after one warm-up step
 def measure(c: TrainConfig, base, shard, vocab: int, lead: bool) -> dict:
     """{(capacity, mode, chunks): seconds} of this run's adaptive stage, measured here; process 0 writes
     them to c.moe_calibrate. `base`: the run's sharded model as the byte model chose (its variants are listed);
-    `shard(moe_variant)`: jfsdp.runtime.build.shard_model's (sharded, logits_sharded, loss_fn) for this run with
+    `shard(moe_variant)`: jfsdp.runtime.build.shard_model's (sharded, logits model, loss_fn) for this run with
     its MoE option replaced. Every process compiles and runs every variant (their collectives span them)."""
     chunks = moe_calibrate.CHUNKS if c.moe_chunks == "auto" else (int(c.moe_chunks),)
     variants = moe_calibrate.candidates(base, chunks=chunks)

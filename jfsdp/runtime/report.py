@@ -35,7 +35,7 @@ def report(run, outcome) -> int:
     if outcome.interrupted:
         return outcome.exit_status
     if c.gen_tokens and run.loader.step == c.steps:
-        sample(run.logits_sharded, run.state.params, run.corpus, c)
+        sample(run.logits_model(), run.state.params, run.corpus, c)
     return 0
 
 

@@ -61,7 +61,7 @@ class Run:
                          else jfsdp.make_mesh(c.mesh, devices=devices, tensor=c.tensor, context=c.context))
             if c.moe_calibrate and not model.is_moe:
                 raise jfsdp.ConfigError(f"--moe-calibrate applies to MoE models, not {c.model}")
-            self.sharded, self.logits_sharded, self.loss_fn = build.shard_model(c, models, model, self.mesh,
+            self.sharded, self.logits_model, self.loss_fn = build.shard_model(c, models, model, self.mesh,
                                                                                 self.strategy, mp)
             self.metric_fns = build.model_metrics(models, model)
             self.moe_variant = lambda metrics: build.moe_variant(self.sharded, metrics)
@@ -126,7 +126,7 @@ class Run:
                 shard = lambda **kw: build.shard_model(c, self.models, self.model, self.mesh, self.strategy, self.mp, **kw)
                 table = calibrate.measure(c, self.sharded, lambda v: shard(moe_variant=v),
                                           self.model.config.vocab_size, self.lead)
-                self.sharded, self.logits_sharded, self.loss_fn = shard(calibration=table)
+                self.sharded, self.logits_model, self.loss_fn = shard(calibration=table)
         sharded = self.sharded
         self.schedule, opt = build.make_optimizer(c, sharded)
         t0 = time.perf_counter()
