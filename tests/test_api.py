@@ -139,3 +139,24 @@ def test_example_inputs_batch_does_not_fix_the_batch():
     with jax.default_device(jax.devices()[0]):
         want = models.loss_fn(CFG)(ref.forward(root, unit, jax.device_get(plan.gather(params)), batch["inputs"]), batch)
     assert float(loss) == pytest.approx(float(want), rel=1e-5)
+
+
+def test_abstract_params_are_what_init_returns():
+    """abstract_params reads the shards' shapes from the layouts (nothing traced): each leaf equals what
+    deferred init returns (eval_shape of `init`, its out_shardings), with padding (3 and 16 shards), flat
+    leaves (even shards), tensor parallelism and the context axis."""
+    root, unit, n = models.parts(CFG)
+    x = jax.ShapeDtypeStruct((4, 16), jnp.int32)
+    from models import factory
+    model = jfsdp.Stacked(root, unit, n)
+    plans = [jfsdp.fully_shard(model, jfsdp.make_mesh("1x3", devices=jax.devices()[:3]), jax.ShapeDtypeStruct((3, 16), jnp.int32)),
+             plan_for("2x8"),
+             jfsdp.fully_shard(model, jfsdp.make_mesh("1x4", devices=jax.devices()[:8], tensor=2), x,
+                               tensor_plan=factory.tensor_plan(CFG)),
+             jfsdp.fully_shard(factory.language_model(CFG, "plain")[0], jfsdp.make_mesh("1x4", devices=jax.devices()[:8], context=2),
+                               x, context_attention=factory.context_kernel(block=4))]
+    for plan in plans:
+        got, want = plan.abstract_params(), jax.eval_shape(plan.init, jax.random.key(0))
+        assert jax.tree.structure(got) == jax.tree.structure(want)
+        for g, w, s in zip(jax.tree.leaves(got), jax.tree.leaves(want), jax.tree.leaves(plan.param_shardings)):
+            assert (g.shape, g.dtype, g.sharding) == (w.shape, w.dtype, s), (g, w)

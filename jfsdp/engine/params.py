@@ -129,17 +129,15 @@ class ParamLayout:
         return jnp.zeros(self.example_inputs.shape, self.example_inputs.dtype)
 
     def abstract_params(self):
-        """The shards as ShapeDtypeStructs carrying their shardings: lower and compile without
-        allocating anything. Traced once per layout (the state's shardings, the step, the planner and
-        checkpoints all ask for it)."""
-        made = getattr(self, "_abstract", None)
-        if made is None or made[0] is not self.layouts or made[1] is not self.param_shardings:
-            shapes = jax.eval_shape(self.init, jax.random.key(0))
-            made = (self.layouts, self.param_shardings,
-                    jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes,
-                                 self.param_shardings))
-            self._abstract = made
-        return made[2]
+        """The shards as ShapeDtypeStructs carrying their shardings, read from the layouts (each leaf's
+        stored shape, a stage's leaves stacked on axis 0: what `init` returns, with nothing traced): lower
+        and compile without allocating anything."""
+        root_l, stage_l = self.split(self.layouts)
+        root_s, stage_s = self.split(self.param_shardings)
+        sds = lambda lead: lambda l, s: jax.ShapeDtypeStruct((*lead, *l.stored_full_shape), l.dtype, sharding=s)
+        return self.join(jax.tree.map(sds(()), root_l, root_s, is_leaf=is_layout),
+                         [jax.tree.map(sds((n,)), l, s, is_leaf=is_layout)
+                          for l, s, n in zip(stage_l, stage_s, self.stage_sizes)])
 
     def init_full(self, rng):
         """The unsharded initial parameters (one device): the reference for `init`."""

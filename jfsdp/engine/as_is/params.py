@@ -66,15 +66,6 @@ class ParamTree:
     def _zeros_inputs(self):
         return None
 
-    def abstract_params(self):
-        """The shards as ShapeDtypeStructs carrying their shardings (from the layouts: no initializer runs)."""
-        root_l, stage_l = self.split(self.layouts)
-        root_s, stage_s = self.split(self.param_shardings)
-        sds = lambda lead: lambda l, s: jax.ShapeDtypeStruct((*lead, *l.stored_full_shape), l.dtype, sharding=s)
-        return self.join(jax.tree.map(sds(()), root_l, root_s, is_leaf=is_layout),
-                         [jax.tree.map(sds((n,)), l, s, is_leaf=is_layout)
-                          for l, s, n in zip(stage_l, stage_s, self.stage_sizes)])
-
     def init_full(self, rng):
         return jax.jit(self._init_full)(rng)
 
