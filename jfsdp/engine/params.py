@@ -78,12 +78,11 @@ class ParamLayout:
         arrays (e.g. hidden states and per-row statistics that a model carries to its head)."""
         m, x = self.model, self.example_inputs
         k = jax.random.key(0)
-        emb = jax.eval_shape(lambda k, x: m.root.init(k, x, method=m.embed_method)["params"], k, x)
-        h = jax.eval_shape(lambda p, x: m.root.apply({"params": p}, x, method=m.embed_method), emb, x)
+        # init_with_output: the output's shapes from the initializing pass itself (one trace, not init and apply)
+        h = jax.eval_shape(lambda k, x: m.root.init_with_output(k, x, method=m.embed_method)[0], k, x)
         shapes = [h]
         for i, st in enumerate(m.stages):
-            p = jax.eval_shape(lambda k: st.unit.init(k, zeros_like_tree(h))["params"], k)
-            out = jax.eval_shape(lambda p, h: st.unit.apply({"params": p}, h), p, h)
+            out = jax.eval_shape(lambda k: st.unit.init_with_output(k, zeros_like_tree(h))[0], k)
             if tree_shapes(out) != tree_shapes(h) and st.n_units > 1:
                 raise ConfigError(f"stage {i}: its unit maps h of shape {tree_shapes(h)} to {tree_shapes(out)}, but a unit repeated "
                                   f"{st.n_units} times must keep the shape of h; put the change of width in a "
