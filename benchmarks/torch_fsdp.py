@@ -168,24 +168,28 @@ def run_workers(world: int, job: dict, weights: dict | None = None, batches=None
         env = dict(os.environ)
         env.setdefault("GLOO_SOCKET_IFNAME", "lo" if sys.platform.startswith("linux") else "lo0")
         logs = [open(os.path.join(tmp, f"rank{r}.log"), "w+") for r in range(world)]
-        procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "worker", tmp, str(r), str(world), str(port)],
-                                  stdout=logs[r], stderr=subprocess.STDOUT, env=env) for r in range(world)]
-        deadline = time.time() + timeout
-        try:
-            for p in procs:
-                p.wait(timeout=max(1.0, deadline - time.time()))
-        except subprocess.TimeoutExpired:
-            pass
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-        failed = [r for r, p in enumerate(procs) if p.returncode != 0]
+        if job.get("device", "cpu") == "cpu":
+            codes = _forked_ranks(tmp, world, port, env, timeout)
+        else:
+            procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "worker", tmp, str(r), str(world), str(port)],
+                                      stdout=logs[r], stderr=subprocess.STDOUT, env=env) for r in range(world)]
+            deadline = time.time() + timeout
+            try:
+                for p in procs:
+                    p.wait(timeout=max(1.0, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                pass
+            finally:
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+                        p.wait()
+            codes = [p.returncode for p in procs]
+        failed = [r for r, code in enumerate(codes) if code != 0]
         if failed:
             logs[failed[0]].seek(0)
             tail = logs[failed[0]].read()[-3000:]
-            raise RuntimeError(f"FSDP2 rank {failed[0]} of {world} failed (exit {procs[failed[0]].returncode}, "
+            raise RuntimeError(f"FSDP2 rank {failed[0]} of {world} failed (exit {codes[failed[0]]}, "
                                f"timeout {timeout:.0f}s):\n{tail}")
         with open(os.path.join(tmp, "result.json")) as f:
             result = json.load(f)
@@ -195,6 +199,61 @@ def run_workers(world: int, job: dict, weights: dict | None = None, batches=None
                 with np.load(path) as z:
                     run["final"] = {k: z[k] for k in z.files}
         return result
+
+
+def _forked_ranks(tmp: str, world: int, port: int, env: dict, timeout: float) -> list:
+    """CPU ranks: one process imports torch and transformers (about 6 s of CPU) and forks the `world` ranks
+    (`_ranks`), instead of each rank importing them again. -> each rank's exit status (None: not known, e.g.
+    the timeout ended them all)."""
+    p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "ranks", tmp, str(world), str(port)], env=env,
+                         stdout=subprocess.DEVNULL, stderr=open(os.path.join(tmp, "ranks.log"), "w"),
+                         start_new_session=True)   # its own process group: a timeout ends the ranks with it
+    try:
+        p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, 9)
+        p.wait()
+        return [None] * world
+    try:
+        with open(os.path.join(tmp, "ranks.json")) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        with open(os.path.join(tmp, "ranks.log")) as f:
+            raise RuntimeError(f"FSDP2 ranks did not start (exit {p.returncode}):\n{f.read()[-3000:]}")
+
+
+def _ranks(tmp: str, world: int, port: int) -> None:
+    """The forking parent of `_forked_ranks`: rank r's output goes to rank{r}.log as a process of its own
+    would write it; the ranks' exit statuses go to ranks.json. Nothing has started a thread pool or a
+    process group before the fork (imports only)."""
+    import torch  # noqa: F401
+    import torch.distributed  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401
+    import transformers  # noqa: F401
+    from transformers import LlamaConfig, LlamaForCausalLM  # noqa: F401
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pids = []
+    for r in range(world):
+        pid = os.fork()
+        if pid == 0:
+            fd = os.open(os.path.join(tmp, f"rank{r}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            code = 0
+            try:
+                _worker(tmp, r, world, port)
+            except BaseException:
+                import traceback
+                traceback.print_exc()
+                code = 1
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        pids.append(pid)
+    codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
+    with open(os.path.join(tmp, "ranks.json"), "w") as f:
+        json.dump(codes, f)
 
 
 def _worker(tmp: str, rank: int, world: int, port: int) -> None:
@@ -337,8 +396,10 @@ def _memory_cells(cells_path: str, out_path: str) -> None:
 if __name__ == "__main__":
     if len(sys.argv) == 6 and sys.argv[1] == "worker":
         _worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
+    elif len(sys.argv) == 5 and sys.argv[1] == "ranks":
+        _ranks(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
     elif len(sys.argv) == 4 and sys.argv[1] == "memory":
         _memory_cells(sys.argv[2], sys.argv[3])
     else:
-        sys.exit("usage: python benchmarks/torch_fsdp.py worker JOBDIR RANK WORLD PORT | memory CELLS.json OUT.jsonl "
+        sys.exit("usage: python benchmarks/torch_fsdp.py worker JOBDIR RANK WORLD PORT | ranks JOBDIR WORLD PORT | memory CELLS.json OUT.jsonl "
                  "(internal: see run_workers and benchmarks/torch_compare.py)")
