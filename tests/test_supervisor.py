@@ -89,7 +89,7 @@ if pid == 0:
     os.execv(sys.executable, [sys.executable, "-c", sys.argv[1], "", "count"])
 text = b""
 try:
-    while b"ready" not in text:
+    while b"ready" not in text or not text.split(b"ready", 1)[1].endswith(b"\\n"):   # the whole ready line
         text += os.read(fd, 4096)
     os.write(fd, b"\\x03")
     while True:
@@ -97,7 +97,9 @@ try:
 except OSError:   # EIO: the terminal's last process is gone
     pass
 _, status = os.waitpid(pid, 0)
-print(os.waitstatus_to_exitcode(status), text.decode().replace("^C", "").split()[-2:])
+# the terminal echoes ^C and may drop the output still queued when it signals (the ready line's end): a space
+# keeps "got" a word of its own
+print(os.waitstatus_to_exitcode(status), text.decode().replace("^C", " ").split()[-2:])
 """
 
 
