@@ -143,13 +143,14 @@ def test_example_inputs_batch_does_not_fix_the_batch():
 
 def test_abstract_params_are_what_init_returns():
     """abstract_params reads the shards' shapes from the layouts (nothing traced): each leaf equals what
-    deferred init returns (eval_shape of `init`, its out_shardings), with padding (3 and 16 shards), flat
-    leaves (even shards), tensor parallelism and the context axis."""
+    deferred init returns (eval_shape of `init`, its out_shardings), with padding (5 shards: rows of the
+    norms and elements of the flat kernels), flat leaves (every plan here), tensor parallelism and the
+    context axis."""
     root, unit, n = models.parts(CFG)
     x = jax.ShapeDtypeStruct((4, 16), jnp.int32)
     from models import factory
     model = jfsdp.Stacked(root, unit, n)
-    plans = [jfsdp.fully_shard(model, jfsdp.make_mesh("1x3", devices=jax.devices()[:3]), jax.ShapeDtypeStruct((3, 16), jnp.int32)),
+    plans = [jfsdp.fully_shard(model, jfsdp.make_mesh("1x5", devices=jax.devices()[:5]), jax.ShapeDtypeStruct((5, 16), jnp.int32)),
              plan_for("2x8"),
              jfsdp.fully_shard(model, jfsdp.make_mesh("1x4", devices=jax.devices()[:8], tensor=2), x,
                                tensor_plan=factory.tensor_plan(CFG)),
