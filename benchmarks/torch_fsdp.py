@@ -205,9 +205,10 @@ def _forked_ranks(tmp: str, world: int, port: int, env: dict, timeout: float) ->
     """CPU ranks: one process imports torch and transformers (about 6 s of CPU) and forks the `world` ranks
     (`_ranks`), instead of each rank importing them again. -> each rank's exit status (None: not known, e.g.
     the timeout ended them all)."""
-    p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "ranks", tmp, str(world), str(port)], env=env,
-                         stdout=subprocess.DEVNULL, stderr=open(os.path.join(tmp, "ranks.log"), "w"),
-                         start_new_session=True)   # its own process group: a timeout ends the ranks with it
+    with open(os.path.join(tmp, "ranks.log"), "w") as log:
+        p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "ranks", tmp, str(world), str(port)], env=env,
+                             stdout=subprocess.DEVNULL, stderr=log,
+                             start_new_session=True)   # its own process group: a timeout ends the ranks with it
     try:
         p.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
