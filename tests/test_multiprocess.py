@@ -47,14 +47,12 @@ def losses(recs):
     return [(r["step"], "loss" if "loss" in r else "val_loss", r.get("loss", r.get("val_loss"))) for r in recs]
 
 
-def single(*extra):
-    """The reference, started at once (it runs while the test waits on the other processes): the same command
-    in one process with 8 fake devices, on the same mesh. -> (the process, its metrics file)."""
-    out = Path(extra[-1])
+def single(out, *args):
+    """The reference, started at once (it runs while the test waits on the other processes): train.py `args` in
+    one process with 8 fake devices, its metrics in `out` and its error output beside them. -> the process."""
     with open(out.with_suffix(".err"), "w") as err:
-        p = subprocess.Popen([sys.executable, "train.py", *extra[:-1], "--metrics-out", str(out)], cwd=ROOT, env=env(),
-                             stdout=subprocess.DEVNULL, stderr=err)
-    return p, out
+        return subprocess.Popen([sys.executable, "train.py", *args, "--metrics-out", str(out)], cwd=ROOT, env=env(),
+                                stdout=subprocess.DEVNULL, stderr=err)
 
 
 def launch(mesh, out, *extra):
@@ -105,7 +103,8 @@ def test_dead_peer_stops_the_others_and_both_resume_equal_to_one_process(tmp_pat
     losses of both runs are those of one process running 1x8 straight through."""
     out, ckpt, marker, err0, out0 = (tmp_path / n for n in ("m.jsonl", "ckpt", "marker", "process0.err", "process0.out"))
     flags = [*RUN, "--save-every", "4", "--ckpt-dir", str(ckpt)]   # 8 steps: held at 6, the run does not end
-    ref, ref_out = single("--mesh", "1x8", *RUN, tmp_path / "single.jsonl")
+    ref_out = tmp_path / "single.jsonl"
+    ref = single(ref_out, "--mesh", "1x8", *RUN)
     args = ["train.py", "--mesh", "1x8", *flags, "--metrics-out", str(out), "--coordinator", f"127.0.0.1:{free_port()}",
             "--num-processes", "2", "--heartbeat-timeout", "5"]
     with open(err0, "w") as log, open(out0, "w") as stdout:
