@@ -11,13 +11,17 @@ cpu: moe-test (1 dense + 2 MoE layers, 8 experts, top-2) as train.py runs it, 8 
   16 x 256 tokens, fp32, FULL_SHARD, remat none, fused loss, AdamW, embeddings scaled 10x (the router then
   follows the token). The trace: in every row a share q of the tokens is one token of its own (q = 1: the
   whole sequence on two experts, the load T), the rest random; q from 1 down to 0. Every static program
-  (the model's capacity set to c; gather, or ep with 1 or 2 chunks) runs every point: median step time
-  of 3 steps, the capacity run and the share of routed choices dropped (one forward pass). The adaptive
-  plan is calibrated by these XLA:CPU timings (moe_calibrate.timed; each static program's median over the
-  trace, as its time does not depend on the load): each bucket runs the fastest. Then it runs the trace.
+  (the model's capacity set to c; gather, or ep with 1 or 2 chunks) is compiled first, with its capacity
+  and the share of routed choices dropped at every point (one forward pass). Timing is interleaved: in
+  each round, at each point, every program in a fresh random order runs from a fresh state one warm-up
+  step and 3 timed ones; a program's time at a point is the median of its timed steps over the rounds,
+  so a slow spell of the machine falls on every program alike. Two such rounds of the static programs
+  calibrate the adaptive plan (moe_calibrate's table; each static program's median over the trace, as
+  its time does not depend on the load): each bucket runs the fastest. Then 4 rounds time every static
+  program, the adaptive one and the adaptive plan with its largest bucket alone (one branch, so no
+  conditional: what the switch itself costs against the static program of that capacity).
   (Chunks: 1 only; XLA:CPU's collectives are synchronous, so chunks overlap nothing here.)
-  XLA:CPU times on a shared 2-core VM are noisy and its collectives are synchronous: read the time
-  columns as "same order or not", the drop columns as exact.
+  Read the time columns on an idle machine only; the drop columns are exact.
 h100: mixtral-8x7b's layer shapes (dim 4096, 8 experts of 14336, top-2, 32 heads, 8 KV heads) with 8 of
   its 32 layers, so that training on 1x8 fits an 80 GB H100 (all 32 layers hold 65 GiB of fp32 state and
   Adam per device at S = 8, and XLA's scheduler then serializes everything), one 4,096-token sequence per
@@ -63,7 +67,7 @@ from models import moe  # noqa: E402
 
 MiB, GiB = 2**20, 2**30
 CPU = {"mesh": "2x4", "rows": 16, "seq": 256, "buckets": (64, 128, 256), "chunks": (1,), "steps": 3,
-       "q": (1.0, 0.75, 0.5, 0.25, 0.0)}
+       "calibration_rounds": 2, "rounds": 4, "q": (1.0, 0.75, 0.5, 0.25, 0.0)}
 H100 = {"mesh": "1x8", "rows": 8, "seq": 4096, "layers": 8, "buckets": (1024, 2048, 4096), "chunks": (1, 2, 4),
         "a": (1.0, 0.75, 0.5, 0.25, 0.1, 0.0)}
 
@@ -103,35 +107,68 @@ def cpu_part():
     emb["embedding"] = emb["embedding"] * 10
     fns = {"capacity": moe.capacity_used, "dropped": moe.dropped_fraction}
 
-    def run_trace(plan, lf):
+    def prepare(name, plan, lf, **extra):
+        """Compile the program, measure its memory, and read each point's capacity and drops (one forward)."""
         t = time.perf_counter()
         compiled = memory.compile_step(plan, opt, lf, {"inputs": x, "targets": x})
-        row = {"compile_s": round(time.perf_counter() - t, 1), "total_mib": memory.measure(compiled)["total"] / MiB}
+        row = {"program": name, **extra, "compile_s": round(time.perf_counter() - t, 1),
+               "total_mib": memory.measure(compiled)["total"] / MiB}
         step, fwd = jfsdp.make_train_step(plan, opt, lf), jax.jit(jm.forward_metrics(plan, fns))
-        row["trace"] = []
-        for b in data:
-            b = plan.put_batch(b)
-            got = {k: float(v) for k, v in fwd(plan.shard(params), b).items()}
-            s, _ = moe_calibrate.timed(step, jfsdp.init_state(plan, opt, params=params), b, p["steps"])
-            row["trace"].append({"step_s": s, **got})
-        return row
+        batches = [plan.put_batch(b) for b in data]
+        row["trace"] = [{k: float(v) for k, v in fwd(plan.shard(params), b).items()} for b in batches]
+        jax.block_until_ready(step(jfsdp.init_state(plan, opt, params=params), batches[0]))   # compile the step
+        return row, (plan, step, batches)
 
-    statics, calib = [], []
+    def rounds(programs, n):
+        """n rounds; in each, every point, and at each point every program in a fresh random order: a fresh
+        state from the same parameters, one warm-up step and p["steps"] timed ones. A program's time at a
+        point is the median of its n * p["steps"] timed steps, so a slow spell of the machine falls on
+        every program alike instead of on whichever ran then."""
+        rng = np.random.default_rng(1)
+        times = {(i, j): [] for i in range(len(programs)) for j in range(len(data))}
+        for _ in range(n):
+            for j in range(len(data)):
+                for i in rng.permutation(len(programs)):
+                    plan, step, batches = programs[i]
+                    state = jfsdp.init_state(plan, opt, params=params)
+                    state, m = step(state, batches[j])
+                    jax.block_until_ready(m)
+                    for _ in range(p["steps"]):
+                        t = time.perf_counter()
+                        state, m = step(state, batches[j])
+                        jax.block_until_ready(m)
+                        times[i, j].append(time.perf_counter() - t)
+        return [[statistics.median(times[i, j]) for j in range(len(data))] for i in range(len(programs))]
+
+    statics, progs = [], []
     for c, mode, k in moe_calibrate.candidates(adaptive, chunks=p["chunks"]):
         plan, lf = build(forced_capacity(cfg, c, p["seq"]), jfsdp.MoE(mode=mode, chunks=k))
-        statics.append({"program": f"static {mode} k={k} c={c}", "capacity": c, "mode": mode, "chunks": k,
-                        **run_trace(plan, lf)})
-        print(statics[-1], flush=True)
-        # calibration: the static program's XLA:CPU step time (median over the trace; the time of a static
-        # program does not depend on the load)
-        calib.append({"capacity": c, "mode": mode, "chunks": k,
-                      "seconds": statistics.median(t["step_s"] for t in statics[-1]["trace"])})
+        row, prog = prepare(f"static {mode} k={k} c={c}", plan, lf, capacity=c, mode=mode, chunks=k)
+        statics.append(row)
+        progs.append(prog)
+        print(row["program"], row["compile_s"], flush=True)
+    # calibration: each static program's XLA:CPU step time (median over the trace; the time of a static
+    # program does not depend on the load), from rounds of their own before the adaptive program exists
+    calib = [{"capacity": r["capacity"], "mode": r["mode"], "chunks": r["chunks"], "seconds": statistics.median(ts)}
+             for r, ts in zip(statics, rounds(progs, p["calibration_rounds"]))]
+    print("calibration", calib, flush=True)
     option = dataclasses.replace(base, calibration=moe_calibration.table(calib))
     plan = jfsdp.fully_shard(module, mesh, x, moe=option)
     variants = [dataclasses.asdict(v) for v in plan.moe_stages[-1].variants]
-    row = {"program": f"adaptive {p['buckets']}", **run_trace(plan, loss_fn)}
+    row, prog = prepare(f"adaptive {p['buckets']}", plan, loss_fn)
+    # the switch's own cost: the largest bucket alone (one branch, no conditional: the load, its all-reduce
+    # and the taken branch's forward again in the backward pass) against the same static program
+    top = next(v for v in variants if v["capacity"] == p["buckets"][-1])
+    one = dataclasses.replace(option, buckets=(top["capacity"],))
+    one_row, one_prog = prepare(f"adaptive ({top['capacity']},) {top['mode']}", jfsdp.fully_shard(module, mesh, x, moe=one),
+                                loss_fn, capacity=top["capacity"], mode=top["mode"], chunks=top["chunks"])
+    timed = rounds(progs + [prog, one_prog], p["rounds"])
+    for r, ts in zip(statics + [row, one_row], timed):
+        for t, s in zip(r["trace"], ts):
+            t["step_s"] = s
     return {"device": f"CPU, {os.cpu_count()}-core {platform.machine()}, 8 fake XLA devices", "model": "moe-test",
-            **p, "calibration": calib, "variants": variants, "static": statics, "adaptive": row}
+            **p, "calibration": calib, "variants": variants, "static": statics, "adaptive": row,
+            "adaptive_one_bucket": one_row}
 
 
 def h100_flops(cfg, c, seq):

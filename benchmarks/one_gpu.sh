@@ -9,7 +9,8 @@
 # 4. train.py end to end on the default corpus (llama-small, 1x1): the loss it reaches;
 # 5. context: the ring's cuDNN per-block kernel, its errors and speed (benchmarks/context_cudnn.py);
 # 6. moe_switch: an adaptive MoE stage's device-side switch on XLA:GPU (moe-test, 1x1): the same taken
-#    branch with one bucket (no conditional) and with three (lax.switch), tokens/s of each.
+#    branch with one bucket (no conditional) and with three (lax.switch), tokens/s of each; then three again
+#    with conditionals allowed into command buffers (CUDA graphs), and the thunks that XLA made of them.
 # Each part has its own time limit and log, so one failure does not hide the others. The whole takes about
 # 7 to 9 minutes on one H100 (2026-11-26: the bf16 and fp8 parts 1-2 minutes each, train.py 30 s); run the parts
 # you need where the device time is shorter.
@@ -48,5 +49,13 @@ if want moe_switch; then
             --eval-every 0 --gen-tokens 0 --metrics-out "$out/moe_switch_${b//,/-}.jsonl" 2>&1 | grep -v "^W0000\|^I0000" \
             | tail -12 | tee "$out/moe_switch_${b//,/-}.log"
     done
+    # the three buckets again with conditionals allowed into CUDA graphs (command buffers): whether this XLA then
+    # captures the conditional (its thunk sequence, dumped) and the host's wait for the branch index goes away
+    XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE \
+--xla_dump_to=$out/moe_switch_cb_dump --xla_dump_hlo_module_re=.*step.*" timeout 100 $py train.py --mesh 1x1 --model moe-test \
+        --moe adaptive --moe-buckets 64,128,256 --steps 200 --log-every 50 --eval-every 0 --gen-tokens 0 \
+        --metrics-out "$out/moe_switch_cb.jsonl" 2>&1 | grep -v "^W0000\|^I0000" | tail -12 | tee "$out/moe_switch_cb.log"
+    grep -ho "k[A-Z][A-Za-z]*" "$out"/moe_switch_cb_dump/*thunk_sequence_after_thunk_passes.txt 2>/dev/null | sort | uniq -c \
+        | tee "$out/moe_switch_cb_thunks.txt"
 fi
 ls -l "$out"

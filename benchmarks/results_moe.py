@@ -35,9 +35,12 @@ def cpu_section(d) -> list[str]:
     out += [f"{d['model']}, mesh {d['mesh']}, {d['rows']} x {d['seq']} tokens, fp32, FULL_SHARD, remat none, AdamW, "
             "embeddings scaled 10x. Point q: a share q of every row's tokens is one token of the row's own (q = 1: "
             f"every choice of a sequence on two experts), the rest random. Buckets {tuple(d['buckets'])}. Step time: "
-            f"median of {d['steps']} steps on XLA:CPU (shared 2-core VM: noisy; CPU collectives are synchronous, so "
-            "chunks cannot overlap anything here); capacity and dropped share of the routed choices: one forward pass.",
-            "", "Calibration (each static program's median step time over the trace) and the choice per bucket:", ""]
+            f"median of {d['rounds']} x {d['steps']} timed steps on XLA:CPU, interleaved (each round: at each point, every "
+            "program in a fresh random order, from a fresh state, after one warm-up step; CPU collectives are "
+            "synchronous, so chunks cannot overlap anything here); capacity and dropped share of the routed choices: "
+            "one forward pass.",
+            "", f"Calibration (each static program's median step time over the trace in {d['calibration_rounds']} rounds of "
+            "their own, before the adaptive program is built) and the choice per bucket:", ""]
     chosen = {(v["capacity"], v["mode"], v["chunks"]) for v in d["variants"]}
     out += table(["capacity", "mode", "chunks", "s / step", "chosen"],
                  [[c["capacity"], c["mode"], c["chunks"], g(c["seconds"], 3),
@@ -46,10 +49,17 @@ def cpu_section(d) -> list[str]:
     a = d["adaptive"]
     rows = [[r["program"], g(r["compile_s"], 1), g(r["total_mib"], 1)]
             + [f"{g(t['step_s'], 3)} / {t['capacity']:.0f} / {g(t['dropped'], 3)}" for t in r["trace"]]
-            for r in d["static"] + [a]]
+            for r in d["static"] + [a, d["adaptive_one_bucket"]]]
     out += ["Every program over the trace (step s / capacity / dropped):", ""]
     out += table(["program", "compile s", "MiB/device"] + [f"q={x}" for x in q], rows, "lrr" + "r" * len(q))
     statics = [(r["program"], [(t["step_s"], t["dropped"]) for t in r["trace"]]) for r in d["static"]]
+    one = d["adaptive_one_bucket"]
+    same = next(r for r in d["static"] if name(r) == name(one))
+    ratio = [t["step_s"] / u["step_s"] for t, u in zip(one["trace"], same["trace"])]
+    out += [f"The switch's own cost: {one['program']} (the largest bucket alone: the load, its all-reduce and the "
+            f"branch's forward again in the backward pass, no conditional) against {same['program']}: "
+            f"{g(min(ratio), 3)}-{g(max(ratio), 3)}x its step time over the trace, {g(one['total_mib'], 1)} against "
+            f"{g(same['total_mib'], 1)} MiB/device.", ""]
     return out + verdict(statics, [(t["step_s"], t["dropped"]) for t in a["trace"]], len(q))
 
 
