@@ -17,6 +17,9 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import gc  # noqa: E402
+import subprocess  # noqa: E402
+
+import pytest  # noqa: E402
 
 import jax  # noqa: E402
 
@@ -72,3 +75,24 @@ gc.freeze()
 gc.set_threshold(20_000, 50, 100)
 
 from tests.ci_skips import pytest_sessionfinish, pytest_terminal_summary  # noqa: E402,F401  (a skip under CI fails)
+
+
+@pytest.fixture
+def train_main(monkeypatch, capsys):
+    """train.py's main (jfsdp.cli.main) in this process, which is faster than a subprocess (no Python start,
+    no jax import): `train_main(args)` -> CompletedProcess(args, exit status, stdout, stderr), whether main
+    returned its status or raised SystemExit with it. The mesh takes the first devices of this session's 16;
+    the device set-up main does writes XLA_FLAGS and JAX_PLATFORMS, which monkeypatch puts back."""
+    for k in ("XLA_FLAGS", "JAX_PLATFORMS"):
+        monkeypatch.setenv(k, os.environ.get(k, ""))
+    from jfsdp import cli
+
+    def run(args):
+        args = [str(a) for a in args]
+        try:
+            code = cli.main(args)
+        except SystemExit as e:
+            code = e.code
+        out = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code, out.out, out.err)
+    return run

@@ -83,25 +83,14 @@ def test_the_decision_at_context_2(monkeypatch):
     assert more.startswith("8 devices (--mesh 1x4 --context 2,"), more
 
 
-def _cli(args, monkeypatch, capsys):
-    for k in ("XLA_FLAGS", "JAX_PLATFORMS"):
-        monkeypatch.setenv(k, os.environ.get(k, ""))
-    from jfsdp import cli
-    try:
-        code = cli.main(list(args))
-    except SystemExit as e:
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
 @pytest.mark.parametrize("tensor", [1, 2])
-def test_command_refuses_with_one_line(monkeypatch, capsys, tensor):
+def test_command_refuses_with_one_line(monkeypatch, train_main, tensor):
     """Refused before the state or the step exist, at T = 1 and with tensor parallelism (2x2 --tensor 2: the
     planner's T > 1 estimate), with the nearest configuration that fits."""
     monkeypatch.setenv(fit.BUDGET_ENV, "20MiB")
     mesh = [] if tensor == 1 else ["--mesh", "2x2", "--tensor", "2"]
-    code, out, err = _cli([*TINY, *mesh], monkeypatch, capsys)
+    r = train_main([*TINY, *mesh])
+    code, out, err = r.returncode, r.stdout, r.stderr
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert code == 2 and len(errors) == 1 and "Traceback" not in err, err
     assert "does not fit" in errors[0] and "budget is 20.0 MiB per device (JFSDP_MEMORY_BUDGET=20MiB)" in errors[0]
@@ -110,14 +99,15 @@ def test_command_refuses_with_one_line(monkeypatch, capsys, tensor):
         assert "nearest that fit: --batch-size 8" in errors[0], err
 
 
-def test_no_fit_check_runs_anyway(monkeypatch, capsys):
+def test_no_fit_check_runs_anyway(monkeypatch, train_main):
     monkeypatch.setenv(fit.BUDGET_ENV, "20MiB")
-    code, out, err = _cli([*TINY, "--no-fit-check", "--batch-size", "8", "--seq-len", "32"], monkeypatch, capsys)
+    r = train_main([*TINY, "--no-fit-check", "--batch-size", "8", "--seq-len", "32"])
+    code, out, err = r.returncode, r.stdout, r.stderr
     assert code == 0 and "error" not in err, err
     assert "compiled the train step" in out and "fit check" not in err
 
 
-def test_frozen_parameters_are_not_counted(monkeypatch, capsys):
+def test_frozen_parameters_are_not_counted(monkeypatch, train_main):
     """--freeze: the estimate has no gradient shards or optimizer state for the frozen leaves (the
     planner's, jfsdp/planning/estimate.py), so a fine-tune that fits only without them runs, and the
     same run training everything is refused."""
@@ -132,10 +122,12 @@ def test_frozen_parameters_are_not_counted(monkeypatch, capsys):
     assert whole - frozen_est >= dropped, (whole, frozen_est, dropped)
     monkeypatch.setenv(fit.BUDGET_ENV, str((whole + frozen_est) // 2))
     args = [*TINY, "--batch-size", "8", "--seq-len", "32"]
-    code, out, err = _cli([*args, "--freeze", "tok_emb|feed_forward"], monkeypatch, capsys)
+    r = train_main([*args, "--freeze", "tok_emb|feed_forward"])
+    code, out, err = r.returncode, r.stdout, r.stderr
     assert code == 0 and "error" not in err, err
     assert "compiled the train step" in out
-    code, out, err = _cli(args, monkeypatch, capsys)
+    r = train_main(args)
+    code, out, err = r.returncode, r.stdout, r.stderr
     assert code == 2 and "does not fit" in err and "compiled the train step" not in out, err
 
 

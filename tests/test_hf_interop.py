@@ -6,8 +6,6 @@ with `python -m jfsdp.export` loads in transformers (`from_pretrained`) and give
 tokenizer trained with `tokenizers` beside the weights drives train.py's text data, from the HF weights
 at --tensor 2."""
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import jax
@@ -123,7 +121,7 @@ def test_init_from_and_export_match_transformers(tmp_path, tied, monkeypatch, ca
     assert not np.allclose(ours, theirs, atol=1e-3)   # the step changed the model: the export is not the input
 
 
-def test_tokenizer_json_drives_train_py(tmp_path, monkeypatch, capsys):
+def test_tokenizer_json_drives_train_py(tmp_path, train_main):
     from tokenizers import Tokenizer, models as tm, pre_tokenizers, trainers, decoders
     src = tmp_path / "hf"
     make_hf_model(src, tied=True)
@@ -138,21 +136,12 @@ def test_tokenizer_json_drives_train_py(tmp_path, monkeypatch, capsys):
     tok.save(str(src / "tokenizer.json"))
     eos = tok.token_to_id("</s>")
     m = tmp_path / "m.jsonl"
-    # train.py's main in this process (a subprocess would add Python's start and the jax imports): the mesh
-    # takes the first 4 of this session's 16 devices; the device set-up it does writes XLA_FLAGS and
-    # JAX_PLATFORMS, which monkeypatch puts back
-    for k in ("XLA_FLAGS", "JAX_PLATFORMS"):
-        monkeypatch.setenv(k, os.environ.get(k, ""))
-    from jfsdp import cli
-    try:
-        code = cli.main(["--init-from", str(src), "--data", str(data), "--mesh", "1x2", "--tensor", "2", "--batch-size", "4",
-                         "--seq-len", "32", "--steps", "4", "--log-every", "1", "--eval-every", "0", "--prompt",
-                         "def unshard(", "--gen-tokens", "5", "--temperature", "0", "--metrics-out", str(m),
-                         "--ckpt-dir", str(tmp_path / "ck")])
-    except SystemExit as e:
-        code = e.code
-    out = capsys.readouterr()
-    r = subprocess.CompletedProcess([], code, out.out, out.err)
+    # train.py's main in this process; the mesh takes the first 4 of this session's 16 devices
+    r = train_main(["--init-from", src, "--data", data, "--mesh", "1x2", "--tensor", "2", "--batch-size", "4",
+                    "--seq-len", "32", "--steps", "4", "--log-every", "1", "--eval-every", "0", "--prompt",
+                    "def unshard(", "--gen-tokens", "5", "--temperature", "0", "--metrics-out", m,
+                    "--ckpt-dir", tmp_path / "ck"])
+    assert r.returncode == 0, r.stderr
     assert f"text tokenized with {src / 'tokenizer.json'}" in r.stdout
     assert "mesh 1x2 --tensor 2 (1 replicas x 2 shards x 2 tensor-parallel ranks)" in r.stdout
     # the corpus is the tokenizer's ids: as many tokens as the tokenizer gives (plus the end of text), not bytes

@@ -168,33 +168,21 @@ def _assert_one_line_error(r, expect):
     assert len(r.stderr.strip().splitlines()) <= 2   # the error, and at most the fake-devices notice
 
 
-def run_in_process(args, monkeypatch, capsys):
-    """jfsdp.cli.main in this process: (exit status, stdout, stderr). The device set-up it does writes
-    XLA_FLAGS / JAX_PLATFORMS, which monkeypatch puts back (this process's 16 devices already exist)."""
-    for k in ("XLA_FLAGS", "JAX_PLATFORMS"):
-        monkeypatch.setenv(k, os.environ.get(k, ""))
-    from jfsdp import cli
-    with pytest.raises(SystemExit) as e:
-        cli.main(list(args))
-    out = capsys.readouterr()
-    return subprocess.CompletedProcess(args, e.value.code, out.out, out.err)
-
-
 @pytest.mark.parametrize("name", BAD)
-def test_bad_input(name, monkeypatch, capsys):
+def test_bad_input(name, train_main):
     args, expect = BAD[name]
-    _assert_one_line_error(run_in_process([*args, "--metrics-out", ""], monkeypatch, capsys), expect)
+    _assert_one_line_error(train_main([*args, "--metrics-out", ""]), expect)
 
 
 @pytest.mark.parametrize("name", ["empty", "beyond-vocab"])
-def test_bad_data_file(tmp_path, name, monkeypatch, capsys):
+def test_bad_data_file(tmp_path, name, train_main):
     if name == "empty":
         p, expect = tmp_path / "empty.txt", "is empty"
         p.write_text("")
     else:
         p, expect = tmp_path / "tokens.npy", "token 1000 is outside the model's vocabulary of 259"
         np.save(p, np.arange(1001, dtype=np.uint32))
-    _assert_one_line_error(run_in_process([*TINY, "--data", str(p), "--metrics-out", ""], monkeypatch, capsys), expect)
+    _assert_one_line_error(train_main([*TINY, "--data", str(p), "--metrics-out", ""]), expect)
 
 
 def test_bad_input_as_a_command():
