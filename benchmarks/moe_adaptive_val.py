@@ -21,6 +21,22 @@ runs: the metrics files of train.py runs (`--metrics-out`, one file per run, nam
   the mean and the sample standard deviation over seeds, and per seed the difference adaptive - static.
 nodrop: a static run's last checkpoint (train.py --moe auto --ckpt-dir DIR) evaluated as above at its own
   capacity 80 and at capacity 256, which drops nothing.
+train: runs the train.py pairs the other parts read, one process at a time, into DIR (MODE_sSEED.jsonl and
+  .log; a file already there is kept): `--moe adaptive` and `--moe auto` for each of --seeds, 150 steps
+  (warm-up 30, cosine), logged every 25 and evaluated every 50; with --stop-after N, logged and evaluated
+  every --every steps and stopped once step N's evaluation is written (the learning-rate schedule stays
+  the 150-step one); --train-args adds train.py arguments (`--grad-accum 2`: the same run rounded
+  differently, below). Writes no JSON.
+early: per evaluation step of such stopped runs, per seed, adaptive's validation loss minus the static
+  run's: how many seeds have it at or below zero, the mean and the sample standard deviation.
+floor: the same runs twice, the second time rounded differently (two folders of MODE_sSEED.jsonl, the second
+  made with --train-args "--grad-accum 2": two micro-batches of 8 sequences instead of one of 16. Routing
+  groups, capacities, the loss and the load-balancing term are per sequence, so this is the same step
+  with its sums in another order: the losses of a seed agree to the last bit or two at first.
+  --xla_cpu_max_isa=AVX2 changes nothing here (bitwise the same validation losses at step 150, seeds
+  5-7, 2026-11-27), nor does the mesh 1x8 for 2x4 (the same gradient norm at step 25, seed 5)). Per mode and seed, the difference of the last validation loss. Its spread is what the
+  divergence of two runs costs that differ in nothing but rounding: the floor under any comparison of
+  two training runs' final losses at this length.
 """
 from __future__ import annotations
 
@@ -31,8 +47,11 @@ import json
 import os
 import platform
 import re
+import shlex
 import statistics
+import subprocess
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -167,19 +186,120 @@ def runs_part(files):
             "summary": summary, "adaptive_minus_static": diffs}
 
 
+def read_runs(files):
+    """{seed: {mode: [metrics records]}} from files named MODE_sSEED.jsonl."""
+    out = {}
+    for f in sorted(files):
+        m = re.match(r"(adaptive|auto)_s(\d+)\.jsonl$", os.path.basename(f))
+        if not m:
+            bad(f"{f}: name a metrics file MODE_sSEED.jsonl (e.g. adaptive_s0.jsonl)")
+        out.setdefault(int(m.group(2)), {})[m.group(1)] = [json.loads(line) for line in open(f) if line.strip()]
+    return out
+
+
+def spread(xs):
+    return {"n": len(xs), "mean": statistics.mean(xs), "sd": statistics.stdev(xs) if len(xs) > 1 else None,
+            "at_or_below_zero": sum(x <= 0 for x in xs)}
+
+
+def early_part(files):
+    runs = read_runs(files)
+    steps = sorted({r["step"] for d in runs.values() for rs in d.values() for r in rs if "val_loss" in r})
+    out = []
+    for step in steps:
+        diffs = []
+        for seed, d in sorted(runs.items()):
+            v = {m: next((r["val_loss"] for r in d.get(m, []) if "val_loss" in r and r["step"] == step), None)
+                 for m in ("adaptive", "auto")}
+            if None not in v.values():
+                diffs.append({"seed": seed, "adaptive": v["adaptive"], "auto": v["auto"],
+                              "difference": v["adaptive"] - v["auto"]})
+        if diffs:
+            out.append({"step": step, **spread([x["difference"] for x in diffs]), "seeds": diffs})
+    return {"device": f"CPU, {os.cpu_count()}-core {platform.machine()}, 8 fake XLA devices", "by_step": out}
+
+
+def floor_part(first_dir, second_dir):
+    import glob
+    a = read_runs(glob.glob(os.path.join(first_dir, "*_s*.jsonl")))
+    b = read_runs(glob.glob(os.path.join(second_dir, "*_s*.jsonl")))
+    last = lambda rs: [r for r in rs if "val_loss" in r][-1]   # noqa: E731
+    out = {"first": first_dir, "second": second_dir, "modes": {}}
+    for mode in ("adaptive", "auto"):
+        rows = [{"seed": s, "step": last(b[s][mode])["step"], "first": last(a[s][mode])["val_loss"],
+                 "second": last(b[s][mode])["val_loss"]} for s in sorted(b) if mode in b[s] and mode in a.get(s, {})]
+        for r in rows:
+            r["difference"] = r["second"] - r["first"]
+        if rows:
+            out["modes"][mode] = {**spread([r["difference"] for r in rows]), "runs": rows}
+    if not out["modes"]:
+        bad(f"no run of the same mode and seed in both {first_dir} and {second_dir}")
+    return {"device": f"CPU, {os.cpu_count()}-core {platform.machine()}, 8 fake XLA devices", **out}
+
+
+def train_runs(out_dir, seeds, stop_after, every, train_args):
+    """train.py's pairs (module docstring, `train`), one process at a time."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    os.makedirs(out_dir, exist_ok=True)
+    log, ev = ("25", "50") if stop_after is None else (str(every), str(every))
+    for seed in seeds:
+        for mode in ("adaptive", "auto"):
+            f = os.path.join(out_dir, f"{mode}_s{seed}.jsonl")
+            if os.path.exists(f):
+                continue
+            env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+            cmd = [sys.executable, os.path.join(root, "train.py"), "--model", "moe-test", "--mesh", "2x4", "--moe", mode,
+                   "--steps", "150", "--log-every", log, "--eval-every", ev, "--cpu-devices", "8", "--seed", str(seed),
+                   "--no-fit-check", "--metrics-out", f + ".part", *shlex.split(train_args)]
+            if stop_after is not None:
+                cmd += ["--gen-tokens", "0"]
+            t = time.time()
+            with open(os.path.join(out_dir, f"{mode}_s{seed}.log"), "w") as logf:
+                p = subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT)
+                mark, stopped = f'"step": {stop_after}, "val_loss"', False
+                while p.poll() is None:
+                    if stop_after is not None and os.path.exists(f + ".part") and mark in open(f + ".part").read():
+                        p.kill()
+                        p.wait()
+                        stopped = True
+                        break
+                    time.sleep(0.5)
+            if p.returncode != 0 and not stopped:
+                bad(f"train.py {mode} seed {seed} failed (exit {p.returncode}): see {logf.name}")
+            os.replace(f + ".part", f)
+            print(f"{mode} seed {seed}: {time.time() - t:.0f} s", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", required=True)
-    ap.add_argument("--part", choices=("step0", "runs", "nodrop"), required=True)
-    ap.add_argument("files", nargs="*", help="--part runs: the runs' metrics files, MODE_sSEED.jsonl; --part nodrop: "
-                    "the --ckpt-dir of a static run")
+    ap.add_argument("--json", help="the results file (every part but train)")
+    ap.add_argument("--part", choices=("step0", "runs", "nodrop", "train", "early", "floor"), required=True)
+    ap.add_argument("files", nargs="*", help="--part runs / early: the runs' metrics files, MODE_sSEED.jsonl; --part "
+                    "nodrop: the --ckpt-dir of a static run; --part train: the folder to write; --part floor: two "
+                    "folders of runs, the second rounded differently")
+    ap.add_argument("--seeds", default="0-4", help="--part train: seeds, A-B or a comma list")
+    ap.add_argument("--stop-after", type=int, help="--part train: stop each run after this step's evaluation")
+    ap.add_argument("--every", type=int, default=5, help="--part train with --stop-after: log and evaluate every N steps")
+    ap.add_argument("--train-args", default="", help="--part train: more train.py arguments, e.g. \"--grad-accum 2\"")
     a = ap.parse_args()
-    if a.part == "runs" and not a.files:
-        bad("--part runs needs the runs' metrics files")
+    need = {"runs": (1, None), "early": (1, None), "nodrop": (1, 1), "train": (1, 1), "floor": (2, 2), "step0": (0, 0)}
+    lo, hi = need[a.part]
+    if len(a.files) < lo or hi is not None and len(a.files) > hi:
+        bad(f"--part {a.part} takes {lo if lo == hi else f'at least {lo}'} file or folder argument(s), got {len(a.files)}")
+    if a.part == "train":
+        try:
+            lo_s, _, hi_s = a.seeds.partition("-")
+            seeds = range(int(lo_s), int(hi_s) + 1) if hi_s else [int(x) for x in a.seeds.split(",")]
+        except ValueError:
+            bad(f"--seeds must be A-B or a comma list of integers, got {a.seeds!r}")
+        train_runs(a.files[0], seeds, a.stop_after, a.every, a.train_args)
+        return
+    if not a.json:
+        bad(f"--part {a.part} needs --json FILE")
     out = json.load(open(a.json)) if os.path.exists(a.json) else {}
-    if a.part == "nodrop" and len(a.files) != 1:
-        bad("--part nodrop needs one checkpoint folder")
-    res = step0_part() if a.part == "step0" else runs_part(a.files) if a.part == "runs" else nodrop_part(a.files[0])
+    res = (step0_part() if a.part == "step0" else runs_part(a.files) if a.part == "runs" else
+           early_part(a.files) if a.part == "early" else floor_part(*a.files) if a.part == "floor" else
+           nodrop_part(a.files[0]))
     import jax
     out[a.part] = {**res, "date": datetime.date.today().isoformat(), "jax": jax.__version__,
                    "command": " ".join(["python", "benchmarks/moe_adaptive_val.py", *sys.argv[1:]])}
