@@ -237,14 +237,19 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", required=True)
     ap.add_argument("--part", choices=("cpu", "h100"), required=True)
+    ap.add_argument("--key", help="the JSON entry to write (default: the part's name); e.g. cpu_repeat keeps a "
+                    "second cpu run beside the first (each entry whose name starts with cpu gets its own section)")
     a = ap.parse_args()
+    key = a.key or a.part
+    if not key.startswith(a.part):
+        ap.error(f"--key must start with the part's name, {a.part}")
     out = json.load(open(a.json)) if os.path.exists(a.json) else {}
-    out = {k: v for k, v in out.items() if k in ("cpu", "h100")}
-    out[a.part] = {**(cpu_part() if a.part == "cpu" else h100_part()), "date": datetime.date.today().isoformat(),
-                   "jax": jax.__version__, "command": f"python benchmarks/moe_adaptive.py --part {a.part} --json {a.json}"}
+    out = {k: v for k, v in out.items() if k.startswith(("cpu", "h100"))}
+    out[key] = {**(cpu_part() if a.part == "cpu" else h100_part()), "date": datetime.date.today().isoformat(),
+                "jax": jax.__version__, "command": " ".join(["python", "benchmarks/moe_adaptive.py", *sys.argv[1:]])}
     with open(a.json, "w") as f:
         json.dump(out, f, indent=1, default=str)
-    print(json.dumps(out[a.part], indent=1, default=str)[:4000])
+    print(json.dumps(out[key], indent=1, default=str)[:4000])
 
 
 if __name__ == "__main__":

@@ -30,8 +30,8 @@ def verdict(statics, adaptive, points) -> list[str]:
                                          f"; not: {', '.join(n for n, _ in statics if n not in beaten)}."), ""]
 
 
-def cpu_section(d) -> list[str]:
-    out = ["## moe-test on 8 fake CPU devices (measured step times)", ""] + source(NAME, d)
+def cpu_section(d, which: str = "") -> list[str]:
+    out = [f"## moe-test on 8 fake CPU devices (measured step times){which}", ""] + source(NAME, d)
     out += [f"{d['model']}, mesh {d['mesh']}, {d['rows']} x {d['seq']} tokens, fp32, FULL_SHARD, remat none, AdamW, "
             "embeddings scaled 10x. Point q: a share q of every row's tokens is one token of the row's own (q = 1: "
             f"every choice of a sequence on two experts), the rest random. Buckets {tuple(d['buckets'])}. Step time: "
@@ -108,6 +108,6 @@ def moe_adaptive_page() -> list[str]:
     out = ["# Adaptive MoE against every static (mode, chunks, capacity) over a load trace", ""]
     if "h100" in d:
         out += h100_section(d["h100"])
-    if "cpu" in d:
-        out += cpu_section(d["cpu"])
+    for key in sorted(k for k in d if k.startswith("cpu")):   # cpu, then its repeats (cpu_repeat, ...)
+        out += cpu_section(d[key], "" if key == "cpu" else f" ({key})")
     return out
