@@ -29,14 +29,15 @@ train: runs the train.py pairs the other parts read, one process at a time, into
   differently, below). Writes no JSON.
 early: per evaluation step of such stopped runs, per seed, adaptive's validation loss minus the static
   run's: how many seeds have it at or below zero, the mean and the sample standard deviation.
-floor: the same runs twice, the second time rounded differently (two folders of MODE_sSEED.jsonl, the second
-  made with --train-args "--grad-accum 2": two micro-batches of 8 sequences instead of one of 16. Routing
+floor: the same runs twice, the second time rounded differently: two folders of MODE_sSEED.jsonl, the second
+  made with --train-args="--grad-accum 2" (two micro-batches of 8 sequences instead of one of 16; routing
   groups, capacities, the loss and the load-balancing term are per sequence, so this is the same step
-  with its sums in another order: the losses of a seed agree to the last bit or two at first.
-  --xla_cpu_max_isa=AVX2 changes nothing here (bitwise the same validation losses at step 150, seeds
-  5-7, 2026-11-27), nor does the mesh 1x8 for 2x4 (the same gradient norm at step 25, seed 5)). Per mode and seed, the difference of the last validation loss. Its spread is what the
-  divergence of two runs costs that differ in nothing but rounding: the floor under any comparison of
-  two training runs' final losses at this length.
+  with its sums in another order, and a seed's losses agree to a bit or two at first). On this machine
+  --xla_cpu_max_isa=AVX2 changes nothing (bitwise the same validation losses at step 150, seeds 5-7,
+  2026-11-27), nor does the mesh 1x8 for 2x4 (the same gradient norm at step 25, seed 5). Per mode and
+  seed, the difference of the last validation loss: its spread is what two runs that differ in nothing
+  but rounding come apart by, the floor under any comparison of two training runs' final losses at this
+  length.
 """
 from __future__ import annotations
 
