@@ -153,17 +153,23 @@ def nodrop_part(ckpt_dir):
     return {"device": f"CPU, {os.cpu_count()}-core {platform.machine()}, 8 fake XLA devices", **out}
 
 
+def mode_and_seed(f, modes=("adaptive", "auto")):
+    """(mode, seed) from a metrics file's name, MODE_sSEED.jsonl; anything else is an error."""
+    m = re.match(rf"({'|'.join(modes)})_s(\d+)\.jsonl$", os.path.basename(f))
+    if not m:
+        bad(f"{f}: name a metrics file MODE_sSEED.jsonl, MODE one of {', '.join(modes)} (e.g. adaptive_s0.jsonl)")
+    return m.group(1), int(m.group(2))
+
+
 def runs_part(files):
     runs = []
     for f in sorted(files):
-        m = re.match(r"(adaptive|auto|gather|ep)_s(\d+)", os.path.basename(f))
-        if not m:
-            bad(f"{f}: name a metrics file MODE_sSEED.jsonl (e.g. adaptive_s0.jsonl)")
+        mode, seed = mode_and_seed(f, ("adaptive", "auto", "gather", "ep"))
         recs = [json.loads(line) for line in open(f) if line.strip()]
         val = [r for r in recs if "val_loss" in r]
         train = [r for r in recs if "loss" in r and "val_loss" not in r]
         last = val[-1]
-        runs.append({"mode": m.group(1), "seed": int(m.group(2)), "file": f, "step": last["step"],
+        runs.append({"mode": mode, "seed": seed, "file": f, "step": last["step"],
                      "val_loss": last["val_loss"], "val_lm_loss": last.get("val_lm_loss"),
                      "val_moe_aux_loss": last.get("val_moe_aux_loss"), "val_moe_dropped": last.get("val_moe_dropped"),
                      "val0_loss": val[0]["val_loss"], "train_dropped": train[-1].get("moe_dropped"),
@@ -188,13 +194,11 @@ def runs_part(files):
 
 
 def read_runs(files):
-    """{seed: {mode: [metrics records]}} from files named MODE_sSEED.jsonl."""
+    """{seed: {mode: [metrics records]}} from files named MODE_sSEED.jsonl (adaptive or auto)."""
     out = {}
     for f in sorted(files):
-        m = re.match(r"(adaptive|auto)_s(\d+)\.jsonl$", os.path.basename(f))
-        if not m:
-            bad(f"{f}: name a metrics file MODE_sSEED.jsonl (e.g. adaptive_s0.jsonl)")
-        out.setdefault(int(m.group(2)), {})[m.group(1)] = [json.loads(line) for line in open(f) if line.strip()]
+        mode, seed = mode_and_seed(f)
+        out.setdefault(seed, {})[mode] = [json.loads(line) for line in open(f) if line.strip()]
     return out
 
 
@@ -268,6 +272,9 @@ def train_runs(out_dir, seeds, stop_after, every, train_args):
             if p.returncode != 0 and not stopped:
                 bad(f"train.py {mode} seed {seed} failed (exit {p.returncode}): see {logf.name}")
             os.replace(f + ".part", f)
+            png = f + ".png"   # train.py's loss plot beside its metrics file: not a result here
+            if os.path.exists(png):
+                os.remove(png)
             print(f"{mode} seed {seed}: {time.time() - t:.0f} s", flush=True)
 
 
