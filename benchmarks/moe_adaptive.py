@@ -130,14 +130,9 @@ def cpu_part():
             for j in range(len(data)):
                 for i in rng.permutation(len(programs)):
                     plan, step, batches = programs[i]
-                    state = jfsdp.init_state(plan, opt, params=params)
-                    state, m = step(state, batches[j])
-                    jax.block_until_ready(m)
-                    for _ in range(p["steps"]):
-                        t = time.perf_counter()
-                        state, m = step(state, batches[j])
-                        jax.block_until_ready(m)
-                        times[i, j].append(time.perf_counter() - t)
+                    ts, _ = moe_calibrate.step_times(step, jfsdp.init_state(plan, opt, params=params), batches[j],
+                                                     p["steps"])
+                    times[i, j] += ts
         return [[statistics.median(times[i, j]) for j in range(len(data))] for i in range(len(programs))]
 
     statics, progs = [], []

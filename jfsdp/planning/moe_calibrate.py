@@ -66,8 +66,8 @@ def modelled(compiled, n_devices: int, flops_per_device: float, target: str) -> 
             "exposed_bytes": exposed, "hidden_bytes": hidden}
 
 
-def timed(step, state, batch, steps: int = 3) -> tuple:
-    """(median seconds of `steps` steps after one warm-up step, the state after them)."""
+def step_times(step, state, batch, steps: int = 3) -> tuple:
+    """([seconds of each of `steps` steps after one warm-up step], the state after them)."""
     state, m = step(state, batch)
     jax.block_until_ready(m)
     times = []
@@ -76,4 +76,10 @@ def timed(step, state, batch, steps: int = 3) -> tuple:
         state, m = step(state, batch)
         jax.block_until_ready(m)
         times.append(time.perf_counter() - t)
+    return times, state
+
+
+def timed(step, state, batch, steps: int = 3) -> tuple:
+    """(median seconds of `steps` steps after one warm-up step, the state after them)."""
+    times, state = step_times(step, state, batch, steps)
     return statistics.median(times), state
