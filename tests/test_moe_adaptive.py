@@ -176,7 +176,7 @@ def test_calibration_picks_the_fastest_measured_variant():
     assert moe_adaptive.calibrated(table, 0, 2, both, 1, 4) == ("gather", 1, 1.0)   # chunks=1: ep k=2 not allowed
     assert moe_adaptive.calibrated(table, 0, 2, both, "auto", 1) == ("gather", 1, 1.0)   # 1 slot: no 2 chunks
     assert moe_adaptive.calibrated(table, 0, 4, ("ep",), "auto", 8) == ("ep", 1, 3.0)   # run='ep'
-    with pytest.raises(jfsdp.ConfigError, match="no measured gather/ep variant at capacity 8"):
+    with pytest.raises(jfsdp.ConfigError, match="no measured gather/ep variant at capacity 8; it measures capacities 2, 4[.] "):
         moe_adaptive.calibrated(table, 0, 8, both, "auto", 16)
 
 

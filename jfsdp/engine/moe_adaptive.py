@@ -153,8 +153,12 @@ def calibrated(table, j: int, capacity: int, modes: tuple, chunks, slots: int) -
     ok = [(s, m, n) for (c, m, n), s in table.items() if c == capacity and m in modes and n <= slots
           and (m == "gather" and n == 1 or m == "ep" and chunks in ("auto", n))]
     if not ok:
+        have = sorted({c for c, m, _ in table if m in modes})
         raise ConfigError(f"stage {j}: the moe calibration has no measured {'/'.join(modes)} variant at capacity "
-                          f"{capacity} (measure every bucket: jfsdp/planning/moe_calibrate.py)")
+                          f"{capacity}; it measures capacities {', '.join(map(str, have)) or 'none'}. The buckets follow "
+                          "the tokens per routing group (the sequence length): plan or train at the shape it was "
+                          "measured for, give --moe-buckets it measures, or measure every bucket "
+                          "(jfsdp/planning/moe_calibrate.py)")
     s, m, n = min(ok, key=lambda o: (o[0], o[1] != "gather", o[2]))   # a tie: gather, then fewer chunks
     return m, n, float(s)
 
