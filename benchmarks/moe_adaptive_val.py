@@ -6,7 +6,7 @@ the validation losses, and what makes them differ.
         benchmarks/results/moe_adaptive_val/*.jsonl
     python benchmarks/moe_adaptive_val.py --part nodrop --json benchmarks/results/moe_adaptive_val.json CKPT_DIR
 
-Each part replaces its own entry of the JSON file.
+Each part replaces its own entry of the JSON file (or the entry --key names).
 
 step0: the initial parameters of each seed (train.py's init: `jfsdp.init_state(plan, adamw, key(seed))`), on
   train.py's validation batches (4 x 16 x 256 tokens of the default corpus, `Loader.val_batches`), evaluated
@@ -27,8 +27,9 @@ train: runs the train.py pairs the other parts read, one process at a time, into
   every --every steps and stopped once step N's evaluation is written (the learning-rate schedule stays
   the 150-step one); --train-args adds train.py arguments (`--grad-accum 2`: the same run rounded
   differently, below). Writes no JSON.
-early: per evaluation step of such stopped runs, per seed, adaptive's validation loss minus the static
-  run's: how many seeds have it at or below zero, the mean and the sample standard deviation.
+early: per evaluation step of such runs (stopped ones; or whole ones, `--key steps300` for the default 300
+  steps), per seed, adaptive's validation loss minus the static run's: how many seeds have it at or below
+  zero, the mean and the sample standard deviation.
 floor: the same runs twice, the second time rounded differently: two folders of MODE_sSEED.jsonl, the second
   made with --train-args="--grad-accum 2" (two micro-batches of 8 sequences instead of one of 16; routing
   groups, capacities, the loss and the load-balancing term are per sequence, so this is the same step
@@ -289,6 +290,8 @@ def main():
     ap.add_argument("--stop-after", type=int, help="--part train: stop each run after this step's evaluation")
     ap.add_argument("--every", type=int, default=5, help="--part train with --stop-after: log and evaluate every N steps")
     ap.add_argument("--train-args", default="", help="--part train: more train.py arguments, e.g. \"--grad-accum 2\"")
+    ap.add_argument("--key", help="the JSON entry to write (default: the part's name); e.g. --part early --key "
+                    "steps300 summarises the 300-step runs per evaluation step beside the stopped runs' entry")
     a = ap.parse_args()
     need = {"runs": (1, None), "early": (1, None), "nodrop": (1, 1), "train": (1, 1), "floor": (2, 2), "step0": (0, 0)}
     lo, hi = need[a.part]
@@ -309,11 +312,12 @@ def main():
            early_part(a.files) if a.part == "early" else floor_part(*a.files) if a.part == "floor" else
            nodrop_part(a.files[0]))
     import jax
-    out[a.part] = {**res, "date": datetime.date.today().isoformat(), "jax": jax.__version__,
+    key = a.key or a.part
+    out[key] = {**res, "date": datetime.date.today().isoformat(), "jax": jax.__version__,
                    "command": " ".join(["python", "benchmarks/moe_adaptive_val.py", *sys.argv[1:]])}
     with open(a.json, "w") as f:
         json.dump(out, f, indent=1)
-    print(json.dumps(out[a.part], indent=1)[:6000])
+    print(json.dumps(out[key], indent=1)[:6000])
 
 
 if __name__ == "__main__":
