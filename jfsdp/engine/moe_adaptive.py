@@ -157,7 +157,7 @@ def calibrated(table, j: int, capacity: int, modes: tuple, chunks, slots: int) -
         raise ConfigError(f"stage {j}: the moe calibration has no measured {'/'.join(modes)} variant at capacity "
                           f"{capacity}; it measures capacities {', '.join(map(str, have)) or 'none'}. The buckets follow "
                           "the tokens per routing group (the sequence length): plan or train at the shape it was "
-                          "measured for, give --moe-buckets it measures, or measure every bucket "
+                          "measured for, give buckets it measures (--moe-buckets), or measure every bucket "
                           "(jfsdp/planning/moe_calibrate.py)")
     s, m, n = min(ok, key=lambda o: (o[0], o[1] != "gather", o[2]))   # a tie: gather, then fewer chunks
     return m, n, float(s)
