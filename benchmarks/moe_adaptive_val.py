@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import glob
 import json
 import os
 import platform
@@ -60,6 +61,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
+DEVICE = f"CPU, {os.cpu_count()}-core {platform.machine()}, 8 fake XLA devices"   # what every part ran on
 SEEDS = (0, 1, 2)
 
 
@@ -113,7 +115,7 @@ def step0_part():
             print(seed, name, row[name], flush=True)
         out["seeds"].append(row)
     out["note"] = "initial parameters equal (bitwise) under every plan, for every seed"
-    return {"device": f"CPU, {os.cpu_count()}-core {platform.machine()}, 8 fake XLA devices", "model": "moe-test",
+    return {"device": DEVICE, "model": "moe-test",
             "mesh": c.mesh, "batch": f"{c.eval_iters} x {c.batch_size} x {c.seq_len} validation tokens", **out}
 
 
@@ -151,7 +153,13 @@ def nodrop_part(ckpt_dir):
         out[name] = {m: float(np.mean([float(g[m]) for g in got])) for m in got[0]}
         print(name, out[name], flush=True)
     ckpt.close()
-    return {"device": f"CPU, {os.cpu_count()}-core {platform.machine()}, 8 fake XLA devices", **out}
+    return {"device": DEVICE, **out}
+
+
+def records(f):
+    """The records of a metrics file (train.py's --metrics-out: one JSON object a line)."""
+    with open(f) as lines:
+        return [json.loads(line) for line in lines if line.strip()]
 
 
 def mode_and_seed(f, modes=("adaptive", "auto")):
@@ -166,7 +174,7 @@ def runs_part(files):
     runs = []
     for f in sorted(files):
         mode, seed = mode_and_seed(f, ("adaptive", "auto", "gather", "ep"))
-        recs = [json.loads(line) for line in open(f) if line.strip()]
+        recs = records(f)
         val = [r for r in recs if "val_loss" in r]
         train = [r for r in recs if "loss" in r and "val_loss" not in r]
         last = val[-1]
@@ -190,7 +198,7 @@ def runs_part(files):
     diffs = [{"seed": s, **{k: d["adaptive"][k] - d["auto"][k] for k in ("val_loss", "val_lm_loss")
                             if d["adaptive"][k] is not None and d["auto"][k] is not None}}
              for s, d in sorted(by_seed.items()) if "adaptive" in d and "auto" in d]
-    return {"device": f"CPU, {os.cpu_count()}-core {platform.machine()}, 8 fake XLA devices", "runs": runs,
+    return {"device": DEVICE, "runs": runs,
             "summary": summary, "adaptive_minus_static": diffs}
 
 
@@ -199,7 +207,7 @@ def read_runs(files):
     out = {}
     for f in sorted(files):
         mode, seed = mode_and_seed(f)
-        out.setdefault(seed, {})[mode] = [json.loads(line) for line in open(f) if line.strip()]
+        out.setdefault(seed, {})[mode] = records(f)
     return out
 
 
@@ -222,11 +230,10 @@ def early_part(files):
                               "difference": v["adaptive"] - v["auto"]})
         if diffs:
             out.append({"step": step, **spread([x["difference"] for x in diffs]), "seeds": diffs})
-    return {"device": f"CPU, {os.cpu_count()}-core {platform.machine()}, 8 fake XLA devices", "by_step": out}
+    return {"device": DEVICE, "by_step": out}
 
 
 def floor_part(first_dir, second_dir):
-    import glob
     a = read_runs(glob.glob(os.path.join(first_dir, "*_s*.jsonl")))
     b = read_runs(glob.glob(os.path.join(second_dir, "*_s*.jsonl")))
     last = lambda rs: [r for r in rs if "val_loss" in r][-1]   # noqa: E731
@@ -240,7 +247,7 @@ def floor_part(first_dir, second_dir):
             out["modes"][mode] = {**spread([r["difference"] for r in rows]), "runs": rows}
     if not out["modes"]:
         bad(f"no run of the same mode and seed in both {first_dir} and {second_dir}")
-    return {"device": f"CPU, {os.cpu_count()}-core {platform.machine()}, 8 fake XLA devices", **out}
+    return {"device": DEVICE, **out}
 
 
 def train_runs(out_dir, seeds, stop_after, every, train_args):

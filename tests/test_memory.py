@@ -204,7 +204,8 @@ def _plan_here(monkeypatch, capsys, *args):
      "moe calibration /nonexistent/c.json: No such file", False),
     # a calibration measured at train.py's 256 tokens per sequence, planned at the planner's default length
     (["--model", "moe-test", "--mesh", "1x16", "--moe", "adaptive", "--moe-calibration",
-      os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "moe_adaptive.json:cpu")], "at capacity 512; it measures capacities 64, 128, 256.", False),
+      os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "moe_adaptive.json:cpu")],
+     "at capacity 512; it measures capacities 64, 128, 256.", False),
     # the ring's cuDNN kernel compiles for a GPU only (this machine has none; --target h100 would take it)
     (["--model", "llama-8b", "--mesh", "1x2", "--context", "2", "--precision", "bf16", "--ring-attention", "cudnn"],
      "--ring-attention cudnn needs a GPU to compile for", False),
