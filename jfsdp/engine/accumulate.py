@@ -29,6 +29,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jfsdp.config.errors import ConfigError
+from jfsdp.engine import step_metrics
 from jfsdp.engine.fsdp import Unreduced, is_unreduced, reduce_gradient
 from jfsdp.engine.layout import is_layout
 
@@ -82,9 +83,10 @@ def stop_frozen(params, trainable):
     return jax.tree.map(lambda t, p: p if t else lax.stop_gradient(p), trainable, params)
 
 
-def loss_and_grad_once(plan, loss_fn: Callable, grad_accum: int, trainable=None):
+def loss_and_grad_once(plan, loss_fn: Callable, grad_accum: int, trainable=None, metrics=None):
     """(params, batch) -> (mean loss, gradient shards), with the k micro-batches' gradients added up
-    unreduced on each device and reduced once. Same contract and result as `FSDP.loss_and_grad`."""
+    unreduced on each device and reduced once. Same contract and result as `FSDP.loss_and_grad`, and the
+    same `metrics` (step_metrics.check's, or None): then (loss, gradient shards, {name: value})."""
     why = unsupported(plan)
     if why:
         raise ConfigError(f"grad_sync='once': {why}")
@@ -95,23 +97,27 @@ def loss_and_grad_once(plan, loss_fn: Callable, grad_accum: int, trainable=None)
             if trainable is not None:   # a frozen leaf: no slot, no gradient (jfsdp/train/frozen.py)
                 paired = jax.tree.map(lambda t, u: u if t else lax.stop_gradient(u.shard), trainable, paired,
                                       is_leaf=is_unreduced)
-            return plan.batch_loss(loss_fn, paired, mb)
+            return plan.batch_loss(loss_fn, paired, mb, metrics)
 
-        vg = jax.value_and_grad(loss)
+        vg = jax.value_and_grad(loss, has_aux=metrics is not None)
         mbs = jax.tree.map(lambda x: x.reshape(grad_accum, -1, *x.shape[1:]), batch)
 
         def acc(carry, mb):
-            l, g = vg(carry[1], mb)   # the slots carry the sums (read only by the pipeline's backward)
-            return (carry[0] + l, g), None   # each slot's cotangent is its new sum
+            r = vg(carry[1], mb)   # the slots carry the sums (read only by the pipeline's backward)
+            (l, *aux), g = ((r[0],), r[1]) if metrics is None else r
+            return (carry[0] + l, g), aux   # each slot's cotangent is its new sum
 
-        (total, whole), _ = lax.scan(acc, (jnp.zeros((), jnp.float32), slots(plan)), mbs)
+        (total, whole), aux = lax.scan(acc, (jnp.zeros((), jnp.float32), slots(plan)), mbs)
         grads = reduce_whole(plan, whole, trainable)
         if trainable is not None:
             grads = jax.tree.map(lambda t, g, p: g if t else jnp.zeros_like(p), trainable, grads, params)
         grads = jax.tree.map(lambda g: g / grad_accum, grads)
-        return lax.psum(total / grad_accum, plan.loss_axes) / plan.n_devices, grads
+        aux = [step_metrics.over_devices(metrics, step_metrics.over_micro_batches(metrics, a), plan.loss_axes,
+                                         plan.n_devices) for a in aux]
+        return (lax.psum(total / grad_accum, plan.loss_axes) / plan.n_devices, grads, *aux)
 
-    sharded = plan.shard_map(local, (plan.param_specs, plan.batch_spec), (P(), plan.param_specs))
+    out_specs = (P(), plan.param_specs) + (() if metrics is None else ({k: P() for k in metrics},))
+    sharded = plan.shard_map(local, (plan.param_specs, plan.batch_spec), out_specs)
 
     def fn(params, batch):
         plan.check_batch(batch, grad_accum)

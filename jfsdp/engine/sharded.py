@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jfsdp.config.errors import ConfigError
 from jfsdp.config.mesh import AXES, DATA_AXIS, TENSOR_AXIS, context_size, mesh_shape, platform, tensor_size
 from jfsdp.config.policy import resolve_prefetch
-from jfsdp.engine import accumulate, expert_parallel, float8, moe as moe_engine, moe_adaptive
+from jfsdp.engine import accumulate, expert_parallel, float8, moe as moe_engine, moe_adaptive, step_metrics
 from jfsdp.engine.fsdp import Comm, any_unreduced, checkpoint_policy, scan_stage, unshard, unshard_tree
 from jfsdp.engine.layout import tree_shapes
 from jfsdp.engine.params import ParamLayout
@@ -190,9 +190,12 @@ class FSDP(RootPasses, ParamLayout):
         """`jax.shard_map` over this mesh."""
         return jax.shard_map(f, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
-    def batch_loss(self, loss_fn, params, batch):
-        """One device's mean loss on its rows of `batch` (inside shard_map): the loss contract's scalar."""
-        return self.scalar_loss(vocab.loss(self, loss_fn, self.forward(params, batch["inputs"]), batch))
+    def batch_loss(self, loss_fn, params, batch, metrics=None):
+        """One device's mean loss on its rows of `batch` (inside shard_map): the loss contract's scalar; with
+        `metrics` (step_metrics.check's), (loss, {name: this device's value}) from the same forward pass."""
+        outputs = self.forward(params, batch["inputs"])
+        loss = self.scalar_loss(vocab.loss(self, loss_fn, outputs, batch))
+        return loss if metrics is None else (loss, step_metrics.local(metrics, outputs, batch))
 
     @staticmethod
     def scalar_loss(loss):
@@ -201,8 +204,9 @@ class FSDP(RootPasses, ParamLayout):
             raise ConfigError(f"loss_fn must return a scalar (the mean loss over its batch), got shape {jnp.shape(loss)}")
         return loss.astype(jnp.float32)
 
-    def loss_and_grad(self, loss_fn: Callable, grad_accum: int = 1, grad_sync: str = "every", trainable=None):
-        """(params, batch) -> (mean loss, gradients as shards).
+    def loss_and_grad(self, loss_fn: Callable, grad_accum: int = 1, grad_sync: str = "every", trainable=None,
+                      metrics=None):
+        """(params, batch) -> (mean loss, gradients as shards), or with `metrics` (loss, gradients, {name: value}).
 
         The loss contract: `loss_fn(outputs, batch)` gets the head's outputs for the batch rows on
         one device (one micro-batch with grad_accum) and that same slice of the batch dict, and returns
@@ -213,31 +217,38 @@ class FSDP(RootPasses, ParamLayout):
         and reduce-scatters; with grad_sync='once' each device adds up its whole gradients over the k
         micro-batches and reduces them once (jfsdp/engine/accumulate.py). `trainable`: a tree of booleans
         like the parameters (jfsdp/train/frozen.py): a frozen leaf is gathered but not differentiated,
-        so its gradient (zeros) is never reduce-scattered."""
+        so its gradient (zeros) is never reduce-scattered. `metrics`: {name: fn(outputs, batch)} read from
+        the same forward passes (jfsdp/engine/step_metrics.py)."""
         if not isinstance(grad_accum, int) or grad_accum < 1:
             raise ConfigError(f"grad_accum must be an integer of at least 1, got {grad_accum}")
+        metrics = step_metrics.check(metrics)
         if accumulate.check_grad_sync(grad_sync) == "once" and grad_accum > 1:
-            return accumulate.loss_and_grad_once(self, loss_fn, grad_accum, trainable)
+            return accumulate.loss_and_grad_once(self, loss_fn, grad_accum, trainable, metrics)
 
         def differentiated(params, batch):
-            return self.batch_loss(loss_fn, accumulate.stop_frozen(params, trainable), batch)
+            return self.batch_loss(loss_fn, accumulate.stop_frozen(params, trainable), batch, metrics)
 
         def local(params, batch):
-            vg = jax.value_and_grad(differentiated)
+            vg = jax.value_and_grad(differentiated, has_aux=metrics is not None)
+            split = (lambda r: r) if metrics is None else (lambda r: (r[0][0], r[1], r[0][1]))
             if grad_accum == 1:
-                loss, grads = vg(params, batch)
+                loss, grads, *aux = split(vg(params, batch))
             else:
                 mbs = jax.tree.map(lambda x: x.reshape(grad_accum, -1, *x.shape[1:]), batch)
 
                 def acc(carry, mb):
-                    return jax.tree.map(jnp.add, carry, vg(params, mb)), None
+                    loss, grads, *aux = split(vg(params, mb))
+                    return jax.tree.map(jnp.add, carry, (loss, grads)), aux
 
                 zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-                (loss, grads), _ = lax.scan(acc, zero, mbs)
+                (loss, grads), aux = lax.scan(acc, zero, mbs)
                 loss, grads = loss / grad_accum, jax.tree.map(lambda g: g / grad_accum, grads)
-            return lax.psum(loss, self.loss_axes) / self.n_devices, grads
+                aux = [step_metrics.over_micro_batches(metrics, a) for a in aux]
+            loss = lax.psum(loss, self.loss_axes) / self.n_devices
+            return (loss, grads, *[step_metrics.over_devices(metrics, a, self.loss_axes, self.n_devices) for a in aux])
 
-        sharded = self.shard_map(local, (self.param_specs, self.batch_spec), (P(), self.param_specs))
+        out_specs = (P(), self.param_specs) + (() if metrics is None else ({k: P() for k in metrics},))
+        sharded = self.shard_map(local, (self.param_specs, self.batch_spec), out_specs)
 
         def fn(params, batch):
             self.check_batch(batch, grad_accum)

@@ -64,11 +64,14 @@ class Meter:
         self.timed += now - self.t_mark
         if run.platform != "cpu":
             run.mem, _ = jm.device_memory(run.mesh.local_devices)
+        # a model's metrics are the logged step's own: returned by the step, or (--update-in-backward) one
+        # forward pass with the updated parameters on that step's batch
+        own = set(run.metric_fns) if not run.model_metrics else set()
         model = ({k: float(v) for k, v in run.model_metrics(run.state.params, batch).items()}
-                 if run.model_metrics else {})
+                 if run.model_metrics else {k: float(got[-1][k]) for k in own})
         model.update(build_moe_variant(run, model))
         rec = {"step": done, "loss": float(losses.mean()), "lr": float(run.schedule(done - 1)),
-               "grad_norm": float(got[-1]["grad_norm"]), **extra_metrics(got), **model,
+               "grad_norm": float(got[-1]["grad_norm"]), **extra_metrics(got, skip=own), **model,
                **run.throughput(tps), "memory_bytes": run.mem, "epoch": round(run.loader.epoch(), 4),
                "time_s": round(now - run.t_launch, 3)}
         run.out.write(**rec)

@@ -84,30 +84,23 @@ def forward_metrics(plan, fns: dict):
     """(params, batch) -> {name: metric}: several forward-only metrics from one forward pass.
 
     `fns` maps names to functions with `plan.loss`'s contract (`fn(outputs, batch)` gets the head's
-    outputs and the batch rows of one device and returns a scalar); each metric is that scalar in
-    float32 averaged over the devices, exactly as `plan.loss(fn)` computes it, but every function
-    reads the same forward pass (a trainer's per-step model metrics, e.g. an MoE router's auxiliary
-    loss and dropped fraction, cost one forward instead of one each). Call under jit. It is
-    `FSDP.loss` generalised to a dict of scalars and uses the plan's own forward and shard_map."""
-    import jax.numpy as jnp
-    from jax import lax
+    outputs and the batch rows of one device and returns a scalar), or to `(fn, 'mean'|'max')`
+    (jfsdp/engine/step_metrics.py); each metric is that scalar in float32 averaged over the devices,
+    exactly as `plan.loss(fn)` computes it (or their largest), but every function reads the same
+    forward pass (a trainer's per-step model metrics, e.g. an MoE router's auxiliary loss and dropped
+    fraction, cost one forward instead of one each). Call under jit. It is `FSDP.loss` generalised to a
+    dict of scalars and uses the plan's own forward and shard_map; a train step returns the same from
+    its own forward pass with make_train_step's `metrics=`."""
     from jax.sharding import PartitionSpec as P
 
     from jfsdp.config.mesh import AXES
+    from jfsdp.engine import step_metrics
 
-    from jfsdp.config.errors import ConfigError
-
-    fns = dict(fns)
+    fns = step_metrics.check(fns) or {}
 
     def local(params, batch):
-        outputs = plan.forward(params, batch["inputs"])
-        out = {}
-        for name, fn in fns.items():
-            x = fn(outputs, batch)
-            if jnp.shape(x) != ():
-                raise ConfigError(f"metric '{name}' must return a scalar, got shape {jnp.shape(x)}")
-            out[name] = lax.psum(jnp.asarray(x).astype(jnp.float32), axes) / plan.n_devices
-        return out
+        values = step_metrics.local(fns, plan.forward(params, batch["inputs"]), batch)
+        return step_metrics.over_devices(fns, values, axes, plan.n_devices)
 
     # at T > 1 the batch's sequence lies over `tensor` too, and the sum runs over it (as FSDP.loss's)
     axes, spec = getattr(plan, "loss_axes", AXES), getattr(plan, "batch_spec", P(AXES))

@@ -24,10 +24,10 @@ RECORD_KEYS = frozenset(("step", "loss", "lr", "grad_norm", "tokens_per_sec", "t
                          "memory_bytes", "epoch", "time_s"))
 
 
-def extra_metrics(steps: list[dict]) -> dict:
-    """The scalars a model adds to the train step's metrics (anything but `STEP_METRICS`), each averaged
-    over the steps of one logged interval: they go into the metrics file and the progress line."""
-    names = [k for k in steps[-1] if k not in STEP_METRICS]
+def extra_metrics(steps: list[dict], skip=()) -> dict:
+    """The scalars a model adds to the train step's metrics (anything but `STEP_METRICS` and `skip`), each
+    averaged over the steps of one logged interval: they go into the metrics file and the progress line."""
+    names = [k for k in steps[-1] if k not in STEP_METRICS and k not in skip]
     return {k: float(np.mean([np.asarray(s[k], np.float64) for s in steps])) for k in names}
 
 

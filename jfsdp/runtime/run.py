@@ -132,9 +132,12 @@ class Run:
         t0 = time.perf_counter()
         with bad_input():
             self.state = self.initial_state(opt)
+            # the model's metrics come from the step's own forward pass (before its update), except with
+            # --update-in-backward, whose fused step returns none: there one extra forward at logged steps
+            in_step = None if c.update_in_backward else self.metric_fns
             train_step = jfsdp.make_train_step(sharded, opt, self.loss_fn, grad_accum=c.grad_accum,
                                                update_in_backward=c.update_in_backward, grad_sync=c.grad_sync,
-                                               trainable=self.trainable)
+                                               trainable=self.trainable, metrics=in_step)
             batch = self.put(self.loader.batch(self.loader.step))
             self.compiled = train_step.lower(self.state, batch).compile()
         # the loss, and a model's evaluation metrics (build.eval_metrics) from the same forward pass
@@ -144,8 +147,10 @@ class Run:
         else:
             loss = sharded.loss(self.loss_fn)
             self.eval_fn = jax.jit(lambda params, batch: {"loss": loss(params, batch)})
-        # one forward pass for all of them (jfsdp.runtime.metrics.forward_metrics), None without any
-        self.model_metrics = jax.jit(jm.forward_metrics(sharded, self.metric_fns)) if self.metric_fns else None
+        # one forward pass for all of them (jfsdp.runtime.metrics.forward_metrics), None without any or
+        # where the step returns them
+        self.model_metrics = (jax.jit(jm.forward_metrics(sharded, self.metric_fns))
+                              if self.metric_fns and not in_step else None)
         self.val_set = [self.put(b) for b in self.loader.val_batches(c.eval_iters)]
         self.mem, self.mem_src = jm.device_memory(self.mesh.local_devices, self.compiled)
         self.compile_s = time.perf_counter() - t0

@@ -17,6 +17,7 @@ from jfsdp.config.xla_flags import run_hazard
 # which in the usual order (flags set, jfsdp imported, first device used) is after this: a later change
 # of the environment (an in-process planner call sets its compile-only flags) does not reach XLA.
 XLA_FLAGS_AT_IMPORT = os.environ.get("XLA_FLAGS", "")
+from jfsdp.engine import step_metrics
 from jfsdp.engine.accumulate import check_grad_sync
 from jfsdp.engine.sharded import FSDP
 from jfsdp.train import frozen, update_in_backward as in_backward
@@ -129,8 +130,8 @@ def _donated(state) -> bool:
 
 def make_train_step(sharded: FSDP, optimizer: optax.GradientTransformation, loss_fn: Callable,
                     grad_accum: int = 1, donate: bool = True, update_in_backward: bool = False,
-                    grad_sync: str = "every", trainable=None) -> TrainStep:
-    """(state, batch) -> (state, {'loss', 'grad_norm'}), jitted (see `TrainStep`).
+                    grad_sync: str = "every", trainable=None, metrics=None) -> TrainStep:
+    """(state, batch) -> (state, {'loss', 'grad_norm', **metrics}), jitted (see `TrainStep`).
 
     `loss_fn(outputs, batch)` is the loss contract (see `FSDP.loss_and_grad`): the head's outputs
     and the same rows of the batch dict, on one device's (micro-)batch, -> the mean loss, a scalar.
@@ -151,7 +152,11 @@ def make_train_step(sharded: FSDP, optimizer: optax.GradientTransformation, loss
     `trainable`: a tree of booleans like the parameters (or a prefix of it), or a predicate on a
     parameter's path ('root/embed/embedding'); frozen parameters are gathered for compute but get no
     gradient, reduce-scatter, optimizer state, weight decay or update (jfsdp/train/frozen.py). Pass
-    the same to init_state / abstract_state."""
+    the same to init_state / abstract_state.
+
+    `metrics`: {name: fn(outputs, batch)} (or (fn, 'mean'|'max')), scalars the step returns beside its loss,
+    read from the step's own forward pass (before the update; jfsdp/engine/step_metrics.py): e.g. an MoE
+    router's dropped share and the capacity it ran with, at no extra pass. Not with update_in_backward."""
     shardings = state_shardings(sharded, optimizer, trainable)
     train_mask = frozen.mask(sharded, trainable)
     optimizer = frozen.optimizer(optimizer, train_mask)
@@ -161,6 +166,10 @@ def make_train_step(sharded: FSDP, optimizer: optax.GradientTransformation, loss
         raise ConfigError("grad_sync='once' cannot combine with update_in_backward: the optimizer runs on each "
                           "unit's reduced gradient inside the backward pass, which 'once' reduces only after the "
                           "last micro-batch")
+    metrics = step_metrics.check(metrics, reserved=("loss", "grad_norm"))
+    if update_in_backward and metrics:
+        raise ConfigError("metrics= cannot combine with update_in_backward: its fused backward returns the loss "
+                          "and the gradient norm only (measure them with a forward pass of their own)")
     if update_in_backward:
         why = in_backward.unsupported(sharded, grad_accum)
         if why:
@@ -171,13 +180,14 @@ def make_train_step(sharded: FSDP, optimizer: optax.GradientTransformation, loss
             params, opt_state, loss, norm = fused(state.params, state.opt_state, batch)
             return TrainState(state.step + 1, params, opt_state), {"loss": loss, "grad_norm": norm}
     else:
-        loss_and_grad = sharded.loss_and_grad(loss_fn, grad_accum, grad_sync, trainable=train_mask)
+        loss_and_grad = sharded.loss_and_grad(loss_fn, grad_accum, grad_sync, trainable=train_mask, metrics=metrics)
 
         def step(state: TrainState, batch):
-            loss, grads = loss_and_grad(state.params, sharded.step_batch(batch, state.step))
+            loss, grads, *aux = loss_and_grad(state.params, sharded.step_batch(batch, state.step))
             updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
             params = frozen.keep_frozen(optax.apply_updates(state.params, updates), state.params, train_mask)
-            return TrainState(state.step + 1, params, opt_state), {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+            out = {"loss": loss, "grad_norm": optax.tree.norm(grads), **(aux[0] if aux else {})}
+            return TrainState(state.step + 1, params, opt_state), out
 
     jitted = jax.jit(step, in_shardings=(shardings, sharded.batch_sharding), out_shardings=(shardings, shardings.step),
                      donate_argnums=(0,) if donate else ())

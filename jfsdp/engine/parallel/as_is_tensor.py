@@ -85,7 +85,7 @@ class TensorAsIs:
                 raise ConfigError(f"batch size {b} does not divide over the {rows} (data x fsdp) devices of the mesh"
                                   + (f" into {grad_accum} micro-batches each" if grad_accum > 1 else ""))
 
-    def loss_and_grad(self, loss_fn, grad_accum: int = 1, grad_sync: str = "every", trainable=None):
+    def loss_and_grad(self, loss_fn, grad_accum: int = 1, grad_sync: str = "every", trainable=None, metrics=None):
         if self.tensor > 1 and grad_sync == "once" and grad_accum > 1:
             raise ConfigError(f"grad_sync='once' {LATER}: use grad_sync='every'")
-        return super().loss_and_grad(loss_fn, grad_accum, grad_sync, trainable)
+        return super().loss_and_grad(loss_fn, grad_accum, grad_sync, trainable, metrics)
