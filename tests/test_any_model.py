@@ -724,13 +724,17 @@ def tensor_mesh(spec, t):
 
 
 def train_steps(sharded, data, loss_fn, **init):
+    """Train on `data`; the step also returns the loss function as a metric of its own forward pass
+    (make_train_step's metrics=), which must come out as the loss: at T > 1 each (data, fsdp) program's
+    figure stands for its T tensor ranks, as its loss does."""
     opt = jfsdp_optimizer()
     state = jfsdp.init_state(sharded, opt, **init)
-    step = jfsdp.make_train_step(sharded, opt, loss_fn)
+    step = jfsdp.make_train_step(sharded, opt, loss_fn, metrics={"again": loss_fn})
     losses = []
     for b in data:
         state, m = step(state, b)
         losses.append(float(m["loss"]))
+        assert float(m["again"]) == pytest.approx(losses[-1], rel=1e-6)
     return losses, state, step
 
 

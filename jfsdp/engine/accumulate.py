@@ -112,8 +112,7 @@ def loss_and_grad_once(plan, loss_fn: Callable, grad_accum: int, trainable=None,
         if trainable is not None:
             grads = jax.tree.map(lambda t, g, p: g if t else jnp.zeros_like(p), trainable, grads, params)
         grads = jax.tree.map(lambda g: g / grad_accum, grads)
-        aux = [step_metrics.over_devices(metrics, step_metrics.over_micro_batches(metrics, a), plan.loss_axes,
-                                         plan.n_devices) for a in aux]
+        aux = [step_metrics.over_devices(metrics, step_metrics.over_micro_batches(metrics, a), plan) for a in aux]
         return (lax.psum(total / grad_accum, plan.loss_axes) / plan.n_devices, grads, *aux)
 
     out_specs = (P(), plan.param_specs) + (() if metrics is None else ({k: P() for k in metrics},))

@@ -245,7 +245,7 @@ class FSDP(RootPasses, ParamLayout):
                 loss, grads = loss / grad_accum, jax.tree.map(lambda g: g / grad_accum, grads)
                 aux = [step_metrics.over_micro_batches(metrics, a) for a in aux]
             loss = lax.psum(loss, self.loss_axes) / self.n_devices
-            return (loss, grads, *[step_metrics.over_devices(metrics, a, self.loss_axes, self.n_devices) for a in aux])
+            return (loss, grads, *[step_metrics.over_devices(metrics, a, self) for a in aux])
 
         out_specs = (P(), self.param_specs) + (() if metrics is None else ({k: P() for k in metrics},))
         sharded = self.shard_map(local, (self.param_specs, self.batch_spec), out_specs)

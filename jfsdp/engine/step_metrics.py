@@ -55,8 +55,10 @@ def over_micro_batches(metrics: dict, stacked: dict) -> dict:
     return {k: jnp.max(v, 0) if metrics[k][1] == "max" else jnp.mean(v, 0) for k, v in stacked.items()}
 
 
-def over_devices(metrics: dict, values: dict, axes, n_devices: int) -> dict:
-    """One device's values -> the global ones (inside shard_map): the mean over the `axes` the loss sums
-    over (psum / n_devices, as the loss), or the largest."""
-    return {k: lax.pmax(v, axes) if metrics[k][1] == "max" else lax.psum(v, axes) / n_devices
-            for k, v in values.items()}
+def over_devices(metrics: dict, values: dict, plan) -> dict:
+    """One device's values -> the global ones (inside the plan's shard_map): the mean over the rows (a psum
+    over the plan's `loss_axes`, divided as the loss is: by its devices, less the T tensor ranks that share
+    one row's figure where the loss is weighted by T, `loss_weight`), or the largest."""
+    axes = plan.loss_axes
+    n = plan.n_devices // getattr(plan, "loss_weight", 1)
+    return {k: lax.pmax(v, axes) if metrics[k][1] == "max" else lax.psum(v, axes) / n for k, v in values.items()}

@@ -100,10 +100,11 @@ def forward_metrics(plan, fns: dict):
 
     def local(params, batch):
         values = step_metrics.local(fns, plan.forward(params, batch["inputs"]), batch)
-        return step_metrics.over_devices(fns, values, axes, plan.n_devices)
+        return step_metrics.over_devices(fns, values, plan)
 
-    # at T > 1 the batch's sequence lies over `tensor` too, and the sum runs over it (as FSDP.loss's)
-    axes, spec = getattr(plan, "loss_axes", AXES), getattr(plan, "batch_spec", P(AXES))
+    # at T > 1 the batch's sequence lies over `tensor` too, and the sum runs over it (the plan's loss_axes,
+    # as FSDP.loss's)
+    spec = getattr(plan, "batch_spec", P(AXES))
     sharded = plan.shard_map(local, (plan.param_specs, spec), {name: P() for name in fns})
 
     def fn(params, batch):

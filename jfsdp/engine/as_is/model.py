@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from jfsdp.config.errors import ConfigError
 from jfsdp.config.mesh import AXES, mesh_shape
-from jfsdp.engine import call_order, column_embed
+from jfsdp.engine import call_order, column_embed, step_metrics
 from jfsdp.engine.fsdp import any_unreduced, is_unreduced, unshard_tree
 from jfsdp.engine.flax_models import Found, UnitMatcher, adapt
 from jfsdp.engine.float8_any import gathered_compute, mark_units, unit_compute
@@ -252,10 +252,12 @@ class AsIs(ParamTree, TensorAsIs, FSDP):
             return jax.random.fold_in(k, lax.axis_index(AXES))
         return jax.random.fold_in(jax.random.fold_in(k, rows[0, 0]), rows[0, 1])
 
-    def batch_loss(self, loss_fn, params, batch):
+    def batch_loss(self, loss_fn, params, batch, metrics=None):
         batch = dict(batch)
         rows = batch.pop(RNG_ROWS, None)
-        return self.scalar_loss(loss_fn(self.forward(params, batch, rows), batch)) * self.loss_weight
+        outputs = self.forward(params, batch, rows)
+        loss = self.scalar_loss(loss_fn(outputs, batch)) * self.loss_weight
+        return loss if metrics is None else (loss, step_metrics.local(metrics, outputs, batch))
 
     def step_batch(self, batch, step):
         """The batch with the rows that carry each step's random numbers to the devices (step, row)."""
