@@ -190,7 +190,7 @@ def test_train_step_returns_its_own_moe_metrics():
 
     for bad, match in [({"loss": moe.aux_loss}, "the train step returns itself"),
                        ({"aux": (moe.aux_loss, "min")}, "reduce 'min' is not one of mean, max"),
-                       ({"aux": 3}, "is not a function")]:
+                       ({"aux": 3}, "is not a function"), ({"aux": (moe.aux_loss,)}, "got 1 items")]:
         with pytest.raises(jfsdp.ConfigError, match=match):
             jfsdp.make_train_step(static, opt, loss_fn, metrics=bad)
     with pytest.raises(jfsdp.ConfigError, match="cannot combine with update_in_backward"):

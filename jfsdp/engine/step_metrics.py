@@ -28,6 +28,8 @@ def check(metrics, reserved=()) -> dict | None:
                           f"{type(metrics).__name__}")
     out = {}
     for name, spec in metrics.items():
+        if isinstance(spec, tuple) and len(spec) != 2:
+            raise ConfigError(f"metric '{name}': a tuple is (fn, 'mean'|'max'), got {len(spec)} items")
         fn, reduce = spec if isinstance(spec, tuple) else (spec, "mean")
         if name in reserved:
             raise ConfigError(f"metric name '{name}' is one the train step returns itself; choose another")
