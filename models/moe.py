@@ -19,11 +19,12 @@ That call is the one place where a sharding library may step in (send the bucket
 that hold the experts instead of gathering the weights); nothing here knows about devices.
 
 Auxiliary outputs travel with the hidden state: every unit maps (x, stats) -> (x, stats), stats of
-shape (B, 4) fp32 holding per sequence [sum over MoE layers of the aux loss, dropped choices, routed
-choices, largest capacity (slots per expert) any MoE layer ran with]. The head returns {'out': logits
-(or head features), 'moe_stats': stats}; `loss(inner, coef)` adds coef x the mean aux loss to the
-language-model loss. Both are per-row means, so the loss stays a mean over rows (the loss contract of
-jfsdp and of any data-parallel trainer).
+shape (B, 5) fp32 holding per sequence [sum over MoE layers of the aux loss, dropped choices, routed
+choices, largest capacity (slots per expert) any MoE layer ran with, largest load (choices that picked
+one expert, before capacity: the capacity that would have dropped nothing) of any MoE layer]. The
+head returns {'out': logits (or head features), 'moe_stats': stats}; `loss(inner, coef)` adds coef x
+the mean aux loss to the language-model loss. Both are per-row means, so the loss stays a mean over
+rows (the loss contract of jfsdp and of any data-parallel trainer).
 """
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ import jax.numpy as jnp
 
 from models.llama import Attention, LlamaBlock, LlamaConfig, LlamaRoot, RMSNorm
 
-AUX, DROPPED, ROUTED, CAPACITY = 0, 1, 2, 3
+AUX, DROPPED, ROUTED, CAPACITY, LOAD = 0, 1, 2, 3, 4
+N_STATS = 5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +123,8 @@ class Experts(nn.Module):
 def route(logits, k: int, capacity: int):
     """Top-k routing of one batch of sequences. logits (B, T, E) fp32 ->
     (slot (B, T, k) int32 into the E*C slots of its sequence, or E*C for a dropped choice,
-     gate (B, T, k) weights, aux (B,), dropped (B,) choices that found their expert full)."""
+     gate (B, T, k) weights, aux (B,), dropped (B,) choices that found their expert full, load (B,) the
+     most choices that picked one expert, before capacity)."""
     b, t, e = logits.shape
     probs = jax.nn.softmax(logits, axis=-1)
     top_logits, idx = jax.lax.top_k(logits, k)                           # (B, T, k)
@@ -138,12 +141,14 @@ def route(logits, k: int, capacity: int):
     p = jnp.mean(probs, axis=1)                                          # (B, E) mean probability
     aux = e * jnp.sum(f * p, axis=-1)
     dropped = jnp.sum(~keep, axis=(1, 2)).astype(jnp.float32)
-    return slot, gate, aux, dropped
+    load = jnp.max(jnp.sum(flat, axis=1), axis=-1).astype(jnp.float32)
+    return slot, gate, aux, dropped, load
 
 
 class MoEFeedForward(nn.Module):
     """Router, dispatch into per-expert buckets, `Experts`, combine. x (B, T, d) ->
-    (y (B, T, d), aux (B,), dropped (B,), capacity (B,), routed choices (B,): T*k).
+    (y (B, T, d), aux (B,), dropped (B,), capacity (B,), routed choices (B,): T*k, load (B,): the most
+    choices of the sequence that picked one expert).
 
     `capacity`: slots per expert per sequence; None: the config's capacity factor (`MoEConfig.capacity`).
     `load(x)`: the router's load before dispatch, (B, E) choices per expert per sequence. Together they
@@ -176,7 +181,7 @@ class MoEFeedForward(nn.Module):
         e, k = c.n_experts, c.top_k
         cap = c.capacity(t) if self.capacity is None else self.capacity
         logits = self.router(x).astype(jnp.float32)
-        slot, gate, aux, dropped = route(logits, k, cap)
+        slot, gate, aux, dropped, load = route(logits, k, cap)
         # dispatch: each kept choice copies its token into its slot; slot E*C collects the dropped
         rows = jnp.arange(b)[:, None]
         xk = jnp.broadcast_to(x[:, :, None, :], (b, t, k, d)).reshape(b, t * k, d)
@@ -189,12 +194,14 @@ class MoEFeedForward(nn.Module):
         y = jnp.sum(picked * gate[..., None].astype(x.dtype), axis=2)
         # routed choices per sequence: t * k of the whole sequence (a runner may call this layer on whole
         # sequences while the block around it sees a part of each: sequence parallelism)
-        return y, aux, dropped, jnp.full((b,), cap, jnp.float32), jnp.full((b,), t * k, jnp.float32)
+        return y, aux, dropped, jnp.full((b,), cap, jnp.float32), jnp.full((b,), t * k, jnp.float32), load
 
 
-def _add_stats(stats, aux, dropped, routed, capacity):
-    new = jnp.stack([aux, dropped, routed, jnp.zeros_like(aux)], axis=-1)
-    return (stats + new).at[:, CAPACITY].set(jnp.maximum(stats[:, CAPACITY], capacity))
+def _add_stats(stats, aux, dropped, routed, capacity, load):
+    zero = jnp.zeros_like(aux)
+    new = jnp.stack([aux, dropped, routed, zero, zero], axis=-1)
+    out = (stats + new).at[:, CAPACITY].set(jnp.maximum(stats[:, CAPACITY], capacity))
+    return out.at[:, LOAD].set(jnp.maximum(stats[:, LOAD], load))
 
 
 class MoEBlock(nn.Module):
@@ -206,8 +213,8 @@ class MoEBlock(nn.Module):
         x, stats = h
         c, lc = self.cfg, self.cfg.llama()
         x = x + Attention(lc, name="attention")(RMSNorm(c.norm_eps, name="attention_norm")(x))
-        y, aux, dropped, cap, routed = MoEFeedForward(c, name="moe")(RMSNorm(c.norm_eps, name="ffn_norm")(x))
-        return x + y, _add_stats(stats, aux, dropped, routed, cap)
+        y, aux, dropped, cap, routed, load = MoEFeedForward(c, name="moe")(RMSNorm(c.norm_eps, name="ffn_norm")(x))
+        return x + y, _add_stats(stats, aux, dropped, routed, cap, load)
 
 
 class DenseBlock(nn.Module):
@@ -229,7 +236,7 @@ class MoERoot(nn.Module):
         self.lm = LlamaRoot(self.cfg.llama())
 
     def embed(self, tokens):
-        return self.lm.embed(tokens), jnp.zeros((tokens.shape[0], 4), jnp.float32)
+        return self.lm.embed(tokens), jnp.zeros((tokens.shape[0], N_STATS), jnp.float32)
 
     # 'moe_stats' sorts before 'out': the head weight stays the last leaf of the outputs, where a
     # planner looking at a fused head's outputs (jfsdp.planning.estimate) finds it
@@ -264,6 +271,13 @@ def dropped_fraction(outputs, batch):
     mean over devices of this is the global fraction)."""
     s = outputs["moe_stats"]
     return jnp.sum(s[:, DROPPED]) / jnp.maximum(jnp.sum(s[:, ROUTED]), 1.0)
+
+
+def max_load(outputs, batch):
+    """Metric: the most choices of one sequence that picked one expert in any MoE layer, before capacity:
+    the smallest capacity that would have dropped nothing (take it with reduce 'max': the largest over
+    devices and micro-batches)."""
+    return jnp.max(outputs["moe_stats"][:, LOAD])
 
 
 def capacity_used(outputs, batch):

@@ -113,29 +113,33 @@ def test_forward_metrics_equal_one_pass_each():
 
 def _route_loop(logits, k, cap):
     b, t, e = logits.shape
-    slot, dropped = np.full((b, t, k), e * cap), np.zeros(b)
+    slot, dropped, load = np.full((b, t, k), e * cap), np.zeros(b), np.zeros(b)
     for r in range(b):
         order = np.argsort(-logits[r], axis=-1, kind="stable")[:, :k]
-        fill = np.zeros(e, int)
+        fill, picked = np.zeros(e, int), np.zeros(e, int)
         for j in range(k):           # all first choices before any second choice
             for i in range(t):
                 ex = order[i, j]
+                picked[ex] += 1
                 if fill[ex] < cap:
                     slot[r, i, j] = ex * cap + fill[ex]
                     fill[ex] += 1
                 else:
                     dropped[r] += 1
-    return slot, dropped
+        load[r] = picked.max()
+    return slot, dropped, load
 
 
 def test_routing_capacity_and_drops():
     logits = np.random.default_rng(3).normal(size=(3, 20, 5)).astype(np.float32)
     logits[0, :, 2] += 3.0   # sequence 0 crowds expert 2: drops
     for k, cap in [(1, 3), (2, 4), (2, 20)]:
-        slot, gate, aux, dropped = jax.jit(moe.route, static_argnums=(1, 2))(jnp.asarray(logits), k, cap)
-        want_slot, want_dropped = _route_loop(logits, k, cap)
+        slot, gate, aux, dropped, load = jax.jit(moe.route, static_argnums=(1, 2))(jnp.asarray(logits), k, cap)
+        want_slot, want_dropped, want_load = _route_loop(logits, k, cap)
         np.testing.assert_array_equal(np.asarray(slot), want_slot)
         np.testing.assert_array_equal(np.asarray(dropped), want_dropped)
+        np.testing.assert_array_equal(np.asarray(load), want_load)   # the capacity that drops nothing
+        assert (want_load > cap).tolist() == (want_dropped > 0).tolist()
         np.testing.assert_allclose(np.asarray(gate).sum(-1), 1.0, rtol=1e-6)
     assert want_dropped.sum() == 0 and np.asarray(aux)[0] > np.asarray(aux)[1:].max()
 
@@ -250,7 +254,7 @@ def test_tensor_parallel_matches_plain_moe(references):
                                jax.ShapeDtypeStruct(batch["inputs"].shape, jnp.int32), moe=option,
                                tensor_plan=factory.tensor_plan(CFG))
     out = jax.jit(logits.apply)(params, batch["inputs"])
-    assert out["moe_stats"].shape == (BATCH, 4)
+    assert out["moe_stats"].shape == (BATCH, 5)
     np.testing.assert_allclose(out["out"], want_logits, atol=1e-5 * float(jnp.max(jnp.abs(want_logits))))
 
 

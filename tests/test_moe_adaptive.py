@@ -148,18 +148,18 @@ def test_capacity_follows_the_load_without_recompiling():
 
 
 def _reference_stats(cfg, params, batch):
-    """(aux loss, dropped share) of the single-device model (no jfsdp) on `batch`, at cfg's capacity."""
+    """(aux loss, dropped share, max load) of the single-device model (no jfsdp) on `batch`, at cfg's capacity."""
     root, stages = moe.parts(cfg)
     out = jax.jit(lambda p, x: ref.forward_staged(root, [u for u, _ in stages], p, x))(params, batch["inputs"])
-    return float(moe.aux_loss(out, None)), float(moe.dropped_fraction(out, None))
+    return float(moe.aux_loss(out, None)), float(moe.dropped_fraction(out, None)), float(moe.max_load(out, None))
 
 
 def test_train_step_returns_its_own_moe_metrics():
     """make_train_step(metrics=...) (train.py's logged MoE figures): the router's statistics of the step's own
     forward pass, before its update, against the single-device model on the initial parameters. 2x4 adaptive,
     2 micro-batches (one row per device each): one of random rows (a small bucket), one of one-token rows
-    (capacity 12 = T): the step reports the largest capacity (12, where a mean would name no bucket), nothing
-    dropped, the aux loss averaged over the micro-batches, and the plain MoE's loss. Static gather with
+    (capacity 12 = T): the step reports the largest capacity (12, where a mean would name no bucket) and load,
+    nothing dropped, the aux loss averaged over the micro-batches, and the plain MoE's loss. Static gather with
     grad_sync='once' (the other accumulation path): the dropped share at capacity factor 1.25. Bad metrics:
     ConfigErrors."""
     rows, seq = 16, 12
@@ -168,23 +168,25 @@ def test_train_step_returns_its_own_moe_metrics():
     mixed = {k: jnp.stack([rand[k][: rows // 2], same[k][: rows // 2]], 1).reshape(rows, seq) for k in rand}
     micro = [{k: v[i::2] for k, v in mixed.items()} for i in (0, 1)]
     params = init_params(rand)
-    fns = {"aux": moe.aux_loss, "dropped": moe.dropped_fraction, "capacity": (moe.capacity_used, "max")}
+    fns = {"aux": moe.aux_loss, "dropped": moe.dropped_fraction, "capacity": (moe.capacity_used, "max"),
+           "load": (moe.max_load, "max")}
     opt, loss_fn = optax.adamw(1e-3), moe.loss(lm_loss, CFG.aux_coef)
     plan = plan_for("2x4", rows, seq, mode="adaptive", run="gather", buckets=(9, 12))
     step = jfsdp.make_train_step(plan, opt, loss_fn, grad_accum=2, metrics=fns)
     _, m = step(jfsdp.init_state(plan, opt, params=params), plan.put_batch(mixed))
     nodrop = dataclasses.replace(CFG, capacity_factor=CFG.n_experts / CFG.top_k)
     want = [_reference_stats(nodrop, params, b) for b in micro]
-    assert (float(m["capacity"]), float(m["dropped"])) == (12.0, 0.0)
+    assert (float(m["capacity"]), float(m["dropped"]), float(m["load"])) == (12.0, 0.0, 12.0)
     assert float(m["aux"]) == pytest.approx(np.mean([w[0] for w in want]), rel=1e-5)
     assert float(m["loss"]) == pytest.approx(float(jax.jit(lambda b: mref.loss(CFG, params, b))(mixed)), rel=1e-5)
-    assert sorted(m) == ["aux", "capacity", "dropped", "grad_norm", "loss"]
+    assert sorted(m) == ["aux", "capacity", "dropped", "grad_norm", "load", "loss"]
 
     static = plan_for("2x4", rows, seq, mode="gather")
     step = jfsdp.make_train_step(static, opt, loss_fn, grad_accum=2, grad_sync="once", metrics=fns)
     _, m = step(jfsdp.init_state(static, opt, params=params), static.put_batch(mixed))
     want = [_reference_stats(CFG, params, b) for b in micro]
     assert float(m["capacity"]) == 4.0   # ceil(1.25 x 12 x 2 / 8)
+    assert float(m["load"]) == max(w[2] for w in want) > 4.0   # above the capacity: it drops
     assert float(m["dropped"]) == pytest.approx(np.mean([w[1] for w in want]), rel=1e-5) and float(m["dropped"]) > 0.1
     assert float(m["aux"]) == pytest.approx(np.mean([w[0] for w in want]), rel=1e-5)
 

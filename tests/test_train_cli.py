@@ -67,8 +67,8 @@ def test_tiny_run_end_to_end(server, tmp_path):
 
 def test_moe_model_trains_and_logs_its_router(server, tmp_path):
     """train.py --model moe-test in expert-parallel mode: the loss falls, and the metrics carry the
-    load-balancing loss and the dropped fraction (measured by the model's own statistics), the capacity
-    (ceil(1.25 x 32 x 2 / 8) = 10 slots), the mode and the chunks; the evaluations carry the
+    load-balancing loss, the dropped fraction and the load (measured by the model's own statistics), the
+    capacity (ceil(1.25 x 32 x 2 / 8) = 10 slots), the mode and the chunks; the evaluations carry the
     language-model loss, the load-balancing loss and the dropped share of the validation batches."""
     metrics = tmp_path / "metrics.jsonl"
     r = server.run("--mesh", "1x4", "--model", "moe-test", "--moe", "ep", "--batch-size", "8", "--seq-len", "32",
@@ -81,6 +81,8 @@ def test_moe_model_trains_and_logs_its_router(server, tmp_path):
         assert np.isfinite(x["moe_aux_loss"]) and x["moe_aux_loss"] > 0
         assert 0.0 <= x["moe_dropped"] <= 1.0
         assert (x["moe_capacity"], x["moe_mode"], x["moe_chunks"]) == (10, "ep", 1)
+        # the load: above the capacity exactly when something dropped; at most T (a token picks an expert once)
+        assert (x["moe_load"] > x["moe_capacity"]) == (x["moe_dropped"] > 0) and x["moe_load"] <= 32
     assert train[-1]["loss"] < train[0]["loss"]
     # the evaluation's own MoE figures (same forward pass): the loss is the language-model loss plus
     # aux_coef x the load-balancing loss

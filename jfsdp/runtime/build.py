@@ -139,11 +139,12 @@ def trainable(c: TrainConfig, sharded):
 
 def model_metrics(models, model: ModelChoice) -> dict:
     """A model's own metrics, returned by the train step from its forward pass (make_train_step's
-    `metrics`): the capacity is the largest any micro-batch ran with."""
+    `metrics`): the capacity is the largest any micro-batch ran with, the load the most choices of one
+    routing group that picked one expert (the capacity that would have dropped nothing)."""
     if not model.is_moe:
         return {}
     return {"moe_aux_loss": models.moe.aux_loss, "moe_dropped": models.moe.dropped_fraction,
-            "moe_capacity": (models.moe.capacity_used, "max")}
+            "moe_capacity": (models.moe.capacity_used, "max"), "moe_load": (models.moe.max_load, "max")}
 
 
 def eval_metrics(models, model: ModelChoice, loss_fn) -> dict:

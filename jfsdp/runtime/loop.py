@@ -66,7 +66,7 @@ class Meter:
             run.mem, _ = jm.device_memory(run.mesh.local_devices)
         # a model's metrics are the logged step's own: returned by the step, or (--update-in-backward) one
         # forward pass with the updated parameters on that step's batch
-        own = set(run.metric_fns) if not run.model_metrics else set()
+        own = list(run.metric_fns) if not run.model_metrics else []   # in the model's order
         model = ({k: float(v) for k, v in run.model_metrics(run.state.params, batch).items()}
                  if run.model_metrics else {k: float(got[-1][k]) for k in own})
         model.update(build_moe_variant(run, model))
