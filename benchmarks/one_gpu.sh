@@ -10,7 +10,8 @@
 # 5. context: the ring's cuDNN per-block kernel, its errors and speed (benchmarks/context_cudnn.py);
 # 6. moe_switch: an adaptive MoE stage's device-side switch on XLA:GPU (moe-test, 1x1): the same taken
 #    branch with one bucket (no conditional) and with three (lax.switch), tokens/s of each; then three again
-#    with conditionals allowed into command buffers (CUDA graphs), and the thunks that XLA made of them.
+#    with conditionals allowed into command buffers (CUDA graphs), and the thunks that XLA made of them; and
+#    three chosen on the host (--moe-switch host: one program per bucket, no conditional).
 # Each part has its own time limit and log, so one failure does not hide the others. The whole takes about
 # 7 to 9 minutes on one H100 (2026-11-26: the bf16 and fp8 parts 1-2 minutes each, train.py 30 s); run the parts
 # you need where the device time is shorter.
@@ -49,6 +50,10 @@ if want moe_switch; then
             --eval-every 0 --gen-tokens 0 --metrics-out "$out/moe_switch_${b//,/-}.jsonl" 2>&1 | grep -v "^W0000\|^I0000" \
             | tail -12 | tee "$out/moe_switch_${b//,/-}.log"
     done
+    # the three buckets chosen on the host (--moe-switch host): one program per bucket, no conditional
+    timeout 100 $py train.py --mesh 1x1 --model moe-test --moe adaptive --moe-buckets 64,128,256 --moe-switch host \
+        --steps 200 --log-every 50 --eval-every 0 --gen-tokens 0 --metrics-out "$out/moe_switch_host.jsonl" 2>&1 \
+        | grep -v "^W0000\|^I0000" | tail -12 | tee "$out/moe_switch_host.log"
     # the three buckets again with conditionals allowed into CUDA graphs (command buffers): whether this XLA then
     # captures the conditional (its thunk sequence, dumped) and the host's wait for the branch index goes away
     XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE \

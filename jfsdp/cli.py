@@ -110,6 +110,10 @@ def model_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
                    help="--moe adaptive: each capacity runs its fastest measured (mode, chunks) instead of the byte "
                    "model's: a JSON list of {capacity, mode, chunks, seconds}, or an object holding one under "
                    "'calibration' (benchmarks/moe_adaptive.py's parts; jfsdp/planning/moe_calibrate.py)")
+    g.add_argument("--moe-switch", default=d.moe_switch, choices=("device", "host"),
+                   help="--moe adaptive: device: each MoE layer picks its bucket inside the step (a conditional); "
+                   "host: one program per bucket, compiled at the start, the host running the bucket the load of "
+                   "the step before the previous one needs (no conditional; a load jump drops, as a static run)")
     g.add_argument("--moe-calibrate", default=d.moe_calibrate, metavar="FILE",
                    help="--moe adaptive: before training, time every (capacity, mode, chunks) variant on this run's "
                    "devices (one compile each), write them to FILE (what --moe-calibration reads) and run with them")
@@ -241,6 +245,8 @@ def check_flags(c: TrainConfig) -> int | None:
         check_mlp_tile(c.mlp_tile, c.seq_len, c.context, c.tensor)
         if c.moe_calibrate:
             check_calibrate(c.moe_calibrate, c.moe, c.moe_calibration)
+        if c.moe_switch != "device" and c.moe != "adaptive":
+            raise ConfigError(f"--moe-switch {c.moe_switch} applies to --moe adaptive")
         if c.moe_calibration:
             read_calibration(c.moe_calibration)   # read again where the run builds its model
     except ConfigError as e:

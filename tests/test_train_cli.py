@@ -94,6 +94,32 @@ def test_moe_model_trains_and_logs_its_router(server, tmp_path):
     assert "moe_aux_loss" in r.stdout and "moe_mode ep" in r.stdout and "== sample" in r.stdout
 
 
+def test_moe_switch_host_runs_the_bucket_the_load_two_steps_before_asks_for(server, tmp_path):
+    """--moe-switch host: one program per bucket (8, 31, 32 slots; a sequence's load on this text is 27-32),
+    the host running at step t the smallest bucket that holds step t-2's load (the largest for the first
+    two steps): the logged capacities follow that rule, a step drops exactly when its own load is above its
+    bucket, and until the first drop the losses are the device-side switch's (which never drops)."""
+    args = ["--mesh", "1x4", "--model", "moe-test", "--moe", "adaptive", "--moe-buckets", "8,31,32", "--batch-size",
+            "8", "--seq-len", "32", "--steps", "8", "--log-every", "1", "--eval-every", "0", "--gen-tokens", "0"]
+    runs = {}
+    for switch in ("host", "device"):
+        out = tmp_path / f"{switch}.jsonl"
+        r = server.run(*args, "--moe-switch", switch, "--metrics-out", str(out))
+        assert r.returncode == 0, r.stderr
+        runs[switch] = [x for x in map(json.loads, out.read_text().splitlines()) if "loss" in x]
+    host, device = runs["host"], runs["device"]
+    assert [x["step"] for x in host] == list(range(1, 9)) and all(x["moe_dropped"] == 0 for x in device)
+    buckets = (8, 31, 32)
+    for t, x in enumerate(host):
+        want = 32 if t < 2 else next((b for b in buckets if b >= host[t - 2]["moe_load"]), 32)
+        assert x["moe_capacity"] == want, (t, host)
+        assert (x["moe_dropped"] > 0) == (x["moe_load"] > x["moe_capacity"]), (t, host)
+    first_drop = next((t for t, x in enumerate(host) if x["moe_dropped"] > 0), len(host))
+    assert first_drop < len(host) and len({x["moe_capacity"] for x in host}) > 1, host   # it switched, and dropped
+    for x, y in zip(host[:first_drop], device):
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-5)
+
+
 def test_moe_calibrate_times_each_variant_and_runs_the_fastest(server, tmp_path):
     """train.py --moe adaptive --moe-calibrate FILE: before training, every variant of the one bucket (gather,
     and ep with one chunk) is timed on the run's devices and written to FILE, which --moe-calibration reads;
@@ -134,6 +160,7 @@ BAD = {
     "moe-buckets-not-increasing": (["--model", "moe-test", "--moe", "adaptive", "--moe-buckets", "128,64"],
                                    "strictly increasing"),
     "moe-buckets-without-adaptive": (["--model", "moe-test", "--moe-buckets", "64,128"], "apply to --moe adaptive"),
+    "moe-switch-without-adaptive": (["--model", "moe-test", "--moe-switch", "host"], "applies to --moe adaptive"),
     "moe-calibration-missing": (["--model", "moe-test", "--moe", "adaptive", "--moe-calibration", "/nonexistent/c.json"],
                                 "moe calibration /nonexistent/c.json: No such file"),
     "moe-calibrate-without-adaptive": (["--model", "moe-test", "--moe-calibrate", "c.json"],

@@ -26,6 +26,7 @@ class TrainConfig:
     moe_capacity_cap: float | None = None  # adaptive: no capacity above this factor x T x k / E
     moe_calibration: str | None = None  # adaptive: measured seconds per (capacity, mode, chunks), a JSON file
     moe_calibrate: str | None = None    # adaptive: measure them on this run's devices first, write them to this file
+    moe_switch: str = "device"        # adaptive: the bucket chosen in the step (device) or one program a bucket (host)
     # optimization
     steps: int = 300
     batch_size: int = 16            # global, in sequences

@@ -143,7 +143,7 @@ def one_step(run, meter: Meter, progress: Progress, profile: Profile) -> str | N
     c, loader = run.c, run.loader
     profile.before(loader.step)
     batch = run.put(next(loader))
-    run.state, m = run.compiled(run.state, batch)
+    run.state, m = run.step(run.state, batch)
     meter.pending.append(m)
     done = loader.step
     profile.after(done, run.state)

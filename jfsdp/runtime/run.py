@@ -24,6 +24,7 @@ from jfsdp.runtime import metrics as jm
 from jfsdp.runtime.config import TrainConfig
 from jfsdp.runtime.console import bad_input, fail, note
 from jfsdp.runtime.loop import train_loop
+from jfsdp.runtime.moe_switch import HostSwitch
 from jfsdp.runtime.report import report
 
 
@@ -135,11 +136,17 @@ class Run:
             # the model's metrics come from the step's own forward pass (before its update), except with
             # --update-in-backward, whose fused step returns none: there one extra forward at logged steps
             in_step = None if c.update_in_backward else self.metric_fns
-            train_step = jfsdp.make_train_step(sharded, opt, self.loss_fn, grad_accum=c.grad_accum,
-                                               update_in_backward=c.update_in_backward, grad_sync=c.grad_sync,
-                                               trainable=self.trainable, metrics=in_step)
+            make_step = lambda plan, loss_fn: jfsdp.make_train_step(   # noqa: E731
+                plan, opt, loss_fn, grad_accum=c.grad_accum, update_in_backward=c.update_in_backward,
+                grad_sync=c.grad_sync, trainable=self.trainable, metrics=in_step)
             batch = self.put(self.loader.batch(self.loader.step))
-            self.compiled = train_step.lower(self.state, batch).compile()
+            if c.moe_switch == "host":   # one program per bucket, the host choosing (jfsdp/runtime/moe_switch.py)
+                shard = lambda v: build.shard_model(c, self.models, self.model, self.mesh, self.strategy,  # noqa: E731
+                                                    self.mp, moe_variant=v)
+                self.step = HostSwitch(sharded, shard, make_step, opt, self.trainable, self.state, batch)
+                self.compiled = self.step.programs[-1]   # the largest bucket's: the memory figure
+            else:
+                self.compiled = self.step = make_step(sharded, self.loss_fn).lower(self.state, batch).compile()
         # the loss, and a model's evaluation metrics (build.eval_metrics) from the same forward pass
         extra = build.eval_metrics(self.models, self.model, self.loss_fn)
         if extra:
