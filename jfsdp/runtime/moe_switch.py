@@ -1,5 +1,5 @@
-"""`train.py --moe adaptive --moe-switch host`: the capacity bucket chosen on the host, one step late, instead of
-by the device-side switch inside the step (docs/moe.md).
+"""`train.py --moe adaptive --moe-switch host`: the capacity bucket chosen on the host from the load of two steps
+before, instead of by the device-side switch inside the step (docs/moe.md).
 
 One program per bucket is compiled at the start: the adaptive stage's variant of that capacity, forced
 (`jfsdp.planning.moe_calibrate.forced`: one bucket, its mode and chunks, so no conditional in the program).
